@@ -1,0 +1,136 @@
+"""Configuration of each process, and the one place that reads flags and the environment.
+
+Every field of a process's config is a command-line flag (`max_num_seqs` -> `--max-num-seqs`) and an
+environment variable (`PAGEDSERVE_MAX_NUM_SEQS`); the flag wins over the variable, the variable over the
+default. Processes started together by honcho therefore share settings through the environment, and a flag
+meant for another process is simply not one of this process's fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+
+ENV_PREFIX = "PAGEDSERVE_"
+DEFAULT_SCHEDULER_ADDRESS = "tcp://127.0.0.1:5570"  # clients (api, ZeroMQ users) <-> scheduler
+DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5571"  # scheduler <-> workers
+DEFAULT_MODEL_DIR = "models/tiny-llama"  # what scripts/start makes and serves when no model is given
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """The HTTP front end."""
+
+    host: str = "127.0.0.1"  # address the HTTP server binds
+    port: int = 8000
+    scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # where the scheduler takes client connections
+    model: str = ""  # checkpoint directory for the tokenizer; empty: the one the worker loaded
+    served_model_name: str = ""  # name in /v1/models and responses; empty: the worker's
+    max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler: batching budgets and where it listens."""
+
+    scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # bound; clients connect here
+    worker_address: str = DEFAULT_WORKER_ADDRESS  # bound; workers connect here
+    max_num_seqs: int = 256  # sequences running in one step, at most
+    max_num_batched_tokens: int = 2048  # tokens computed in one step, at most (decodes and prefill chunks)
+    max_model_len: int = 0  # longest prompt + output; 0: what the worker announces
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A worker: the model, its device and its KV pool."""
+
+    model: str = DEFAULT_MODEL_DIR  # local Hugging Face checkpoint directory
+    served_model_name: str = ""  # empty: the checkpoint directory's name
+    worker_address: str = DEFAULT_WORKER_ADDRESS  # the scheduler's worker socket
+    device: str = "auto"  # cpu, cuda, cuda:N; auto picks cuda when there is one
+    dtype: str = "auto"  # float32, bfloat16, float16; auto: float32 on cpu, bfloat16 on cuda
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 0  # fix the pool size; 0: size it from memory
+    kv_cache_memory_gib: float = 0.0  # on cpu, memory for the KV pool; 0: a quarter of what is available
+    max_model_len: int = 0  # longest prompt + output; 0: the model's max_position_embeddings
+    log_level: str = "info"
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.resolved_device == "cpu" else "bfloat16"
+
+
+C = TypeVar("C")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _scalar_type(tp: Any) -> Any:
+    if get_origin(tp) in (types.UnionType,):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """Adds one flag per field of `config_cls`, defaulting to its environment variable, then its default."""
+    hints = get_type_hints(config_cls)
+    for f in fields(config_cls):
+        tp = _scalar_type(hints[f.name])
+        env_name = ENV_PREFIX + f.name.upper()
+        default = f.default if f.default is not MISSING else None
+        env_value = os.environ.get(env_name)
+        if tp is bool:
+            parser.add_argument(
+                _flag(f.name),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=_parse_bool(env_value) if env_value is not None else default,
+                help=f"(env {env_name})",
+            )
+            continue
+        if env_value is not None:
+            try:
+                default = tp(env_value)
+            except ValueError as e:
+                raise SystemExit(f"{env_name}={env_value!r}: {e}") from e
+        parser.add_argument(
+            _flag(f.name), dest=f.name, type=tp, default=default, help=f"default {default!r} (env {env_name})"
+        )
+
+
+def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
+    return config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
+
+
+def parse_config(config_cls: type[C], argv: list[str] | None = None, description: str = "") -> C:
+    """The config for this process, from its command line and the PAGEDSERVE_* environment."""
+    parser = argparse.ArgumentParser(description=description)
+    add_config_args(parser, config_cls)
+    return config_from_args(config_cls, parser.parse_args(argv))
