@@ -1,0 +1,72 @@
+"""The scheduler's metrics and their Prometheus text rendering (exposition format 0.0.4)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0
+)  # fmt: skip
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; last one is +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, n in zip(self.buckets, self.counts, strict=False):
+            cumulative += n
+            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{name}_sum {self.total}")
+        lines.append(f"{name}_count {self.count}")
+        return lines
+
+
+@dataclass
+class SchedulerMetrics:
+    """Counters and histograms the scheduler core updates; gauges are read from its state at render time."""
+
+    preemptions_total: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    requests_finished_total: int = 0
+    requests_rejected_total: int = 0
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+    inter_token_latency: Histogram = field(default_factory=Histogram)
+
+    def render(self, gauges: dict[str, tuple[float, str]]) -> str:
+        """Prometheus text for these metrics plus `gauges` (name -> (value, help))."""
+        lines: list[str] = []
+        for name, (value, help_text) in gauges.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+        counters = {
+            "pagedserve_preemptions_total": (self.preemptions_total, "Sequences preempted (KV freed)"),
+            "pagedserve_prompt_tokens_total": (self.prompt_tokens_total, "Prompt tokens accepted"),
+            "pagedserve_generated_tokens_total": (self.generated_tokens_total, "Tokens generated"),
+            "pagedserve_requests_finished_total": (self.requests_finished_total, "Requests finished"),
+            "pagedserve_requests_rejected_total": (self.requests_rejected_total, "Requests refused"),
+        }
+        for name, (value, help_text) in counters.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+        lines += self.time_to_first_token.render(
+            "pagedserve_time_to_first_token_seconds", "From arrival to the first generated token"
+        )
+        lines += self.inter_token_latency.render(
+            "pagedserve_inter_token_latency_seconds", "Between consecutive tokens of a sequence"
+        )
+        return "\n".join(lines) + "\n"

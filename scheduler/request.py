@@ -1,0 +1,65 @@
+"""Requests and their sequences, as the scheduler sees them: token ids and progress, nothing else."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from common.messages import SamplingParams, TokenLogprobs
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued: never ran, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds blocks and is scheduled each step
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One client request: a prompt and `params.n` sequences generated from it."""
+
+    owner: bytes  # the client connection the outputs go back to (opaque to the scheduler core)
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[bytes, str]:
+        return (self.owner, self.request_id)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated sequence. `token_ids` is the prompt followed by every token generated so far."""
+
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n sequences
+    seed: int  # the worker's randomness for this sequence depends only on it and the position
+    token_ids: list[int]
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or will be once the step in flight ends)
+    status: SeqStatus = SeqStatus.WAITING
+    on_worker: bool = False  # the worker holds state for it (so a free must be sent)
+    num_sent_tokens: int = 0  # output tokens already sent to the client
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

@@ -1,0 +1,83 @@
+"""Factories and helpers for scheduler tests: a scheduler, a fake worker, and a loop that runs them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+
+from common.messages import SamplingParams, SeqOutput, SubmitRequest
+from scheduler.scheduler import Scheduler, SchedulerLimits
+from tests.scheduler.fake_worker import FakeWorker
+
+OWNER = b"client-0"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+@dataclass
+class Harness:
+    scheduler: Scheduler
+    worker: FakeWorker
+    # (request_id, index) -> tokens streamed so far, and the finish reason once finished
+    tokens: dict[tuple[str, int], list[int]] = field(default_factory=lambda: defaultdict(list))
+    finish: dict[tuple[str, int], str] = field(default_factory=dict)
+    steps: int = 0
+
+    def submit(self, request_id: str, prompt: list[int], owner: bytes = OWNER, **params) -> str | None:
+        error = self.scheduler.add_request(owner, SubmitRequest(request_id, prompt, SamplingParams(**params)))
+        return None if error is None else error.message
+
+    def record(self, outputs: list[tuple[bytes, SeqOutput]]) -> None:
+        for _, out in outputs:
+            key = (out.request_id, out.index)
+            assert key not in self.finish, f"output for {key} after it finished"
+            self.tokens[key].extend(out.token_ids)
+            if out.finish_reason is not None:
+                self.finish[key] = out.finish_reason
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        self.scheduler.check_invariants()
+        self.record(self.scheduler.update(self.worker.execute(plan)))
+        self.scheduler.check_invariants()
+        self.steps += 1
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.scheduler.has_work:
+            assert self.steps < max_steps, "the scheduler made no progress"
+            self.step()
+
+
+def make_harness(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_model_len: int = 256,
+    vocab_size: int = 1000,
+    eos_token_ids: tuple[int, ...] = (),
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+) -> Harness:
+    limits = SchedulerLimits(
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        eos_token_ids=eos_token_ids,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    return Harness(Scheduler(limits, clock=FakeClock()), FakeWorker(num_blocks, block_size, vocab_size))
+
+
+@pytest.fixture
+def harness_factory():
+    return make_harness
