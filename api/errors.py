@@ -1,0 +1,59 @@
+"""HTTP errors with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from common.client import RequestRejected
+from common.messages import ErrorKind
+
+STATUS_BY_KIND = {ErrorKind.INVALID_REQUEST: 400, ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500}
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    """An error to answer with: raised anywhere below a handler, turned into a response by the middleware."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = ErrorKind.INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def to_response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, dumps=json.dumps)
+
+    @classmethod
+    def from_rejection(cls, e: RequestRejected) -> ApiError:
+        """The HTTP answer to a request the scheduler (or the client library) refused."""
+        return cls(STATUS_BY_KIND.get(e.kind, 500), e.message, type=e.kind)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """A 400 for a request that can never be served as sent."""
+    return ApiError(400, message, param=param, code=code)
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, type=ErrorKind.UNAVAILABLE)

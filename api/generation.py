@@ -1,0 +1,111 @@
+"""The scheduler requests behind one HTTP request, seen as one stream of choices, with usage counters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from common.client import RequestHandle, SequenceDelta
+from common.messages import TokenLogprobs
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0  # each prompt counted once, however many sequences it has
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class Choice:
+    """One finished choice of a non-streamed response."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+_DONE = object()  # a pump's handle has no more deltas
+
+
+class Generation:
+    """Merges the deltas of several handles (one per prompt) into (choice index, delta) pairs.
+
+    Choice `p * n + i` is sequence i of prompt p, as in OpenAI's batched completions. `close()` aborts what
+    has not finished, so that the scheduler frees its KV blocks when the HTTP client goes away.
+    """
+
+    def __init__(self, handles: list[RequestHandle]) -> None:
+        self.handles = handles
+        self.n = handles[0].params.n
+        self.usage = Usage(prompt_tokens=sum(len(h.prompt_token_ids) for h in handles))
+        self._cached = [0] * len(handles)
+        self._pumps: list[asyncio.Task[None]] = []
+
+    def _count(self, prompt_index: int, delta: SequenceDelta) -> int:
+        self.usage.completion_tokens += len(delta.token_ids)
+        self._cached[prompt_index] = max(self._cached[prompt_index], delta.num_cached_tokens)
+        self.usage.cached_tokens = sum(self._cached)
+        return prompt_index * self.n + delta.index
+
+    async def stream(self) -> AsyncIterator[tuple[int, SequenceDelta]]:
+        """Every delta of every sequence, as it comes. Raises RequestRejected when a prompt is refused."""
+        if len(self.handles) == 1:  # the common case needs no merging tasks
+            async for delta in self.handles[0]:
+                yield self._count(0, delta), delta
+            return
+        queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+        async def pump(prompt_index: int, handle: RequestHandle) -> None:
+            try:
+                async for delta in handle:
+                    queue.put_nowait((prompt_index, delta))
+                queue.put_nowait((prompt_index, _DONE))
+            except Exception as e:
+                queue.put_nowait((prompt_index, e))
+
+        self._pumps = [asyncio.create_task(pump(p, h)) for p, h in enumerate(self.handles)]
+        remaining = len(self.handles)
+        while remaining:
+            prompt_index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, SequenceDelta):
+                yield self._count(prompt_index, item), item
+            else:
+                raise item  # type: ignore[misc]
+
+    async def collect(self) -> list[Choice]:
+        """Waits for every choice to finish."""
+        choices = [Choice(i) for i in range(len(self.handles) * self.n)]
+        async for index, delta in self.stream():
+            choice = choices[index]
+            if delta.text:
+                choice.text_parts.append(delta.text)
+            choice.token_ids.extend(delta.token_ids)
+            choice.logprobs.extend(delta.logprobs or ())
+            choice.finish_reason = delta.finish_reason or choice.finish_reason
+        return choices
+
+    def close(self) -> None:
+        """Aborts every unfinished request (a no-op for finished ones) and stops the merging tasks."""
+        for pump in self._pumps:
+            pump.cancel()
+        for handle in self.handles:
+            if not handle.finished:
+                handle.abort()

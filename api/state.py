@@ -1,0 +1,36 @@
+"""What the api's handlers share: its config, the scheduler client, the served model and request counters."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from api.model import ModelState
+from common.client import AsyncEngineClient
+from common.config import ApiConfig
+
+
+@dataclass
+class ApiState:
+    config: ApiConfig
+    client: AsyncEngineClient  # one client, so one scheduler connection, for every HTTP request
+    models: ModelState
+    started: int = field(default_factory=lambda: int(time.time()))
+    requests_total: Counter[tuple[str, int]] = field(default_factory=Counter)  # (route, status) -> count
+
+    def metrics_text(self) -> str:
+        """The api's own counters in Prometheus text format."""
+        lines = [
+            "# HELP pagedserve_api_requests_total HTTP requests answered by the api, by route and status.",
+            "# TYPE pagedserve_api_requests_total counter",
+        ]
+        for (route, status), count in sorted(self.requests_total.items()):
+            lines.append(f'pagedserve_api_requests_total{{route="{route}",status="{status}"}} {count}')
+        return "\n".join(lines) + "\n"
+
+
+STATE = web.AppKey("state", ApiState)
+RECORD: web.RequestKey[dict[str, object]] = web.RequestKey("record", dict)  # fields of the request's log line

@@ -1,0 +1,585 @@
+"""The ZeroMQ client library: submit prompts to the scheduler and stream their outputs back.
+
+One DEALER socket carries every request of a client; one receive task decodes what the scheduler sends and
+hands each sequence's new tokens to its request's queue, detokenized and checked for stop strings on the
+way. `AsyncEngineClient` is the asyncio API; `EngineClient` wraps it for plain threads.
+
+    async with AsyncEngineClient("tcp://127.0.0.1:5570") as client:
+        [handle] = await client.submit(["Hello"], SamplingParams(max_tokens=8))
+        async for delta in handle:
+            print(delta.index, delta.text, delta.finish_reason)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from common.detokenizer import SequenceText
+from common.log import get_logger
+from common.messages import (
+    AbortRequest,
+    CodecError,
+    ErrorKind,
+    FinishReason,
+    InfoReply,
+    InfoRequest,
+    Message,
+    RequestError,
+    RequestOutputs,
+    SamplingParams,
+    SeqOutput,
+    SubmitRequest,
+    TokenLogprobs,
+    decode,
+    encode,
+)
+
+Prompt = str | Sequence[int]  # text (tokenized here) or token ids (sent exactly as given)
+T = TypeVar("T")
+log = get_logger(component="client")
+
+
+class RequestRejected(Exception):
+    """The request cannot be served: refused by the scheduler, or found invalid before sending."""
+
+    def __init__(self, kind: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind  # an ErrorKind value
+        self.message = message
+        self.request_id = request_id
+
+
+class ClientClosed(Exception):
+    """The client was closed while the request was still running."""
+
+
+@dataclass
+class SequenceDelta:
+    """What one sequence of a request produced since its previous delta."""
+
+    request_id: str
+    index: int  # which of the request's n sequences
+    token_ids: list[int]  # new tokens (those after a stop string included: they were generated)
+    text: str | None  # new final text; None when the client has no tokenizer
+    logprobs: list[TokenLogprobs] | None  # one per new token when the request asked for logprobs
+    finish_reason: str | None  # set on the sequence's last delta
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens the scheduler served from its prefix cache
+    num_output_tokens: int  # tokens this sequence has generated so far, these included
+
+
+@dataclass
+class SequenceResult:
+    """One finished sequence."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestResult:
+    """One finished request: its n sequences and usage counters."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[SequenceResult]
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+_END = None  # queued after a request's last delta
+
+
+class _RequestState:
+    """Client-side state of one request; touched only by the event loop's thread."""
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, tokenizer: Any) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.params = params
+        self.queue: asyncio.Queue[SequenceDelta | BaseException | None] = asyncio.Queue()
+        n = params.n
+        self.texts = None if tokenizer is None else [SequenceText(tokenizer, params.stop) for _ in range(n)]
+        self.num_output_tokens = [0] * n
+        self.finished = [False] * n
+        self.num_unfinished = n
+        self.num_cached_tokens = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_unfinished == 0
+
+    def _finish(self, index: int) -> None:
+        self.finished[index] = True
+        self.num_unfinished -= 1
+        if self.num_unfinished == 0:
+            self.queue.put_nowait(_END)
+
+    def on_output(self, out: SeqOutput) -> AbortRequest | None:
+        """Queues the delta for `out`; returns the abort to send when a stop string ended the sequence."""
+        i = out.index
+        if not 0 <= i < len(self.finished) or self.finished[i]:
+            return None  # late tokens of a sequence we already ended
+        self.num_output_tokens[i] += len(out.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        finish_reason = out.finish_reason
+        text = None
+        if self.texts is not None:
+            seq_text = self.texts[i]
+            text = seq_text.push(out.token_ids)
+            if finish_reason is not None and not seq_text.stopped:
+                text += seq_text.finish()
+            if seq_text.stopped:
+                finish_reason = FinishReason.STOP
+        self.queue.put_nowait(
+            SequenceDelta(
+                self.request_id,
+                i,
+                list(out.token_ids),
+                text,
+                out.logprobs,
+                finish_reason,
+                out.num_prompt_tokens,
+                self.num_cached_tokens,
+                self.num_output_tokens[i],
+            )
+        )
+        if finish_reason is None:
+            return None
+        self._finish(i)
+        if out.finish_reason is None:  # ended here by a stop string; the scheduler must stop it too
+            return AbortRequest(self.request_id, i, FinishReason.STOP)
+        return None
+
+    def abort_locally(self) -> None:
+        """Ends every unfinished sequence with finish_reason "abort", flushing its held-back text."""
+        for i, finished in enumerate(self.finished):
+            if finished:
+                continue
+            text = None if self.texts is None else self.texts[i].finish()
+            self.queue.put_nowait(
+                SequenceDelta(
+                    self.request_id,
+                    i,
+                    [],
+                    text,
+                    None,
+                    FinishReason.ABORT,
+                    len(self.prompt_token_ids),
+                    self.num_cached_tokens,
+                    self.num_output_tokens[i],
+                )
+            )
+            self._finish(i)
+
+    def fail(self, error: BaseException) -> None:
+        self.num_unfinished = 0
+        self.queue.put_nowait(error)
+
+
+class RequestHandle:
+    """One submitted prompt. `async for delta in handle` streams its deltas; `await handle.result()` waits."""
+
+    def __init__(self, client: AsyncEngineClient, state: _RequestState) -> None:
+        self._client = client
+        self._state = state
+        self._exhausted = False
+        self.request_id = state.request_id
+        self.prompt_token_ids = state.prompt_token_ids
+        self.params = state.params
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence has ended (or the request failed); nothing more will be queued."""
+        return self._state.done
+
+    def __aiter__(self) -> AsyncIterator[SequenceDelta]:
+        return self
+
+    async def __anext__(self) -> SequenceDelta:
+        if self._exhausted:
+            raise StopAsyncIteration
+        item = await self._state.queue.get()
+        if isinstance(item, SequenceDelta):
+            return item
+        self._exhausted = True
+        if item is _END:
+            raise StopAsyncIteration
+        raise item
+
+    def abort(self) -> None:
+        """Stops the request at the scheduler; unfinished sequences end with finish_reason "abort"."""
+        self._client.abort(self.request_id)
+
+    async def result(self) -> RequestResult:
+        """Consumes the remaining deltas and returns the finished request. Raises RequestRejected."""
+        want_logprobs = self.params.logprobs is not None
+        outputs = [SequenceResult(i, logprobs=[] if want_logprobs else None) for i in range(self.params.n)]
+        num_prompt_tokens = len(self.prompt_token_ids)
+        num_cached_tokens = 0
+        async for delta in self:
+            seq = outputs[delta.index]
+            seq.token_ids.extend(delta.token_ids)
+            if delta.text is not None:
+                seq.text = (seq.text or "") + delta.text
+            if delta.logprobs and seq.logprobs is not None:
+                seq.logprobs.extend(delta.logprobs)
+            seq.finish_reason = delta.finish_reason or seq.finish_reason
+            num_prompt_tokens = delta.num_prompt_tokens
+            num_cached_tokens = max(num_cached_tokens, delta.num_cached_tokens)
+        return RequestResult(
+            self.request_id, self.prompt_token_ids, outputs, num_prompt_tokens, num_cached_tokens
+        )
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The transformers tokenizer of a local checkpoint directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class AsyncEngineClient:
+    """Talks to the scheduler over one ZeroMQ DEALER socket; use from one asyncio event loop.
+
+    `tokenizer` is a transformers tokenizer, a checkpoint directory to load one from, or None to load the
+    one of the checkpoint the worker serves (InfoReply.model_root) when first needed. Without a tokenizer
+    (or with detokenize=False) deltas carry no text, and text prompts and stop strings are refused.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        tokenizer: Any = None,
+        *,
+        detokenize: bool = True,
+        info_timeout: float = 5.0,
+    ) -> None:
+        self.address = address
+        self._tokenizer_arg = tokenizer
+        self._tokenizer: Any = tokenizer if not isinstance(tokenizer, str | Path | None) else None
+        self._tokenizer_lock = asyncio.Lock()
+        self._tokenizer_failed = False  # the checkpoint the scheduler named could not be loaded here
+        self._detokenize = detokenize
+        self._info_timeout = info_timeout
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._request_counter = itertools.count()
+        self._query_counter = itertools.count()
+        self._requests: dict[str, _RequestState] = {}
+        self._info_waiters: dict[int, asyncio.Future[InfoReply]] = {}
+        self._socket: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        """Connects the socket and starts the receive task; called by every method, so optional."""
+        if self._closed:
+            raise ClientClosed("the client is closed")
+        if self._socket is not None:
+            return
+        socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 1000)  # long enough to deliver the aborts that close() sends
+        # No high-water marks: a dropped output would leave its request waiting forever.
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.connect(self.address)
+        self._socket = socket
+        self._receiver = asyncio.create_task(self._receive_loop(), name="engine-client-receive")
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted through this client that have not finished."""
+        return len(self._requests)
+
+    def _send_nowait(self, msg: Message) -> None:
+        assert self._socket is not None
+        future = self._socket.send_multipart(encode(msg))
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception not retrieved"
+
+    async def _receive_loop(self) -> None:
+        assert self._socket is not None
+        try:
+            while True:
+                frames = await self._socket.recv_multipart()
+                try:
+                    msg = decode(frames)
+                except CodecError as e:
+                    log.warning("bad_message_from_scheduler", error=str(e))
+                    continue
+                self._dispatch(msg)
+        except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):
+            pass
+        finally:
+            for state in self._requests.values():
+                state.fail(ClientClosed("the client stopped receiving"))
+            self._requests.clear()
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, RequestOutputs):
+            for out in msg.outputs:
+                state = self._requests.get(out.request_id)
+                if state is None:
+                    continue  # finished or aborted here already
+                try:
+                    abort = state.on_output(out)
+                except Exception as e:  # a detokenizer failure must not stop every other request
+                    log.exception("output_failed", request_id=out.request_id)
+                    self._requests.pop(out.request_id, None)
+                    self._send_nowait(AbortRequest(out.request_id))
+                    state.fail(RequestRejected(ErrorKind.INTERNAL, f"client failed on output: {e}"))
+                    continue
+                if abort is not None:
+                    self._send_nowait(abort)
+                if state.done:
+                    del self._requests[out.request_id]
+        elif isinstance(msg, RequestError):
+            state = self._requests.pop(msg.request_id, None)
+            if state is not None:
+                state.fail(RequestRejected(msg.kind, msg.message, msg.request_id))
+        elif isinstance(msg, InfoReply):
+            waiter = self._info_waiters.pop(msg.query_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
+        else:
+            log.warning("unexpected_message_from_scheduler", type=type(msg).__name__)
+
+    async def info(self, timeout: float | None = None) -> InfoReply:
+        """Asks the scheduler for its state. Raises TimeoutError when it does not answer in time."""
+        await self.start()
+        query_id = next(self._query_counter)
+        waiter: asyncio.Future[InfoReply] = asyncio.get_running_loop().create_future()
+        self._info_waiters[query_id] = waiter
+        try:
+            self._send_nowait(InfoRequest(query_id))
+            return await asyncio.wait_for(waiter, self._info_timeout if timeout is None else timeout)
+        finally:
+            self._info_waiters.pop(query_id, None)
+
+    async def get_tokenizer(self) -> Any:
+        """The tokenizer, loading it on first use; None when there is none (yet).
+
+        Raises TimeoutError when it must ask the scheduler for the checkpoint and gets no answer.
+        """
+        if self._tokenizer is not None or self._tokenizer_failed:
+            return self._tokenizer
+        async with self._tokenizer_lock:
+            if self._tokenizer is not None or self._tokenizer_failed:
+                return self._tokenizer
+            path = self._tokenizer_arg
+            if path is not None:
+                self._tokenizer = await asyncio.to_thread(load_tokenizer, path)
+                return self._tokenizer
+            reply = await self.info()
+            if not reply.ready or not reply.model_root:
+                return None  # try again once a worker has announced its checkpoint
+            try:
+                self._tokenizer = await asyncio.to_thread(load_tokenizer, reply.model_root)
+            except (OSError, ValueError) as e:  # a scheduler on another machine: its path is not ours
+                log.warning("tokenizer_unavailable", model_root=reply.model_root, error=str(e))
+                self._tokenizer_failed = True
+            return self._tokenizer
+
+    def _new_request_id(self) -> str:
+        return f"{self._id_prefix}-{next(self._request_counter)}"
+
+    async def submit(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+    ) -> list[RequestHandle]:
+        """Submits one request per prompt, all with `params`; returns their handles in order.
+
+        `prompts` is a list of prompts, or a single prompt: a string or a list of token ids. Raises
+        RequestRejected (kind invalid_request_error) for parameters or prompts that can never be served.
+        """
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        problem = params.validate()
+        if problem is not None:
+            raise RequestRejected(ErrorKind.INVALID_REQUEST, problem)
+        await self.start()
+        needs_text = bool(params.stop) or any(isinstance(p, str) for p in prompts)
+        tokenizer = None
+        if needs_text or self._detokenize:
+            try:
+                tokenizer = await self.get_tokenizer()
+            except TimeoutError:
+                if needs_text:
+                    raise RequestRejected(ErrorKind.UNAVAILABLE, "the scheduler does not answer") from None
+        if needs_text and tokenizer is None:
+            raise RequestRejected(
+                ErrorKind.UNAVAILABLE, "text prompts and stop strings need a tokenizer, and none is known yet"
+            )
+        token_prompts = self._tokenize(prompts, tokenizer)
+        if any(not prompt for prompt in token_prompts):
+            raise RequestRejected(ErrorKind.INVALID_REQUEST, "the prompt is empty")
+        detokenizer = tokenizer if (self._detokenize or params.stop) else None
+        states = []
+        try:
+            for prompt in token_prompts:
+                state = _RequestState(self._new_request_id(), prompt, params, detokenizer)
+                self._requests[state.request_id] = state
+                states.append(state)
+                assert self._socket is not None
+                await self._socket.send_multipart(encode(SubmitRequest(state.request_id, prompt, params)))
+        except BaseException:  # cancelled half-way: nobody will read these requests, so stop them
+            for state in states:
+                self.abort(state.request_id)
+            raise
+        return [RequestHandle(self, state) for state in states]
+
+    @staticmethod
+    def _tokenize(prompts: Sequence[Prompt], tokenizer: Any) -> list[list[int]]:
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else [])
+        return [list(next(encoded)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+
+    async def submit_one(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Submits a single prompt; see `submit`."""
+        [handle] = await self.submit([prompt], params)
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request now: its unfinished sequences end with "abort" and the scheduler frees them.
+
+        Not a coroutine, so that cleanup code (finally blocks, cancelled tasks) can always call it.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        state.abort_locally()
+        if self._socket is not None and not self._closed:
+            self._send_nowait(AbortRequest(request_id))
+
+    async def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+    ) -> list[RequestResult]:
+        """Submits the prompts and waits for all of them; results are in prompt order."""
+        handles = await self.submit(prompts, params)
+        try:
+            return list(await asyncio.gather(*(h.result() for h in handles)))
+        finally:
+            for h in handles:
+                if not h.finished:
+                    self.abort(h.request_id)
+
+    async def close(self) -> None:
+        """Aborts the unfinished requests at the scheduler and closes the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._socket is None:
+            return
+        for request_id, state in list(self._requests.items()):
+            self._send_nowait(AbortRequest(request_id))
+            state.fail(ClientClosed("the client was closed"))
+        self._requests.clear()
+        await asyncio.sleep(0)  # let the queued aborts reach the socket before it closes
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        self._socket.close()
+
+
+class SyncRequestHandle:
+    """A RequestHandle for threads: iterate it with `for`, or call `result()`."""
+
+    def __init__(self, client: EngineClient, handle: RequestHandle) -> None:
+        self._client = client
+        self._handle = handle
+        self.request_id = handle.request_id
+        self.prompt_token_ids = handle.prompt_token_ids
+
+    def __iter__(self) -> Iterator[SequenceDelta]:
+        while True:
+            try:
+                yield self._client._run(self._handle.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        return self._client._run(self._handle.result(), timeout)
+
+    def abort(self) -> None:
+        self._client.abort(self.request_id)
+
+
+class EngineClient:
+    """The blocking flavour: an AsyncEngineClient on an event loop in a background thread."""
+
+    def __init__(self, address: str, tokenizer: Any = None, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
+        self._thread.start()
+
+        async def make() -> AsyncEngineClient:  # created on the loop, so its socket belongs to it
+            client = AsyncEngineClient(address, tokenizer, **kwargs)
+            await client.start()
+            return client
+
+        self._client = self._run(make())
+
+    def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)  # type: ignore[arg-type]
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def info(self, timeout: float | None = None) -> InfoReply:
+        return self._run(self._client.info(timeout))
+
+    def get_tokenizer(self) -> Any:
+        return self._run(self._client.get_tokenizer())
+
+    def submit(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+    ) -> list[SyncRequestHandle]:
+        return [SyncRequestHandle(self, h) for h in self._run(self._client.submit(prompts, params))]
+
+    def submit_one(self, prompt: Prompt, params: SamplingParams | None = None) -> SyncRequestHandle:
+        [handle] = self.submit([prompt], params)
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._client.abort, request_id)
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+    ) -> list[RequestResult]:
+        return self._run(self._client.generate(prompts, params))
+
+    def close(self) -> None:
+        """Aborts unfinished requests, closes the socket and stops the background thread."""
+        if self._loop.is_closed():
+            return
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

@@ -1,0 +1,180 @@
+"""Token ids to text, a piece at a time, for streaming: incremental detokenization and stop strings.
+
+The scheduler sees token ids only; everything that needs text (streamed deltas, stop strings, logprob token
+strings) happens in the client library with the functions here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for bytes that are not (yet) a whole UTF-8 character
+
+
+class IncrementalDetokenizer:
+    """Decodes one sequence's token ids as they arrive, returning only text that is final.
+
+    It keeps two offsets into the ids: text up to `read_offset` has been returned, and the window from
+    `prefix_offset` is what gets decoded again, so each push costs work proportional to the window, not to
+    the sequence. The window starts a little before the unread ids because decoders are not concatenative:
+    a byte-level token may hold half a character, and SentencePiece-style decoders drop the leading space of
+    whatever comes first. Text is held back while the window ends in U+FFFD, since the next token may complete
+    the character. Pushing everything and then `flush()` yields exactly `tokenizer.decode(ids,
+    skip_special_tokens=...)` for tokenizers whose decode does not clean up tokenization spaces (transformers
+    skips that clean-up for BPE tokenizers, Llama's included).
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_text = ""  # decode(token_ids[prefix_offset:read_offset]), kept so it is decoded once
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Appends `token_ids` and returns the text that became final with them (often "")."""
+        self.token_ids.extend(token_ids)
+        text = self._decode(self.token_ids[self._prefix_offset :])
+        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
+            return ""
+        new_text = text[len(self._prefix_text) :]
+        # The ids just read become the next window's prefix: they give the decoder its context.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        self._prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        return new_text
+
+    def flush(self) -> str:
+        """The text still held back (an unfinished character decodes to U+FFFD); call once at the end."""
+        text = self._decode(self.token_ids[self._prefix_offset :])
+        new_text = text[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        self._prefix_text = ""
+        return new_text
+
+
+class StopChecker:
+    """Finds the earliest stop string in streamed text and makes sure none of it is ever emitted.
+
+    While streaming it holds back the end of the text when it is the start of a stop string (so at most
+    len(longest stop) - 1 characters), since the next piece may complete it; everything before has been
+    searched and is safe to emit.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        self._stop = tuple(stop)
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._pending = ""
+        self.stopped = False  # a stop string was found; nothing more will be emitted
+
+    def push(self, text: str) -> str:
+        """Returns the part of `text` (with what was held back before it) that is safe to emit."""
+        if self.stopped:
+            return ""
+        buf = self._pending + text
+        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._pending = ""
+            return buf[: min(hits)]
+        hold = self._partial_match(buf)
+        self._pending = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold]
+
+    def _partial_match(self, buf: str) -> int:
+        """Length of the longest end of `buf` that starts a stop string (and so must wait)."""
+        for k in range(min(self._hold, len(buf)), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        """What is held back, for when the sequence ended without completing a stop string."""
+        out, self._pending = self._pending, ""
+        return "" if self.stopped else out
+
+
+class SequenceText:
+    """The text of one generated sequence: incremental detokenization, then stop-string truncation."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._stop = StopChecker(stop) if stop else None
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was found: the text ends before it and the sequence should end."""
+        return self._stop is not None and self._stop.stopped
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        text = self._detokenizer.push(token_ids)
+        return text if self._stop is None else self._stop.push(text)
+
+    def finish(self) -> str:
+        """The rest of the text once the sequence has ended; a stop string may still be found in it."""
+        text = self._detokenizer.flush()
+        if self._stop is None:
+            return text
+        return self._stop.push(text) + self._stop.flush()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The inverse of byte-level BPE's byte -> printable character table.
+
+    Bytes that are printable and not whitespace stand for themselves; the others are shifted to 256 and up,
+    in byte order, so that every byte has a visible character.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+class TokenStrings:
+    """Per-token strings and bytes for logprobs, cached per id (the vocabulary is small next to traffic)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._alphabet = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        # Special tokens are skipped in generated text; they are not byte-level encoded either.
+        self.special_ids = frozenset(i for i, t in added.items() if getattr(t, "special", False))
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def _compute(self, token_id: int) -> tuple[str, bytes]:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:  # past the tokenizer's vocabulary (the model's may be larger)
+            return "", b""
+        alphabet = self._alphabet
+        if alphabet is not None and token_id not in self.special_ids and all(c in alphabet for c in piece):
+            raw = bytes(alphabet[c] for c in piece)
+        else:
+            raw = self._tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode()
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        """(text, bytes) of one token; a token holding part of a character shows U+FFFD in its text."""
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._compute(token_id)
+        return found

@@ -1,0 +1,104 @@
+"""PyTorch reference of paged attention: what the CPU path runs and what the kernels are tested against.
+
+KV cache layout, per layer: K and V pools, each `[num_blocks, block_size, num_kv_heads, head_dim]`. Token
+`i` of a sequence lives in block `block_table[i // block_size]` at offset `i % block_size`; its flat slot
+is `block_id * block_size + offset`.
+
+A batch is flattened: the query tokens of all sequences are concatenated, `query_start_loc[b]` is where
+sequence `b`'s chunk starts and `seq_lens[b]` its context length after this step. The chunk is the END of
+the context (positions `seq_len - q_len .. seq_len - 1`), which covers prefill, chunked prefill starting
+part-way, and decode (q_len 1) in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Decode sequences are attended together; groups are split so the gathered K/V stay under this many tokens.
+_DECODE_GROUP_TOKENS = 1 << 16
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int, block_id * block_size + offset
+) -> None:
+    """Stores token t's key and value in flat slot `slot_mapping[t]` of the caches, in place."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    slots = slot_mapping.long()
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key.to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value.to(v_cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    num_tokens: int,
+) -> torch.Tensor:  # [B, num_tokens, Hkv, D]
+    """The first `num_tokens` cached tokens of each sequence, in order, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = -(-num_tokens // block_size)
+    # Padding entries of a block table may hold anything; clamp so the gather stays in bounds (masked later).
+    table = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
+    gathered = cache[table]  # [B, num_blocks, block_size, Hkv, D]
+    return gathered.flatten(1, 2)[:, :num_tokens]
+
+
+def _attend(
+    query: torch.Tensor,  # [B, Lq, Hq, D]
+    key: torch.Tensor,  # [B, Lk, Hkv, D]
+    value: torch.Tensor,  # [B, Lk, Hkv, D]
+    mask: torch.Tensor,  # [B, Lq, Lk] bool, True where attention is allowed
+    scale: float,
+) -> torch.Tensor:  # [B, Lq, Hq, D]
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, padded
+    seq_lens: torch.Tensor,  # [B] int, context length after this step
+    query_start_loc: torch.Tensor,  # [B + 1] int, cumulative query lengths
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of each sequence's query chunk to its whole cached context (the chunk's own K/V
+    included, so `write_kv` must run first). Each KV head serves Hq / Hkv consecutive query heads."""
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+
+    # Sequences with a multi-token chunk are attended one at a time: there are few of them per step and each
+    # is large. Single-token chunks (decodes) are batched, with a mask for their different context lengths.
+    for b in (b for b, n in enumerate(q_lens) if n > 1):
+        q = query[starts[b] : starts[b + 1]]  # [q_len, Hq, D]
+        k = gather_kv(k_cache, block_tables[b : b + 1], lens[b])
+        v = gather_kv(v_cache, block_tables[b : b + 1], lens[b])
+        q_pos = torch.arange(lens[b] - q_lens[b], lens[b], device=query.device)
+        mask = torch.arange(lens[b], device=query.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        out[starts[b] : starts[b + 1]] = _attend(q[None], k, v, mask[None], scale)[0]
+
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    i = 0
+    while i < len(decodes):
+        group = [decodes[i]]
+        longest = lens[decodes[i]]
+        i += 1
+        while i < len(decodes) and (len(group) + 1) * max(longest, lens[decodes[i]]) <= _DECODE_GROUP_TOKENS:
+            longest = max(longest, lens[decodes[i]])
+            group.append(decodes[i])
+            i += 1
+        idx = torch.tensor(group, device=query.device)
+        rows = query_start_loc[idx].long()  # [G] each decode's query row
+        k = gather_kv(k_cache, block_tables[idx], longest)  # [G, longest, Hkv, D]
+        v = gather_kv(v_cache, block_tables[idx], longest)
+        mask = torch.arange(longest, device=query.device)[None, :] < seq_lens[idx].to(query.device)[:, None]
+        out[rows] = _attend(query[rows][:, None], k, v, mask[:, None], scale)[:, 0]
+    return out

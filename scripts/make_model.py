@@ -1,0 +1,166 @@
+"""Writes a Llama checkpoint with random weights and a locally trained tokenizer.
+
+Nothing can be downloaded where this project is developed and tested, so every model it serves is made here:
+a byte-level BPE tokenizer trained on the Python standard library's top-level modules (text every machine
+with Python has), wrapped as a transformers fast tokenizer with a Llama-3-style chat template, and a
+`LlamaForCausalLM` of a preset shape with seeded random weights, saved with `save_pretrained`.
+
+    python scripts/make_model.py --out models/tiny-llama [--preset tiny] [--seed 0] [--force]
+
+The larger presets keep the real Llama vocabulary size (128256) for realistic memory and speed, but their
+tokenizer is still the small trained one: ids past the tokenizer's vocabulary decode to nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+SPECIAL_TOKENS = [BOS, EOS, "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+TOKENIZER_VOCAB_SIZE = 4096  # special tokens included
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # 0: the tokenizer's size
+    max_position_embeddings: int
+    rope_scaling: dict[str, float | int] | None  # llama3 scaling parameters; None: plain RoPE
+    dtype: str  # saved weights
+    initializer_range: float
+
+
+def _llama3_scaling(factor: float, original_max_position_embeddings: int) -> dict[str, float | int]:
+    return {
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original_max_position_embeddings,
+    }
+
+
+PRESETS: dict[str, Preset] = {
+    # A larger initializer range than the default 0.02 so that greedy output of a random model varies.
+    "tiny": Preset(128, 4, 4, 2, 32, 344, 0, 2048, _llama3_scaling(8.0, 256), "float32", 0.08),
+    "llama-3.2-1b": Preset(
+        2048, 16, 32, 8, 64, 8192, 128256, 131072, _llama3_scaling(32.0, 8192), "bfloat16", 0.02
+    ),
+    "llama-3-8b": Preset(4096, 32, 32, 8, 128, 14336, 128256, 8192, None, "bfloat16", 0.02),
+}
+
+
+def _training_files() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [str(p) for p in sorted(stdlib.glob("*.py"))]
+
+
+def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):  # -> PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer trained on the standard library, with Llama-3 special tokens at the end."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(_training_files(), trainer)
+    # Added after training so that they take the last ids, as in Llama 3.
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
+    )
+
+
+def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, force: bool = False) -> Path:
+    """Writes the checkpoint to `out_dir` and returns its path; does nothing if it already holds one."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    if (out / "config.json").exists() and not force:
+        return out
+    p = PRESETS[preset]
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(out)
+    bos_id = tokenizer.convert_tokens_to_ids(BOS)
+    eos_ids = [tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids("<|eot_id|>")]
+
+    dtype = getattr(torch, p.dtype)
+    rope: dict[str, float | int | str] = {"rope_type": "default", "rope_theta": 500000.0}
+    if p.rope_scaling is not None:
+        rope.update(p.rope_scaling, rope_type="llama3")
+    config = LlamaConfig(
+        vocab_size=p.vocab_size or len(tokenizer),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads,
+        head_dim=p.head_dim,
+        max_position_embeddings=p.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        initializer_range=p.initializer_range,
+        bos_token_id=bos_id,
+        eos_token_id=eos_ids[0],
+    )
+    torch.manual_seed(seed)
+    # Built directly in the saved dtype so the large presets never hold a float32 copy.
+    model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    with torch.no_grad():
+        # Random norm gains keep activations from being identical across positions of a random model.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, do_sample=False)
+    model.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write a random-weight Llama checkpoint and its tokenizer.")
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
+    args = parser.parse_args()
+    path = make_model(args.out, args.preset, args.seed, args.force)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""scripts/make_model.py writes a checkpoint that transformers and the worker both read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer
+
+from scripts.make_model import PRESETS, SPECIAL_TOKENS, make_model
+from worker.loader import load_model_config
+
+
+def test_tokenizer_round_trips_multibyte_text_and_knows_its_special_tokens(tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for text in ["naïve café 日本語 🙂", "def f(x):\n    return x  # ok", "  leading and trailing  "]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text
+    for special in SPECIAL_TOKENS:
+        assert len(tok.encode(special, add_special_tokens=False)) == 1
+    with_bos = tok.encode("hi")
+    assert with_bos[0] == tok.bos_token_id == tok.convert_tokens_to_ids("<|begin_of_text|>")
+    assert len(tok) <= AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+
+
+def test_chat_template_renders_llama3_style(tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi café "}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi café<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ids.count(tok.bos_token_id) == 1  # the template's BOS only, none added by tokenization
+
+
+def test_config_and_eos_ids(tiny_model_dir: Path) -> None:
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    tiny = PRESETS["tiny"]
+    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (
+        tiny.hidden_size,
+        tiny.num_layers,
+        tiny.num_kv_heads,
+    )
+    assert config.rope_parameters["rope_type"] == "llama3"
+    assert not config.tie_word_embeddings
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected_eos = (tok.convert_tokens_to_ids("<|end_of_text|>"), tok.convert_tokens_to_ids("<|eot_id|>"))
+    assert load_model_config(tiny_model_dir).eos_token_ids == expected_eos
+
+
+def test_make_model_leaves_an_existing_checkpoint_alone(tiny_model_dir: Path) -> None:
+    config = tiny_model_dir / "config.json"
+    before = config.stat().st_mtime_ns
+    assert make_model(tiny_model_dir) == tiny_model_dir
+    assert config.stat().st_mtime_ns == before
+    assert json.loads(config.read_text())["model_type"] == "llama"
+
+
+def test_presets_have_consistent_head_shapes() -> None:
+    for name, p in PRESETS.items():
+        assert p.hidden_size == p.num_heads * p.head_dim, name
+        assert p.num_heads % p.num_kv_heads == 0, name

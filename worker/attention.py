@@ -1,0 +1,78 @@
+"""The attention interface the model calls, and the backends behind it.
+
+Every layer hands its new keys and values, its queries, its cache and the step's `AttentionMetadata` to one
+`AttentionBackend.forward`; a backend decides how to store the keys and values and how to attend. Only the
+PyTorch reference exists now; a Triton backend plugs in behind the same call.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a flattened batch's tokens go in the KV cache and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each token (block_id * block_size + offset)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 past each sequence's blocks
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32: where each sequence's tokens start in the batch
+    max_query_len: int  # longest chunk in the batch
+    max_seq_len: int  # longest context in the batch
+
+
+class AttentionBackend(ABC):
+    """Stores a layer's new keys/values in its paged cache and attends from the queries through it."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """The PyTorch reference in kernels/reference.py: any device, correctness first."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        reference.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        return reference.paged_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+        )
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchReferenceBackend}
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    """The backend registered under `name`."""
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(_BACKENDS)}") from None

@@ -1,0 +1,209 @@
+"""The Llama forward pass over a flattened batch, on the worker's paged KV cache.
+
+The batch is every scheduled token of every sequence, concatenated (`[T]`); attention finds each sequence's
+context through `AttentionMetadata`. The numerics follow transformers' LlamaForCausalLM (RMSNorm in float32,
+neox-style rotate-half RoPE with cos/sin cast to the model dtype) so that float32 logits agree closely.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionBackend, AttentionMetadata
+from worker.loader import ModelConfig, RopeScaling
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_size, Hkv, D]
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the checkpoint, and initialising large weights is slow.
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 whatever the model dtype."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:  # [D/2] float32
+    """Inverse frequencies of RoPE, with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band between interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with cos/sin precomputed for every position below `max_len`."""
+
+    def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, D]
+        self.register_buffer("cos", emb.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device=device, dtype=dtype), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions][:, None, :]  # [T, 1, D]
+        sin = self.sin[positions][:, None, :]
+        return query * cos + self._rotate_half(query) * sin, key * cos + self._rotate_half(key) * sin
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v projection and grouped KV heads."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        kw = {"dtype": dtype, "device": device}
+        qkv_rows = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Module()
+        self.qkv_proj.weight = _param(qkv_rows, config.hidden_size, **kw)
+        self.qkv_proj.bias = _param(qkv_rows, **kw) if config.attention_bias else None
+        self.o_proj = nn.Module()
+        self.o_proj.weight = _param(config.hidden_size, config.q_size, **kw)
+        self.o_proj.bias = _param(config.hidden_size, **kw) if config.attention_bias else None
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:  # [T, H]
+        c = self.config
+        qkv = F.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        q, k = rope(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
+        return F.linear(out.reshape(-1, c.q_size), self.o_proj.weight, self.o_proj.bias)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Module()
+        self.gate_up_proj.weight = _param(2 * inter, config.hidden_size, **kw)
+        self.gate_up_proj.bias = _param(2 * inter, **kw) if config.mlp_bias else None
+        self.down_proj = nn.Module()
+        self.down_proj.weight = _param(config.hidden_size, inter, **kw)
+        self.down_proj.bias = _param(config.hidden_size, **kw) if config.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks, each with a residual connection."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,  # [T, H]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:  # [T, H]
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta, rope)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """A Llama causal LM. Parameter names follow the checkpoint's, minus the `model.` prefix, with q/k/v and
+    gate/up fused; `worker.loader.load_weights` fills them."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_model_len: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = nn.Module()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(config, max_model_len, dtype, device)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],  # one per layer
+    ) -> torch.Tensor:  # [T, H], after the final norm
+        hidden = F.embedding(token_ids, self.embed_tokens.weight)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta, self.rotary_emb)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V]
+        return F.linear(hidden, self.lm_head.weight)

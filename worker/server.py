@@ -1,0 +1,116 @@
+"""The worker process: load the model, announce it to the scheduler, then run every StepPlan it sends.
+
+The scheduler binds a ROUTER socket; the worker connects a DEALER, so each message is just the two frames of
+`common.messages.encode` (an empty delimiter frame, if a scheduler sends one, is ignored).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import zmq
+
+from common.config import WorkerConfig
+from common.log import configure_logging
+from common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode, encode
+from worker.model_runner import ModelRunner
+
+POLL_MS = 100  # how often the receive loop looks at the stop flag
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the loop exits at its next poll instead of dying mid-step."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def set(self, signum: int, _frame: FrameType | None) -> None:
+        self.signum = signum
+
+
+def model_name(cfg: WorkerConfig) -> str:
+    return cfg.served_model_name or Path(cfg.model).resolve().name
+
+
+def serve(cfg: WorkerConfig) -> int:
+    """Runs the worker until Shutdown or a stop signal; returns the process exit code."""
+    log = configure_logging("worker", cfg.log_level)
+    started = time.monotonic()
+    log.info("loading_model", model=cfg.model, device=cfg.resolved_device, dtype=cfg.resolved_dtype)
+    runner = ModelRunner(cfg)
+    log.info(
+        "model_loaded",
+        model=str(Path(cfg.model).resolve()),
+        device=str(runner.device),
+        dtype=str(runner.dtype).removeprefix("torch."),
+        num_kv_blocks=runner.num_kv_blocks,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        torch_threads=torch.get_num_threads(),
+        load_time_s=round(time.monotonic() - started, 3),
+    )
+    if runner.num_kv_blocks * runner.block_size < runner.max_model_len:
+        log.warning(
+            "kv_pool_smaller_than_one_sequence",
+            pool_tokens=runner.num_kv_blocks * runner.block_size,
+            max_model_len=runner.max_model_len,
+        )
+
+    # Installed after loading: until then the default handlers end the process at once, which is right.
+    stop = _StopFlag()
+    signal.signal(signal.SIGTERM, stop.set)
+    signal.signal(signal.SIGINT, stop.set)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cfg.worker_address)
+    ready = WorkerReady(
+        num_kv_blocks=runner.num_kv_blocks,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.vocab_size,
+        eos_token_ids=runner.eos_token_ids,
+        model_root=str(Path(cfg.model).resolve()),
+        model_name=model_name(cfg),
+    )
+    sock.send_multipart(encode(ready))
+    log.info("worker_ready", address=cfg.worker_address, model_name=ready.model_name)
+    try:
+        return _loop(sock, runner, stop, log)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any) -> int:
+    while stop.signum is None:
+        if not sock.poll(POLL_MS):
+            continue
+        frames = sock.recv_multipart()
+        if len(frames) == 3 and frames[0] == b"":
+            frames = frames[1:]
+        try:
+            msg = decode(frames)
+        except CodecError as e:
+            log.error("bad_message", error=str(e))
+            continue
+        if isinstance(msg, StepPlan):
+            try:
+                out = runner.execute(msg)
+            except Exception:
+                # The worker's state no longer matches the scheduler's: exit loudly rather than guess.
+                log.exception("step_failed", step_id=msg.step_id)
+                return 1
+            sock.send_multipart(encode(out))
+        elif isinstance(msg, Shutdown):
+            log.info("shutdown", reason=msg.reason)
+            return 0
+        else:
+            log.error("unexpected_message", type=type(msg).__name__)
+    log.info("stopped_by_signal", signal=signal.Signals(stop.signum).name)
+    return 0
