@@ -47,6 +47,16 @@ class Server:
                 return float(line.split()[1])
         raise KeyError(name)
 
+    def wait_until_idle(self, timeout: float = 20.0) -> None:
+        """Waits until no request runs and every KV block is free again; fails with the metrics otherwise."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            used = self.metric("pagedserve_kv_blocks_used")
+            if used == 0 and self.metric("pagedserve_requests_running") == 0:
+                return
+            time.sleep(0.1)
+        raise AssertionError("KV blocks still in use: " + self.get("/metrics")[1])
+
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 
 import aiohttp
@@ -37,18 +36,6 @@ def post(server, path: str, body: bytes | str | dict) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def _wait_for_idle(server, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (
-            server.metric("pagedserve_kv_blocks_used") == 0
-            and server.metric("pagedserve_requests_running") == 0
-        ):
-            return
-        time.sleep(0.1)
-    raise AssertionError("KV blocks still in use: " + server.get("/metrics")[1])
 
 
 async def _completion(client, model, prompt, max_tokens, stream):
@@ -114,7 +101,7 @@ def test_32_concurrent_requests_streamed_equals_non_streamed_and_blocks_come_bac
         if stream:
             assert text == results[(kind, i, False)][0], f"{kind} prompt {i}: streamed text differs"
     assert server.metric("pagedserve_preemptions_total") > preemptions_before  # the pool was too small
-    _wait_for_idle(server)
+    server.wait_until_idle()
     assert server.metric("pagedserve_kv_blocks_total") == 64
 
 
@@ -132,7 +119,7 @@ def test_greedy_output_is_the_same_alone_and_under_preempting_load(server):
     assert server.metric("pagedserve_preemptions_total") > before
     for i, result in enumerate(crowd):
         assert result == alone[i % len(PROMPTS)]
-    _wait_for_idle(server)
+    server.wait_until_idle()
 
 
 def test_seeded_parallel_samples_are_reproducible(server):
@@ -207,7 +194,7 @@ def test_bad_chat_requests_get_400(server):
         await client.close()
 
     asyncio.run(via_openai())
-    _wait_for_idle(server)
+    server.wait_until_idle()
 
 
 def test_client_disconnect_frees_the_sequence(server):
@@ -225,7 +212,7 @@ def test_client_disconnect_frees_the_sequence(server):
         await asyncio.sleep(0)
 
     asyncio.run(main())
-    _wait_for_idle(server)
+    server.wait_until_idle()
     assert server.metric("pagedserve_generated_tokens_total") > 0
 
 
