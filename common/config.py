@@ -42,7 +42,21 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences running in one step, at most
     max_num_batched_tokens: int = 2048  # tokens computed in one step, at most (decodes and prefill chunks)
     max_model_len: int = 0  # longest prompt + output; 0: what the worker announces
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompts that start alike
+    preemption_mode: str = "auto"  # recompute | swap | auto (per victim, whichever is cheaper)
+    scheduling_policy: str = "fcfs"  # fcfs | priority (the request's priority, lower first, then arrival)
+    kv_policy: str = "paged"  # paged: blocks on demand; reserved: prompt + max_tokens up front (for comparison)
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        choices = {
+            "preemption_mode": ("recompute", "swap", "auto"),
+            "scheduling_policy": ("fcfs", "priority"),
+            "kv_policy": ("paged", "reserved"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,7 @@ class WorkerConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 0  # fix the pool size; 0: size it from memory
     kv_cache_memory_gib: float = 0.0  # on cpu, memory for the KV pool; 0: a quarter of what is available
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks; 0: no swapping
     max_model_len: int = 0  # longest prompt + output; 0: the model's max_position_embeddings
     log_level: str = "info"
 
@@ -126,7 +141,10 @@ def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
 
 
 def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
-    return config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
+    try:
+        return config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
+    except ValueError as e:
+        raise SystemExit(f"bad setting: {e}") from e
 
 
 def parse_config(config_cls: type[C], argv: list[str] | None = None, description: str = "") -> C:

@@ -117,13 +117,15 @@ class SubmitRequest:
     request_id: str  # unique per client connection; outputs and errors carry it back
     prompt_token_ids: list[int]  # used exactly as given, nothing prepended
     params: SamplingParams
+    priority: int = 0  # with --scheduling-policy priority: lower runs first, ties by arrival
+    cache_salt: str = ""  # mixed into the prefix-cache hash of the first block: tenants share no cache
 
     def to_wire(self) -> list[Any]:
-        return [self.request_id, self.prompt_token_ids, self.params.to_wire()]
+        return [self.request_id, self.prompt_token_ids, self.params.to_wire(), self.priority, self.cache_salt]
 
     @classmethod
     def from_wire(cls, f: list[Any]) -> SubmitRequest:
-        return cls(f[0], f[1], SamplingParams.from_wire(f[2]))
+        return cls(f[0], f[1], SamplingParams.from_wire(f[2]), f[3], f[4])
 
 
 @dataclass
@@ -273,6 +275,7 @@ class WorkerReady:
     eos_token_ids: list[int]  # ids that end a sequence unless ignore_eos
     model_root: str  # the checkpoint directory
     model_name: str  # served model name
+    num_cpu_blocks: int = 0  # blocks in the worker's CPU swap pool (0: no swapping)
 
     def to_wire(self) -> list[Any]:
         return [
@@ -283,6 +286,7 @@ class WorkerReady:
             self.eos_token_ids,
             self.model_root,
             self.model_name,
+            self.num_cpu_blocks,
         ]
 
     @classmethod
@@ -323,22 +327,56 @@ class NewSequence:
 
 
 @dataclass
-class StepPlan:
-    """One iteration: what to forget, what is new, what grew, and how many tokens each sequence computes.
+class Fork:
+    """A sequence that starts as a copy of another one, sharing its KV blocks by reference."""
 
-    The worker computes, for each scheduled sequence, its next `num_scheduled_tokens` tokens starting at its
-    `num_computed_tokens`. A sequence whose computed tokens then reach all its known tokens samples one new
-    token and appends it; the scheduler mirrors that rule, so the plan never carries tokens the worker
-    sampled itself.
+    parent_seq_id: int  # must sample in the same step
+    child_seq_id: int
+    seed: int  # the child's own seed; its other sampling settings are the parent's
+
+    def to_wire(self) -> list[Any]:
+        return [self.parent_seq_id, self.child_seq_id, self.seed]
+
+    @classmethod
+    def from_wire(cls, f: list[Any]) -> Fork:
+        return cls(f[0], f[1], f[2])
+
+
+def _pairs(f: list[Any]) -> list[tuple[int, int]]:
+    return [(a, b) for a, b in f]
+
+
+@dataclass
+class StepPlan:
+    """One iteration: what to forget, move, copy and add, and how many tokens each sequence computes.
+
+    The worker applies a plan in this order:
+      1. drop `freed_seq_ids` (finished, aborted, or preempted by recompute);
+      2. copy `swap_out` blocks GPU -> CPU pool, then `swap_in` blocks CPU -> GPU, and give each sequence in
+         `new_block_tables` that table (a swapped-in sequence's blocks are new);
+      3. add `new_seqs`, append `new_block_ids`;
+      4. copy `block_copies` (copy-on-write: src -> dst, every layer, K and V);
+      5. compute, for each scheduled sequence, its next `num_scheduled_tokens` tokens starting at its
+         `num_computed_tokens`;
+      6. create each fork's child as a copy of its parent's state (token ids, block table, computed tokens)
+         with its own seed;
+      7. sample one token for every sequence whose computed tokens now reach all its known tokens, and for
+         every fork child from its parent's logits row.
+    The scheduler mirrors rule 7, so the plan never carries tokens the worker sampled itself.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.STEP_PLAN
     step_id: int
-    freed_seq_ids: list[int]  # finished, aborted or preempted: drop their state (applied first)
+    freed_seq_ids: list[int]  # drop their state (applied first)
     new_seqs: list[NewSequence]
     new_block_ids: list[tuple[int, list[int]]]  # (seq_id, blocks to append to its block table)
     scheduled_seq_ids: list[int]  # the sequences that run this step, in batch order
     num_scheduled_tokens: list[int]  # per scheduled sequence
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    new_block_tables: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, whole new table)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block), GPU pool
+    forks: list[Fork] = field(default_factory=list)
 
     def to_wire(self) -> list[Any]:
         return [
@@ -348,6 +386,11 @@ class StepPlan:
             [[seq_id, blocks] for seq_id, blocks in self.new_block_ids],
             self.scheduled_seq_ids,
             self.num_scheduled_tokens,
+            self.swap_out,
+            self.swap_in,
+            [[seq_id, table] for seq_id, table in self.new_block_tables],
+            self.block_copies,
+            [fork.to_wire() for fork in self.forks],
         ]
 
     @classmethod
@@ -359,6 +402,11 @@ class StepPlan:
             [(seq_id, blocks) for seq_id, blocks in f[3]],
             f[4],
             f[5],
+            _pairs(f[6]),
+            _pairs(f[7]),
+            [(seq_id, table) for seq_id, table in f[8]],
+            _pairs(f[9]),
+            [Fork.from_wire(x) for x in f[10]],
         )
 
 

@@ -9,6 +9,7 @@ from common.messages import (
     MESSAGE_CLASSES,
     AbortRequest,
     CodecError,
+    Fork,
     InfoReply,
     InfoRequest,
     NewSequence,
@@ -33,7 +34,7 @@ PARAMS = SamplingParams(
 
 EXAMPLES = [
     SubmitRequest("req-1", [1, 2, 300000], PARAMS),
-    SubmitRequest("req-2", [5], SamplingParams()),
+    SubmitRequest("req-2", [5], SamplingParams(), priority=-3, cache_salt="tenant-a"),
     AbortRequest("req-1"),
     AbortRequest("req-1", 2, "stop"),
     InfoRequest(41),
@@ -45,7 +46,7 @@ EXAMPLES = [
     ),
     RequestError("req-9", "invalid_request_error", "prompt too long: 9000 > 2048"),
     InfoReply(41, True, "/models/x", "x", 2048, 4096, 16, 512, "# TYPE a gauge\na 1\n"),
-    WorkerReady(512, 16, 2048, 4096, [2, 5], "/models/x", "x"),
+    WorkerReady(512, 16, 2048, 4096, [2, 5], "/models/x", "x", num_cpu_blocks=64),
     StepPlan(
         step_id=7,
         freed_seq_ids=[1, 4],
@@ -53,6 +54,11 @@ EXAMPLES = [
         new_block_ids=[(2, [8]), (3, [10, 11])],
         scheduled_seq_ids=[9, 2, 3],
         num_scheduled_tokens=[3, 1, 1],
+        swap_out=[(3, 0), (4, 1)],
+        swap_in=[(5, 6)],
+        new_block_tables=[(12, [6, 1])],
+        block_copies=[(8, 9)],
+        forks=[Fork(9, 13, 77), Fork(9, 14, 78)],
     ),
     StepOutput(7, [9, 2], [100, 200], [None, TokenLogprobs(-2.0)]),
     Shutdown("bye"),
