@@ -1,27 +1,84 @@
-"""The KV block manager: the only code that touches ref counts, the free list and block tables.
+"""The KV block manager: the only code that touches ref counts, the free queue, block tables, the
+prefix-cache map and the CPU swap pool.
 
-Blocks are handed out on demand, `block_size` token slots at a time, and a sequence's block table lists its
-blocks in order, so token position p lives in slot `block_table[p // block_size] * block_size +
-p % block_size`. Ref counts are kept per block so that sharing (copy-on-write forks, prefix caching) can be
-added without changing the callers.
+Token position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+
+Sharing. A block's ref count is the number of block tables holding it. Forked sequences share their
+parent's blocks; before a sequence writes into a block it shares, `allocate_slots` gives it a private copy
+and returns the (source, destination) pair for the worker. Only a partly filled last block is ever copied:
+full blocks are never written again.
+
+Prefix caching. Every full block gets a chained hash (its parent's hash, its token ids, and the request's
+cache salt for the first block). A computed full block is registered under its hash; a new sequence whose
+leading blocks hash alike takes them by reference instead of computing them. A block whose ref count drops
+to zero keeps its content and hash in the free queue until the pool needs it: blocks are taken from the
+front, freed blocks join at the back (least recently used goes first) in reverse table order (a sequence's
+tail goes before its prefix), and blocks without cached content join at the front.
+
+Swapping. A CPU pool of `num_cpu_blocks` holds the KV of swapped-out sequences; `swap_out` and `swap_in`
+move a whole table and return the (from, to) block pairs the worker copies.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Allocation:
+    """What `allocate_slots` did: blocks appended to the table and copy-on-write copies to run first."""
+
+    new_blocks: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (shared source, private destination)
+    replaced: bool = False  # the table changed in place (a copy replaced a shared block)
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """Where the pool's slots are, for metrics and benchmarks."""
+
+    blocks_used: int  # held by live sequences
+    blocks_cached: int  # free, but holding reusable prefix content
+    blocks_shared: int  # held by more than one sequence
+    blocks_saved: int  # sum over blocks of (ref count - 1): blocks sharing avoids
+    slots_allocated: int  # blocks_used * block_size
+    slots_used: int  # slots holding a token's KV
+
+
+def block_hash(parent: bytes | None, token_ids: list[int], salt: str = "") -> bytes:
+    """The chained hash of one full block: it names the block's content and everything before it."""
+    h = hashlib.sha256(parent or salt.encode())
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class BlockManager:
-    """Owns every KV block of the worker's pool and the block table of every sequence."""
+    """Owns every KV block of the worker's GPU and CPU pools and the block table of every sequence."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks  # content hash of a registered block
+        self._cached: dict[bytes, int] = {}  # hash -> the block registered under it
         self._tables: dict[int, list[int]] = {}
+        self._seq_hashes: dict[int, list[bytes]] = {}  # hashes of a sequence's full blocks, in order
+        self._num_registered: dict[int, int] = {}  # leading blocks of the table already registered
+        self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self._cpu_tables: dict[int, list[int]] = {}
+
+    # ----------------------------------------------------------------------------------------------------
+    # queries
 
     @property
     def num_free_blocks(self) -> int:
@@ -31,53 +88,227 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu_free)
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
     def block_table(self, seq_id: int) -> list[int]:
-        """The sequence's blocks in order (empty for a sequence that holds none). Do not mutate."""
+        """The sequence's GPU blocks in order (empty when it holds none). Do not mutate."""
         return self._tables.get(seq_id, [])
 
-    def num_missing_blocks(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks the sequence still needs so that its table covers `num_tokens` tokens."""
-        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
+    def cpu_block_table(self, seq_id: int) -> list[int]:
+        return self._cpu_tables.get(seq_id, [])
 
-    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        return self.num_missing_blocks(seq_id, num_tokens) <= len(self._free)
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
 
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int] | None:
-        """Grows the sequence's table to cover `num_tokens` tokens and returns the blocks it added.
+    # ----------------------------------------------------------------------------------------------------
+    # prefix cache
+
+    def _hashes(self, seq_id: int, token_ids: list[int], num_full_blocks: int, salt: str) -> list[bytes]:
+        """The chained hashes of the sequence's first `num_full_blocks` blocks (extended lazily)."""
+        hashes = self._seq_hashes.setdefault(seq_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], salt))
+        return hashes
+
+    def find_cached_prefix(self, seq_id: int, token_ids: list[int], salt: str = "") -> list[int]:
+        """The cached blocks a new sequence can take for its leading tokens. At least its last token is
+        always left to compute, since sampling needs its logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self._hashes(seq_id, token_ids, (len(token_ids) - 1) // self.block_size, salt):
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def register_computed(self, seq_id: int, token_ids: list[int], num_computed: int, salt: str = "") -> None:
+        """Registers the sequence's blocks that are now full of computed tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_computed // self.block_size
+        start = self._num_registered.get(seq_id, 0)
+        if num_full <= start:
+            return
+        table = self._tables[seq_id]
+        hashes = self._hashes(seq_id, token_ids, num_full, salt)
+        for i in range(start, num_full):
+            block_id = table[i]
+            if self._hash_of[block_id] is None and hashes[i] not in self._cached:
+                self._hash_of[block_id] = hashes[i]
+                self._cached[hashes[i]] = block_id
+        self._num_registered[seq_id] = num_full
+
+    # ----------------------------------------------------------------------------------------------------
+    # allocation
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        h = self._hash_of[block_id]
+        if h is not None:  # evict its cached content
+            self._hash_of[block_id] = None
+            del self._cached[h]
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free[block_id] = None
+            if self._hash_of[block_id] is None:
+                self._free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse it first
+
+    def allocate_prefix(self, seq_id: int, blocks: list[int]) -> None:
+        """Starts a sequence's table with cached blocks, taken by reference. Must precede `allocate_slots`
+        for the same sequence, so that no new block can evict one of its hits."""
+        assert seq_id not in self._tables
+        for block_id in blocks:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+        self._tables[seq_id] = list(blocks)
+        self._num_registered[seq_id] = len(blocks)
+
+    def num_blocks_to_admit(self, hits: list[int], num_tokens: int) -> int:
+        """Free blocks a new sequence takes: its cache hits that sit in the free queue, and new blocks for the
+        rest of `num_tokens`."""
+        free_hits = sum(1 for block_id in hits if self._ref_counts[block_id] == 0)
+        return free_hits + max(0, self.blocks_for(num_tokens) - len(hits))
+
+    def num_blocks_needed(self, seq_id: int, num_computed: int, num_new_tokens: int, reserve: int = 0) -> int:
+        """Free blocks `allocate_slots` would take for these arguments."""
+        table = self._tables.get(seq_id, ())
+        end = max(num_computed + num_new_tokens, reserve)
+        missing = max(0, self.blocks_for(end) - len(table))
+        return missing + (1 if self._needs_copy(table, num_computed, num_new_tokens) else 0)
+
+    def _needs_copy(self, table: list[int] | tuple, num_computed: int, num_new_tokens: int) -> bool:
+        """Whether the first write lands in a block shared with another sequence."""
+        index = num_computed // self.block_size
+        return num_new_tokens > 0 and index < len(table) and self._ref_counts[table[index]] > 1
+
+    def allocate_slots(
+        self, seq_id: int, num_computed: int, num_new_tokens: int, reserve: int = 0
+    ) -> Allocation | None:
+        """Makes room for `num_new_tokens` tokens after the first `num_computed` (and for at least `reserve`
+        tokens in all), copying a shared block the writes would land in.
 
         All or nothing: when the pool has too few free blocks it returns None and changes nothing.
         """
-        missing = self.num_missing_blocks(seq_id, num_tokens)
-        if missing > len(self._free):
+        if self.num_blocks_needed(seq_id, num_computed, num_new_tokens, reserve) > len(self._free):
             return None
-        new_blocks = [self._free.popleft() for _ in range(missing)]
-        for block_id in new_blocks:
+        table = self._tables.setdefault(seq_id, [])
+        result = Allocation()
+        if self._needs_copy(table, num_computed, num_new_tokens):
+            index = num_computed // self.block_size
+            shared = table[index]
+            private = self._take_free_block()
+            table[index] = private
+            self._release(shared)
+            result.copies.append((shared, private))
+            result.replaced = True
+        end = max(num_computed + num_new_tokens, reserve)
+        for _ in range(self.blocks_for(end) - len(table)):
+            result.new_blocks.append(self._take_free_block())
+        table.extend(result.new_blocks)
+        return result
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Gives the child the parent's blocks, by reference."""
+        table = self._tables[parent_seq_id]
+        for block_id in table:
             self._ref_counts[block_id] += 1
-        if new_blocks or seq_id not in self._tables:
-            self._tables.setdefault(seq_id, []).extend(new_blocks)
-        return new_blocks
+        self._tables[child_seq_id] = list(table)
+        self._seq_hashes[child_seq_id] = list(self._seq_hashes.get(parent_seq_id, ()))
+        self._num_registered[child_seq_id] = self._num_registered.get(parent_seq_id, 0)
 
     def free(self, seq_id: int) -> None:
-        """Releases every block the sequence holds; blocks no longer referenced go back to the pool."""
+        """Releases the sequence's GPU and CPU blocks; its cached content stays reusable until evicted."""
         for block_id in reversed(self._tables.pop(seq_id, [])):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+            self._release(block_id)
+        self._cpu_free.extend(reversed(self._cpu_tables.pop(seq_id, [])))
+        self._seq_hashes.pop(seq_id, None)
+        self._num_registered.pop(seq_id, None)
+
+    # ----------------------------------------------------------------------------------------------------
+    # swapping
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        return len(self._tables.get(seq_id, ())) <= len(self._cpu_free)
+
+    def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
+        """Moves the sequence's table to the CPU pool; returns (gpu block, cpu block) pairs to copy."""
+        table = self._tables.pop(seq_id)
+        cpu_table = [self._cpu_free.pop() for _ in table]
+        self._cpu_tables[seq_id] = cpu_table
+        for block_id in reversed(table):
+            self._release(block_id)
+        self._num_registered[seq_id] = 0
+        return list(zip(table, cpu_table, strict=True))
+
+    def num_blocks_to_swap_in(self, seq_id: int) -> int:
+        return len(self._cpu_tables[seq_id])
+
+    def swap_in(self, seq_id: int) -> list[tuple[int, int]] | None:
+        """Moves the sequence back to new GPU blocks; returns (cpu block, gpu block) pairs to copy, or
+        None (changing nothing) when too few GPU blocks are free."""
+        cpu_table = self._cpu_tables[seq_id]
+        if len(cpu_table) > len(self._free):
+            return None
+        del self._cpu_tables[seq_id]
+        table = [self._take_free_block() for _ in cpu_table]
+        self._tables[seq_id] = table
+        self._cpu_free.extend(reversed(cpu_table))
+        return list(zip(cpu_table, table, strict=True))
+
+    # ----------------------------------------------------------------------------------------------------
+    # accounting and checks
+
+    def usage(self, num_tokens_of: dict[int, int]) -> KVUsage:
+        """The pool's usage, given how many tokens each live sequence has in its GPU blocks."""
+        filled: dict[int, int] = {}
+        bs = self.block_size
+        for seq_id, table in self._tables.items():
+            n = num_tokens_of.get(seq_id, 0)
+            for i, block_id in enumerate(table):
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, n - i * bs)))
+        shared = [c for c in self._ref_counts if c > 1]
+        return KVUsage(
+            blocks_used=self.num_used_blocks,
+            blocks_cached=sum(1 for b in self._free if self._hash_of[b] is not None),
+            blocks_shared=len(shared),
+            blocks_saved=sum(c - 1 for c in shared),
+            slots_allocated=self.num_used_blocks * bs,
+            slots_used=sum(filled.values()),
+        )
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the pool's bookkeeping is inconsistent. For tests and idle checks."""
-        free = list(self._free)
-        assert len(set(free)) == len(free), "a block is twice in the free list"
         counts = [0] * self.num_blocks
         for table in self._tables.values():
             for block_id in table:
                 counts[block_id] += 1
         assert counts == self._ref_counts, "a ref count differs from the number of tables holding the block"
-        free_set = set(free)
         for block_id, count in enumerate(counts):
-            assert (count == 0) == (block_id in free_set), f"block {block_id}: ref count {count} vs free list"
-        assert len(free) + sum(1 for c in counts if c > 0) == self.num_blocks, "free + used != total"
+            assert (count == 0) == (block_id in self._free), (
+                f"block {block_id}: ref count {count} vs free queue"
+            )
+        used = sum(1 for c in counts if c > 0)
+        assert len(self._free) + used == self.num_blocks, "free + used != total"
+        for h, block_id in self._cached.items():
+            assert self._hash_of[block_id] == h, f"cache map and block {block_id} disagree"
+        assert sum(1 for h in self._hash_of if h is not None) == len(self._cached), "stray block hash"
+        cpu_used = [b for t in self._cpu_tables.values() for b in t]
+        assert len(set(cpu_used)) == len(cpu_used), "a CPU block is in two tables"
+        assert not set(cpu_used) & set(self._cpu_free), "a CPU block is both used and free"
+        assert len(cpu_used) + len(self._cpu_free) == self.num_cpu_blocks, "CPU blocks leaked"
+        assert len(set(self._cpu_free)) == len(self._cpu_free), "a CPU block is twice in the free list"

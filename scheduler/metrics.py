@@ -46,6 +46,10 @@ class SchedulerMetrics:
     generated_tokens_total: int = 0
     requests_finished_total: int = 0
     requests_rejected_total: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of which found
+    swap_outs_total: int = 0
+    swap_ins_total: int = 0
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
 
@@ -60,6 +64,16 @@ class SchedulerMetrics:
             "pagedserve_generated_tokens_total": (self.generated_tokens_total, "Tokens generated"),
             "pagedserve_requests_finished_total": (self.requests_finished_total, "Requests finished"),
             "pagedserve_requests_rejected_total": (self.requests_rejected_total, "Requests refused"),
+            "pagedserve_prefix_cache_queries_total": (
+                self.prefix_cache_queries_total,
+                "Prompt tokens looked up in the prefix cache",
+            ),
+            "pagedserve_prefix_cache_hits_total": (
+                self.prefix_cache_hits_total,
+                "Prompt tokens found",
+            ),
+            "pagedserve_swap_outs_total": (self.swap_outs_total, "Sequences swapped out to the CPU pool"),
+            "pagedserve_swap_ins_total": (self.swap_ins_total, "Sequences swapped back in"),
         }
         for name, (value, help_text) in counters.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]

@@ -11,6 +11,8 @@ from common.messages import SamplingParams, TokenLogprobs
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued: never ran, or preempted and waiting to be recomputed
     RUNNING = "running"  # holds blocks and is scheduled each step
+    SWAPPED = "swapped"  # preempted with its KV moved to the CPU pool
+    FORK_PENDING = "fork_pending"  # n > 1: waits for sequence 0's prompt, to share its blocks
     FINISHED = "finished"
 
 
@@ -23,6 +25,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
+    cache_salt: str = ""
     seqs: list[Sequence] = field(default_factory=list)
 
     @property
@@ -44,13 +48,16 @@ class Sequence:
     seed: int  # the worker's randomness for this sequence depends only on it and the position
     token_ids: list[int]
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (or will be once the step in flight ends)
+    sort_key: tuple[int, int] = (0, 0)  # (priority or 0, seq_id): queues and victims follow it
     status: SeqStatus = SeqStatus.WAITING
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission (-1: not yet)
     on_worker: bool = False  # the worker holds state for it (so a free must be sent)
     num_sent_tokens: int = 0  # output tokens already sent to the client
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    fork_children: list[Sequence] = field(default_factory=list)  # n > 1: waiting to share this prompt
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,12 +1,16 @@
 """The scheduler's core: pure and synchronous, no sockets, no asyncio, no torch.
 
 `schedule()` makes the next step's plan and `update(step_output)` turns the worker's sampled tokens into
-client outputs. Each step gives one token budget (`max_num_batched_tokens`) first to the running sequences,
-oldest first (a decode costs one token, an unfinished prefill the rest of its prompt or what the budget
-allows), then to waiting sequences in arrival order. When the pool has no block for a running sequence, the
-newest running sequence is preempted by recompute: its blocks are freed and it goes back to the waiting
-queue with every token it has, to be prefilled again later. A sequence's randomness depends only on its seed
-and the position, so it resumes with exactly the tokens it would have produced.
+client outputs. Each step has one token budget (`max_num_batched_tokens`). It goes first to the running
+sequences in queue order (a decode costs one token, an unfinished prefill the rest of its prompt or what the
+budget allows: chunked prefill), then to swapped-out sequences coming back, then to waiting sequences. When
+the pool has no block for a running sequence, the last running sequence in queue order (the newest, or
+under the priority policy the least urgent) is preempted: swapped to the CPU pool, or freed and later
+recomputed, whichever `preemption_mode` says. A sequence's randomness depends only on its seed and the
+position, so either way it resumes with exactly the tokens it would have produced.
+
+n > 1: sequence 0 prefills the prompt; the others are forked from it in the step its prefill completes,
+sharing its blocks, and sample their first token from its logits.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import heapq
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.messages import (
     ErrorKind,
     FinishReason,
+    Fork,
     NewSequence,
     RequestError,
     SeqOutput,
@@ -28,17 +33,20 @@ from common.messages import (
     StepPlan,
     SubmitRequest,
 )
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import Allocation, BlockManager
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import Request, SeqStatus, Sequence
 
 Output = tuple[bytes, SeqOutput]  # (owner, output)
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) over distinct seeds
+# Under preemption_mode "auto", a victim with at least this many computed tokens is swapped: recomputing
+# its KV would cost more than copying it over PCIe and back.
+SWAP_MIN_TOKENS = 256
 
 
 @dataclass(frozen=True)
-class SchedulerLimits:
+class SchedulerSettings:
     """What the worker announced, narrowed by the scheduler's own config."""
 
     num_kv_blocks: int
@@ -48,31 +56,62 @@ class SchedulerLimits:
     eos_token_ids: tuple[int, ...]
     max_num_seqs: int
     max_num_batched_tokens: int
+    num_cpu_blocks: int = 0
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # recompute | swap | auto
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    kv_policy: str = "paged"  # paged | reserved
 
     @property
     def watermark_blocks(self) -> int:
         # Admission leaves this many blocks free so running sequences can grow a while before preempting.
         return self.num_kv_blocks // 100
 
+    @property
+    def reserved(self) -> bool:
+        return self.kv_policy == "reserved"
+
+
+@dataclass
+class _Step:
+    """The plan being built."""
+
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    new_block_ids: list[tuple[int, list[int]]] = field(default_factory=list)
+    new_block_tables: list[tuple[int, list[int]]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: bool = False
+
 
 class Scheduler:
-    """Owns the requests, their sequences, the waiting and running queues and the block manager."""
+    """Owns the requests, their sequences, the queues and the block manager."""
 
-    def __init__(self, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic) -> None:
-        if limits.max_num_seqs < 1 or limits.max_num_batched_tokens < 1:
+    def __init__(self, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        if settings.max_num_seqs < 1 or settings.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        self.limits = limits
-        self.block_manager = BlockManager(limits.num_kv_blocks, limits.block_size)
+        self.settings = settings
+        self.block_manager = BlockManager(
+            settings.num_kv_blocks,
+            settings.block_size,
+            num_cpu_blocks=settings.num_cpu_blocks if settings.preemption_mode != "recompute" else 0,
+            enable_prefix_caching=settings.enable_prefix_caching and not settings.reserved,
+        )
         self.metrics = SchedulerMetrics()
         self._clock = clock
         self._requests: dict[tuple[bytes, str], Request] = {}
         self._seqs: dict[int, Sequence] = {}
-        self._waiting: list[tuple[int, Sequence]] = []  # heap by seq_id, i.e. arrival order
-        self._running: list[Sequence] = []  # sorted by seq_id: the newest is last
+        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort key
+        self._swapped: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort key
+        self._running: list[Sequence] = []  # sorted by sort key: the first preemption victim is last
+        self._pending_forks = 0  # fork children of running parents: seats they will take
         self._freed_seq_ids: list[int] = []  # to tell the worker in the next plan
         self._next_seq_id = 0
         self._next_step_id = 0
-        self._eos = frozenset(limits.eos_token_ids)
+        self._eos = frozenset(settings.eos_token_ids)
 
     # ----------------------------------------------------------------------------------------------------
     # requests in and out
@@ -84,17 +123,24 @@ class Scheduler:
             self.metrics.requests_rejected_total += 1
             return RequestError(msg.request_id, ErrorKind.INVALID_REQUEST, problem)
         params = msg.params
-        request = Request(owner, msg.request_id, list(msg.prompt_token_ids), params, self._clock())
+        prompt = list(msg.prompt_token_ids)
+        request = Request(owner, msg.request_id, prompt, params, self._clock(), msg.priority, msg.cache_salt)
         base_seed = params.seed if params.seed is not None else random.getrandbits(63)
+        priority = msg.priority if self.settings.scheduling_policy == "priority" else 0
         for index in range(params.n):
             seed = (base_seed * _SEED_MIX + index) % (1 << 63) if index else base_seed % (1 << 63)
-            seq = Sequence(self._next_seq_id, request, index, seed, list(msg.prompt_token_ids))
+            seq_id = self._next_seq_id
             self._next_seq_id += 1
+            seq = Sequence(seq_id, request, index, seed, list(prompt), sort_key=(priority, seq_id))
             request.seqs.append(seq)
-            self._seqs[seq.seq_id] = seq
-            heapq.heappush(self._waiting, (seq.seq_id, seq))
+            self._seqs[seq_id] = seq
+            if index == 0 or self.settings.reserved:  # reserved mode shares nothing, as pre-paging servers
+                heapq.heappush(self._waiting, (seq.sort_key, seq))
+            else:
+                seq.status = SeqStatus.FORK_PENDING
+                request.seqs[0].fork_children.append(seq)
         self._requests[request.key] = request
-        self.metrics.prompt_tokens_total += len(msg.prompt_token_ids)
+        self.metrics.prompt_tokens_total += len(prompt)
         return None
 
     def _validate(self, owner: bytes, msg: SubmitRequest) -> str | None:
@@ -103,23 +149,25 @@ class Scheduler:
         problem = msg.params.validate()
         if problem is not None:
             return problem
+        if type(msg.priority) is not int or type(msg.cache_salt) is not str:
+            return "priority must be an integer and cache_salt a string"
         prompt = msg.prompt_token_ids
         if not prompt:
             return "the prompt is empty"
-        vocab = self.limits.vocab_size
+        vocab = self.settings.vocab_size
         if not all(type(t) is int and 0 <= t < vocab for t in prompt):
             bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
             return f"token id {bad!r} is outside the vocabulary [0, {vocab})"
         total = len(prompt) + msg.params.max_tokens
-        if total > self.limits.max_model_len:
+        if total > self.settings.max_model_len:
             return (
-                f"this model's maximum context length is {self.limits.max_model_len} tokens, but "
+                f"this model's maximum context length is {self.settings.max_model_len} tokens, but "
                 f"{total} were requested ({len(prompt)} in the prompt, {msg.params.max_tokens} to generate)"
             )
-        if self.block_manager.blocks_for(total) > self.limits.num_kv_blocks:
+        if self.block_manager.blocks_for(total) > self.settings.num_kv_blocks:
             return (
                 f"{total} tokens need {self.block_manager.blocks_for(total)} KV blocks, "
-                f"more than the whole pool of {self.limits.num_kv_blocks}"
+                f"more than the whole pool of {self.settings.num_kv_blocks}"
             )
         return None
 
@@ -153,16 +201,44 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._swapped)
 
     def schedule(self) -> StepPlan:
         """The next step's plan. Sequences it schedules count their tokens as computed from now on."""
-        budget = self.limits.max_num_batched_tokens
-        new_seqs: list[NewSequence] = []
-        new_block_ids: list[tuple[int, list[int]]] = []
-        scheduled: list[tuple[Sequence, int]] = []
-        preempted = False
+        step = _Step()
+        budget = self._schedule_running(step, self.settings.max_num_batched_tokens)
+        if not step.preempted:  # right after a preemption, admitting more would only thrash
+            budget = self._schedule_swapped(step, budget)
+            if not self._swapped:
+                self._schedule_waiting(step, budget)
+        for seq, num_tokens in step.scheduled:
+            seq.num_computed_tokens += num_tokens
+            self.block_manager.register_computed(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt
+            )
+            if seq.fork_children and seq.num_computed_tokens == len(seq.token_ids):
+                self._fork_children(seq, step)
+        # frees ride on a plan that runs; an empty plan is not sent
+        freed = self._freed_seq_ids if step.scheduled else []
+        if step.scheduled:
+            self._freed_seq_ids = []
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            freed_seq_ids=freed,
+            new_seqs=step.new_seqs,
+            new_block_ids=step.new_block_ids,
+            scheduled_seq_ids=[seq.seq_id for seq, _ in step.scheduled],
+            num_scheduled_tokens=[n for _, n in step.scheduled],
+            swap_out=step.swap_out,
+            swap_in=step.swap_in,
+            new_block_tables=step.new_block_tables,
+            block_copies=step.block_copies,
+            forks=step.forks,
+        )
+        self._next_step_id += 1
+        return plan
 
+    def _schedule_running(self, step: _Step, budget: int) -> int:
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
@@ -170,56 +246,189 @@ class Scheduler:
             if num_tokens == 0:  # nothing new to compute (cannot happen while steps run one at a time)
                 i += 1
                 continue
-            blocks = self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_tokens)
-            while blocks is None:
+            allocation = self._allocate(seq, num_tokens)
+            while allocation is None:
                 victim = self._running.pop()
-                self._preempt(victim)
-                preempted = True
+                self._preempt(victim, step)
                 if victim is seq:
                     break
-                blocks = self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_tokens)
-            if blocks is None:
-                break  # seq itself was the newest and is now waiting
-            if blocks:
-                new_block_ids.append((seq.seq_id, blocks))
-            scheduled.append((seq, num_tokens))
+                allocation = self._allocate(seq, num_tokens)
+            if allocation is None:
+                break  # seq itself was the last in the queue and is now preempted
+            self._record_allocation(seq, allocation, step)
+            step.scheduled.append((seq, num_tokens))
             budget -= num_tokens
             i += 1
+        return budget
 
-        # Admitting right after a preemption would only thrash: wait for a step that frees blocks.
-        max_num_seqs = self.limits.max_num_seqs
-        while not preempted and self._waiting and budget > 0 and len(self._running) < max_num_seqs:
+    def _schedule_swapped(self, step: _Step, budget: int) -> int:
+        bm = self.block_manager
+        while self._swapped and budget > 0 and self._seats_taken() < self.settings.max_num_seqs:
+            seq = self._swapped[0][1]
+            if seq.status is not SeqStatus.SWAPPED:  # aborted while swapped out
+                heapq.heappop(self._swapped)
+                continue
+            # its blocks, one more for its next token, and the watermark for the others
+            reserve = self.settings.watermark_blocks if self._running else 0
+            if bm.num_blocks_to_swap_in(seq.seq_id) + 1 > bm.num_free_blocks - reserve:
+                break
+            heapq.heappop(self._swapped)
+            step.swap_in += bm.swap_in(seq.seq_id)
+            step.new_block_tables.append((seq.seq_id, list(bm.block_table(seq.seq_id))))
+            self._set_running(seq)
+            self.metrics.swap_ins_total += 1
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            allocation = self._allocate(seq, num_tokens)
+            if allocation is None:
+                continue  # back on the GPU; it runs in a later step
+            self._record_allocation(seq, allocation, step)
+            step.scheduled.append((seq, num_tokens))
+            budget -= num_tokens
+        return budget
+
+    def _schedule_waiting(self, step: _Step, budget: int) -> None:
+        bm = self.block_manager
+        while self._waiting and budget > 0:
             seq = self._waiting[0][1]
-            if seq.status is SeqStatus.FINISHED:  # aborted while waiting
+            if seq.status is not SeqStatus.WAITING:  # aborted while waiting
                 heapq.heappop(self._waiting)
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            missing = self.block_manager.num_missing_blocks(seq.seq_id, num_tokens)
-            reserve = self.limits.watermark_blocks if self._running else 0
-            if missing > self.block_manager.num_free_blocks - reserve:
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.block_manager.allocate(seq.seq_id, num_tokens)
+            if self._seats_taken() + 1 + len(seq.fork_children) > self.settings.max_num_seqs:
+                break
+            hits = bm.find_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+            num_computed = len(hits) * self.settings.block_size
+            num_tokens = min(len(seq.token_ids) - num_computed, budget)
+            reserve = self._reserve_tokens(seq)
+            needed = bm.num_blocks_to_admit(hits, max(num_computed + num_tokens, reserve))
+            watermark = self.settings.watermark_blocks if self._running else 0
+            if needed > bm.num_free_blocks - watermark:
+                break  # in queue order: nobody overtakes the head of the queue
             heapq.heappop(self._waiting)
-            seq.status = SeqStatus.RUNNING
-            bisect.insort(self._running, seq, key=lambda s: s.seq_id)
-            new_seqs.append(self._new_sequence(seq))
+            bm.allocate_prefix(seq.seq_id, hits)
+            allocation = bm.allocate_slots(seq.seq_id, num_computed, num_tokens, reserve)
+            assert allocation is not None and not allocation.copies
+            seq.num_computed_tokens = num_computed
+            self.metrics.prefix_cache_queries_total += len(seq.token_ids)
+            self.metrics.prefix_cache_hits_total += num_computed
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_computed
+            self._set_running(seq)
+            step.new_seqs.append(self._new_sequence(seq))
             seq.on_worker = True
-            scheduled.append((seq, num_tokens))
+            step.scheduled.append((seq, num_tokens))
             budget -= num_tokens
 
-        for seq, num_tokens in scheduled:
-            seq.num_computed_tokens += num_tokens
-        freed, self._freed_seq_ids = (self._freed_seq_ids, []) if scheduled else ([], self._freed_seq_ids)
-        plan = StepPlan(
-            step_id=self._next_step_id,
-            freed_seq_ids=freed,
-            new_seqs=new_seqs,
-            new_block_ids=new_block_ids,
-            scheduled_seq_ids=[seq.seq_id for seq, _ in scheduled],
-            num_scheduled_tokens=[n for _, n in scheduled],
+    # ----------------------------------------------------------------------------------------------------
+    # helpers
+
+    def _seats_taken(self) -> int:
+        return len(self._running) + self._pending_forks
+
+    def _set_running(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self._running, seq, key=lambda s: s.sort_key)
+        self._pending_forks += len(seq.fork_children)
+
+    def _reserve_tokens(self, seq: Sequence) -> int:
+        """Reserved policy: room for the whole possible length, claimed at admission."""
+        if not self.settings.reserved:
+            return 0
+        possible = seq.num_prompt_tokens + seq.request.params.max_tokens
+        return min(possible, self.settings.max_model_len)
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> Allocation | None:
+        return self.block_manager.allocate_slots(
+            seq.seq_id, seq.num_computed_tokens, num_tokens, self._reserve_tokens(seq)
         )
-        self._next_step_id += 1
-        return plan
+
+    def _record_allocation(self, seq: Sequence, allocation: Allocation, step: _Step) -> None:
+        step.block_copies += allocation.copies
+        if allocation.replaced:  # a private copy took a shared block's place
+            step.new_block_tables.append((seq.seq_id, list(self.block_manager.block_table(seq.seq_id))))
+        elif allocation.new_blocks:
+            step.new_block_ids.append((seq.seq_id, allocation.new_blocks))
+
+    def _fork_children(self, parent: Sequence, step: _Step) -> None:
+        """The children share the parent's blocks and sample from its logits in this step."""
+        for child in parent.fork_children:
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.on_worker = True
+            step.forks.append(Fork(parent.seq_id, child.seq_id, child.seed))
+            child.status = SeqStatus.RUNNING
+            bisect.insort(self._running, child, key=lambda s: s.sort_key)
+        self._pending_forks -= len(parent.fork_children)
+        parent.fork_children = []
+
+    def _new_sequence(self, seq: Sequence) -> NewSequence:
+        params = seq.request.params
+        return NewSequence(
+            seq_id=seq.seq_id,
+            token_ids=list(seq.token_ids),
+            block_table=list(self.block_manager.block_table(seq.seq_id)),
+            num_computed_tokens=seq.num_computed_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=seq.seed,
+            num_logprobs=-1 if params.logprobs is None else params.logprobs,
+        )
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        step.preempted = True
+        self._pending_forks -= len(seq.fork_children)
+        self.metrics.preemptions_total += 1
+        mode = self.settings.preemption_mode
+        swap = mode == "swap" or (mode == "auto" and seq.num_computed_tokens >= SWAP_MIN_TOKENS)
+        if swap and self.block_manager.can_swap_out(seq.seq_id):
+            step.swap_out += self.block_manager.swap_out(seq.seq_id)
+            seq.status = SeqStatus.SWAPPED
+            heapq.heappush(self._swapped, (seq.sort_key, seq))
+            self.metrics.swap_outs_total += 1
+            return
+        self.block_manager.free(seq.seq_id)
+        if seq.on_worker:
+            self._freed_seq_ids.append(seq.seq_id)
+            seq.on_worker = False
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (seq.sort_key, seq))
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.request.params
+        if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.settings.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.FORK_PENDING:  # never started: its parent forgets it
+            parent = seq.request.seqs[0]
+            parent.fork_children.remove(seq)
+            if parent.status is SeqStatus.RUNNING:
+                self._pending_forks -= 1
+        elif seq.fork_children:  # aborted before its prompt was done: the next child takes its place
+            if seq.status is SeqStatus.RUNNING:
+                self._pending_forks -= len(seq.fork_children)
+            heir, *rest = seq.fork_children
+            seq.fork_children = []
+            heir.fork_children = rest
+            heir.status = SeqStatus.WAITING
+            heapq.heappush(self._waiting, (heir.sort_key, heir))
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq.seq_id)
+        if seq.on_worker:
+            self._freed_seq_ids.append(seq.seq_id)
+            seq.on_worker = False
+        del self._seqs[seq.seq_id]
+        request = seq.request
+        if request.finished:
+            del self._requests[request.key]
+            self.metrics.requests_finished_total += 1
 
     def update(self, step: StepOutput) -> list[Output]:
         """Appends the sampled tokens, ends finished sequences and returns what to send to clients."""
@@ -244,54 +453,6 @@ class Scheduler:
             self._running = [s for s in self._running if s.status is SeqStatus.RUNNING]
         return outputs
 
-    # ----------------------------------------------------------------------------------------------------
-    # helpers
-
-    def _new_sequence(self, seq: Sequence) -> NewSequence:
-        params = seq.request.params
-        return NewSequence(
-            seq_id=seq.seq_id,
-            token_ids=list(seq.token_ids),
-            block_table=list(self.block_manager.block_table(seq.seq_id)),
-            num_computed_tokens=seq.num_computed_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=seq.seed,
-            num_logprobs=-1 if params.logprobs is None else params.logprobs,
-        )
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq.seq_id)
-        if seq.on_worker:
-            self._freed_seq_ids.append(seq.seq_id)
-            seq.on_worker = False
-        seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
-        heapq.heappush(self._waiting, (seq.seq_id, seq))
-        self.metrics.preemptions_total += 1
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.request.params
-        if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.limits.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        self.block_manager.free(seq.seq_id)
-        if seq.on_worker:
-            self._freed_seq_ids.append(seq.seq_id)
-            seq.on_worker = False
-        del self._seqs[seq.seq_id]
-        request = seq.request
-        if request.finished:
-            del self._requests[request.key]
-            self.metrics.requests_finished_total += 1
-
     def _observe_token(self, seq: Sequence, now: float) -> None:
         self.metrics.generated_tokens_total += 1
         if seq.first_token_time is None:
@@ -315,6 +476,7 @@ class Scheduler:
             logprobs=logprobs,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(0, seq.num_cached_tokens),
         )
 
     # ----------------------------------------------------------------------------------------------------
@@ -329,33 +491,52 @@ class Scheduler:
         return sum(1 for _, s in self._waiting if s.status is SeqStatus.WAITING)
 
     @property
+    def num_swapped_seqs(self) -> int:
+        return sum(1 for _, s in self._swapped if s.status is SeqStatus.SWAPPED)
+
+    @property
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def kv_usage(self):
+        return self.block_manager.usage({s.seq_id: s.num_computed_tokens for s in self._running})
+
     def metrics_text(self) -> str:
         running_requests = len({s.request.key for s in self._running})
-        bm = self.block_manager
+        usage = self.kv_usage()
         gauges = {
             "pagedserve_requests_running": (running_requests, "Requests with a running sequence"),
             "pagedserve_requests_waiting": (len(self._requests) - running_requests, "Requests queued"),
-            "pagedserve_kv_blocks_total": (bm.num_blocks, "KV blocks in the pool"),
-            "pagedserve_kv_blocks_used": (bm.num_used_blocks, "KV blocks held by live sequences"),
+            "pagedserve_requests_swapped": (self.num_swapped_seqs, "Sequences swapped out to the CPU pool"),
+            "pagedserve_kv_blocks_total": (self.block_manager.num_blocks, "KV blocks in the pool"),
+            "pagedserve_kv_blocks_used": (usage.blocks_used, "KV blocks held by live sequences"),
+            "pagedserve_kv_blocks_cached": (usage.blocks_cached, "Free KV blocks holding reusable prefixes"),
+            "pagedserve_kv_blocks_shared": (usage.blocks_shared, "KV blocks held by several sequences"),
+            "pagedserve_kv_blocks_saved": (usage.blocks_saved, "KV blocks that sharing avoids"),
+            "pagedserve_kv_slots_allocated": (usage.slots_allocated, "KV slots in blocks held"),
+            "pagedserve_kv_slots_used": (usage.slots_used, "KV slots holding a token"),
         }
         return self.metrics.render(gauges)
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the queues, the sequences and the block manager disagree."""
-        self.block_manager.check_invariants()
+        bm = self.block_manager
+        bm.check_invariants()
         waiting = [s for _, s in self._waiting if s.status is SeqStatus.WAITING]
+        swapped = [s for _, s in self._swapped if s.status is SeqStatus.SWAPPED]
+        pending = [c for s in self._seqs.values() for c in s.fork_children]
         assert len({s.seq_id for s in waiting}) == len(waiting), "a sequence is twice in the waiting queue"
         assert all(s.status is SeqStatus.RUNNING for s in self._running), "a non-running sequence is running"
-        ids = [s.seq_id for s in self._running]
-        assert ids == sorted(set(ids)), "the running list is not in arrival order"
-        assert len(self._running) <= self.limits.max_num_seqs
-        live = {s.seq_id for s in waiting} | set(ids)
+        keys = [s.sort_key for s in self._running]
+        assert keys == sorted(set(keys)), "the running list is out of order"
+        assert self._pending_forks == sum(len(s.fork_children) for s in self._running)
+        assert self._seats_taken() <= self.settings.max_num_seqs
+        live = {s.seq_id for s in waiting + swapped + pending + self._running}
         assert live == set(self._seqs), "live sequences differ from the queues"
         for seq in self._running:
-            slots = len(self.block_manager.block_table(seq.seq_id)) * self.limits.block_size
+            slots = len(bm.block_table(seq.seq_id)) * self.settings.block_size
             assert slots >= seq.num_computed_tokens, f"seq {seq.seq_id} computed past its blocks"
-        for seq in waiting:
-            assert not self.block_manager.block_table(seq.seq_id), f"waiting seq {seq.seq_id} holds blocks"
+        for seq in waiting + pending:
+            assert not bm.block_table(seq.seq_id), f"queued seq {seq.seq_id} holds blocks"
+        for seq in swapped:
+            assert not bm.block_table(seq.seq_id) and bm.cpu_block_table(seq.seq_id)

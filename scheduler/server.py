@@ -35,7 +35,7 @@ from common.messages import (
     decode,
     encode,
 )
-from scheduler.scheduler import Output, Scheduler, SchedulerLimits
+from scheduler.scheduler import Output, Scheduler, SchedulerSettings
 
 log = structlog.get_logger(process="scheduler")
 
@@ -123,16 +123,16 @@ class SchedulerServer:
         ready = self.ready_msg
         if self.core is None or ready is None:
             return InfoReply(query_id, False, "", "", 0, 0, 0, 0, "")
-        limits = self.core.limits
+        settings = self.core.settings
         return InfoReply(
             query_id=query_id,
             ready=True,
             model_root=ready.model_root,
             model_name=ready.model_name,
-            max_model_len=limits.max_model_len,
-            vocab_size=limits.vocab_size,
-            block_size=limits.block_size,
-            num_kv_blocks=limits.num_kv_blocks,
+            max_model_len=settings.max_model_len,
+            vocab_size=settings.vocab_size,
+            block_size=settings.block_size,
+            num_kv_blocks=settings.num_kv_blocks,
             metrics_text=self.core.metrics_text(),
         )
 
@@ -180,19 +180,25 @@ class SchedulerServer:
         max_model_len = msg.max_model_len
         if self.config.max_model_len:
             max_model_len = min(max_model_len, self.config.max_model_len)
-        limits = SchedulerLimits(
+        config = self.config
+        settings = SchedulerSettings(
             num_kv_blocks=msg.num_kv_blocks,
             block_size=msg.block_size,
             max_model_len=max_model_len,
             vocab_size=msg.vocab_size,
             eos_token_ids=tuple(msg.eos_token_ids),
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            num_cpu_blocks=msg.num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            preemption_mode=config.preemption_mode,
+            scheduling_policy=config.scheduling_policy,
+            kv_policy=config.kv_policy,
         )
-        self.core = Scheduler(limits)
+        self.core = Scheduler(settings)
         self.ready_msg = msg
         self._worker_id = identity
-        log.info("worker_ready", model=msg.model_root, **dataclasses.asdict(limits))
+        log.info("worker_ready", model=msg.model_root, **dataclasses.asdict(settings))
 
     def _fail_all(self, message: str) -> None:
         assert self.core is not None

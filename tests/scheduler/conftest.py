@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from common.messages import SamplingParams, SeqOutput, SubmitRequest
-from scheduler.scheduler import Scheduler, SchedulerLimits
+from scheduler.scheduler import Scheduler, SchedulerSettings
 from tests.scheduler.fake_worker import FakeWorker
 
 OWNER = b"client-0"
@@ -65,8 +65,9 @@ def make_harness(
     eos_token_ids: tuple[int, ...] = (),
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 64,
+    **policies,
 ) -> Harness:
-    limits = SchedulerLimits(
+    settings = SchedulerSettings(
         num_kv_blocks=num_blocks,
         block_size=block_size,
         max_model_len=max_model_len,
@@ -74,8 +75,10 @@ def make_harness(
         eos_token_ids=eos_token_ids,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        **policies,
     )
-    return Harness(Scheduler(limits, clock=FakeClock()), FakeWorker(num_blocks, block_size, vocab_size))
+    worker = FakeWorker(num_blocks, block_size, vocab_size, policies.get("num_cpu_blocks", 0))
+    return Harness(Scheduler(settings, clock=FakeClock()), worker)
 
 
 @pytest.fixture

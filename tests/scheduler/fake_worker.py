@@ -1,9 +1,10 @@
 """A worker without a model, for scheduler tests: it follows plans exactly as the real worker does.
 
-It writes (seq_id, position, token) into a slot array through each sequence's block table and, before
-"sampling", reads back every slot of the sequence's context: a block handed to two live sequences, a table
-that lost a block, or a token computed twice in the wrong place fails at once. Its next token depends only
-on the sequence's seed and its tokens so far, as a seeded model's would.
+It writes (position, token, hash of the tokens before it) -- what a real KV entry depends on -- into a slot
+array through each sequence's block table, runs swaps and copy-on-write copies on that array, and before
+"sampling" reads back every slot of the sequence's context: a block written by two sequences with different
+content, a table that lost a block, a wrong prefix-cache hit, a missed copy or swap fails at once. Its next
+token depends only on the sequence's seed and its tokens so far, as a seeded model's would.
 """
 
 from __future__ import annotations
@@ -27,20 +28,31 @@ class _SeqState:
 
 
 class FakeWorker:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, num_cpu_blocks: int = 0) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.slots: list[tuple[int, int, int] | None] = [None] * (num_blocks * block_size)
+        # A slot holds (position, token, the token ids before it): what a real KV entry depends on.
+        self.slots: list[tuple | None] = [None] * (num_blocks * block_size)
+        self.cpu_slots: list[tuple | None] = [None] * (num_cpu_blocks * block_size)
         self.seqs: dict[int, _SeqState] = {}
         self.plans: list[StepPlan] = []
 
     def _slot(self, state: _SeqState, position: int) -> int:
         return state.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
+    def _copy_blocks(self, src_pool: list, dst_pool: list, pairs: list[tuple[int, int]]) -> None:
+        bs = self.block_size
+        for src, dst in pairs:
+            dst_pool[dst * bs : (dst + 1) * bs] = src_pool[src * bs : (src + 1) * bs]
+
     def execute(self, plan: StepPlan) -> StepOutput:
         self.plans.append(plan)
         for seq_id in plan.freed_seq_ids:
             del self.seqs[seq_id]
+        self._copy_blocks(self.slots, self.cpu_slots, plan.swap_out)
+        self._copy_blocks(self.cpu_slots, self.slots, plan.swap_in)
+        for seq_id, table in plan.new_block_tables:
+            self.seqs[seq_id].block_table = list(table)
         for new in plan.new_seqs:
             assert new.seq_id not in self.seqs, f"seq {new.seq_id} sent twice"
             self.seqs[new.seq_id] = _SeqState(
@@ -52,7 +64,11 @@ class FakeWorker:
             )
         for seq_id, blocks in plan.new_block_ids:
             self.seqs[seq_id].block_table.extend(blocks)
+        self._copy_blocks(self.slots, self.slots, plan.block_copies)
+        for new in plan.new_seqs:  # a prefix-cache hit must hold exactly this sequence's KV
+            self._check_context(new.seq_id, self.seqs[new.seq_id], new.num_computed_tokens)
         out = StepOutput(plan.step_id, [], [], [])
+        forked: list[tuple[int, _SeqState]] = []
         for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.num_scheduled_tokens, strict=True):
             state = self.seqs[seq_id]
             assert num_tokens >= 1
@@ -60,19 +76,38 @@ class FakeWorker:
             assert end <= len(state.token_ids), "scheduled past the known tokens"
             assert len(state.block_table) * self.block_size >= end, "block table too short"
             for pos in range(state.num_computed_tokens, end):
-                self.slots[self._slot(state, pos)] = (seq_id, pos, state.token_ids[pos])
+                self.slots[self._slot(state, pos)] = self._kv(state, pos)
             state.num_computed_tokens = end
-            for pos in range(end):  # attention reads the whole context through the block table
-                assert self.slots[self._slot(state, pos)] == (seq_id, pos, state.token_ids[pos]), (
-                    f"seq {seq_id} position {pos}: KV slot holds {self.slots[self._slot(state, pos)]}"
+            self._check_context(seq_id, state, end)  # attention reads the context through the block table
+            samples = end == len(state.token_ids)
+            if samples:
+                self._sample(seq_id, state, out)
+            for fork in (f for f in plan.forks if f.parent_seq_id == seq_id):
+                assert samples, "a fork's parent must sample in the same step"
+                child = _SeqState(
+                    list(state.token_ids[:end]), list(state.block_table), end, fork.seed, state.num_logprobs
                 )
-            if end == len(state.token_ids):
-                token = fake_next_token(state.seed, state.token_ids, self.vocab_size)
-                state.token_ids.append(token)
-                out.seq_ids.append(seq_id)
-                out.token_ids.append(token)
-                lp = None
-                if state.num_logprobs >= 0:
-                    lp = TokenLogprobs(-1.0, list(range(state.num_logprobs)), [-1.0] * state.num_logprobs)
-                out.logprobs.append(lp)
+                self.seqs[fork.child_seq_id] = child
+                forked.append((fork.child_seq_id, child))
+        for child_id, child in forked:
+            self._sample(child_id, child, out)
         return out
+
+    @staticmethod
+    def _kv(state: _SeqState, pos: int) -> tuple:
+        return (pos, state.token_ids[pos], hash(tuple(state.token_ids[:pos])))
+
+    def _check_context(self, seq_id: int, state: _SeqState, num_tokens: int) -> None:
+        for pos in range(num_tokens):
+            held = self.slots[self._slot(state, pos)]
+            assert held == self._kv(state, pos), f"seq {seq_id} position {pos}: KV slot holds {held}"
+
+    def _sample(self, seq_id: int, state: _SeqState, out: StepOutput) -> None:
+        token = fake_next_token(state.seed, state.token_ids, self.vocab_size)
+        state.token_ids.append(token)
+        out.seq_ids.append(seq_id)
+        out.token_ids.append(token)
+        lp = None
+        if state.num_logprobs >= 0:
+            lp = TokenLogprobs(-1.0, list(range(state.num_logprobs)), [-1.0] * state.num_logprobs)
+        out.logprobs.append(lp)
