@@ -156,7 +156,7 @@ class InfoRequest:
         return cls(f[0])
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprobs:
     """Logprobs of one generated token under the model's raw distribution."""
 
@@ -172,7 +172,7 @@ class TokenLogprobs:
         return cls(f[0], f[1], f[2])
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqOutput:
     """New tokens of one sequence of a request since its last output."""
 

@@ -36,6 +36,9 @@ class Allocation:
     replaced: bool = False  # the table changed in place (a copy replaced a shared block)
 
 
+_NOTHING_NEW = Allocation()  # shared result for allocations that change nothing; callers only read it
+
+
 @dataclass(frozen=True)
 class KVUsage:
     """Where the pool's slots are, for metrics and benchmarks."""
@@ -204,19 +207,26 @@ class BlockManager:
 
         All or nothing: when the pool has too few free blocks it returns None and changes nothing.
         """
-        if self.num_blocks_needed(seq_id, num_computed, num_new_tokens, reserve) > len(self._free):
+        table = self._tables.get(seq_id)
+        if table is None:
+            table = self._tables[seq_id] = []
+        bs = self.block_size
+        end = max(num_computed + num_new_tokens, reserve)
+        missing = -(-end // bs) - len(table)
+        index = num_computed // bs
+        copy = num_new_tokens > 0 and index < len(table) and self._ref_counts[table[index]] > 1
+        if missing <= 0 and not copy:
+            return _NOTHING_NEW  # the common decode step: room in the last block
+        if max(0, missing) + copy > len(self._free):
             return None
-        table = self._tables.setdefault(seq_id, [])
         result = Allocation()
-        if self._needs_copy(table, num_computed, num_new_tokens):
-            index = num_computed // self.block_size
+        if copy:
             shared = table[index]
             private = self._take_free_block()
             table[index] = private
             self._release(shared)
             result.copies.append((shared, private))
             result.replaced = True
-        end = max(num_computed + num_new_tokens, reserve)
         for _ in range(self.blocks_for(end) - len(table)):
             result.new_blocks.append(self._take_free_block())
         table.extend(result.new_blocks)

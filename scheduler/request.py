@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.messages import SamplingParams, TokenLogprobs
+from common.messages import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -16,7 +16,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One client request: a prompt and `params.n` sequences generated from it."""
 
@@ -28,6 +28,8 @@ class Request:
     priority: int = 0
     cache_salt: str = ""
     seqs: list[Sequence] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()  # generating one ends a sequence: stop ids, and EOS unless ignored
+    max_total_len: int = 0  # prompt + max_tokens, capped by max_model_len: a sequence ends at this length
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -38,7 +40,7 @@ class Request:
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """One generated sequence. `token_ids` is the prompt followed by every token generated so far."""
 
@@ -52,8 +54,6 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission (-1: not yet)
     on_worker: bool = False  # the worker holds state for it (so a free must be sent)
-    num_sent_tokens: int = 0  # output tokens already sent to the client
-    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -125,6 +125,9 @@ class Scheduler:
         params = msg.params
         prompt = list(msg.prompt_token_ids)
         request = Request(owner, msg.request_id, prompt, params, self._clock(), msg.priority, msg.cache_salt)
+        eos = frozenset() if params.ignore_eos else self._eos
+        request.stop_ids = frozenset(params.stop_token_ids) | eos
+        request.max_total_len = min(len(prompt) + params.max_tokens, self.settings.max_model_len)
         base_seed = params.seed if params.seed is not None else random.getrandbits(63)
         priority = msg.priority if self.settings.scheduling_policy == "priority" else 0
         for index in range(params.n):
@@ -183,7 +186,7 @@ class Scheduler:
             if seq.status is SeqStatus.FINISHED or (index is not None and seq.index != index):
                 continue
             self._finish(seq, finish_reason)
-            outputs.append((owner, self._output_of(seq)))
+            outputs.append((owner, self._output_of(seq, [], [])))
         self._running = [s for s in self._running if s.status is SeqStatus.RUNNING]
         return outputs
 
@@ -211,11 +214,14 @@ class Scheduler:
             budget = self._schedule_swapped(step, budget)
             if not self._swapped:
                 self._schedule_waiting(step, budget)
+        bs = self.settings.block_size
         for seq, num_tokens in step.scheduled:
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += num_tokens
-            self.block_manager.register_computed(
-                seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt
-            )
+            if before // bs != seq.num_computed_tokens // bs:  # a block filled up: cache it
+                self.block_manager.register_computed(
+                    seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt
+                )
             if seq.fork_children and seq.num_computed_tokens == len(seq.token_ids):
                 self._fork_children(seq, step)
         # frees ride on a plan that runs; an empty plan is not sent
@@ -337,9 +343,8 @@ class Scheduler:
         return min(possible, self.settings.max_model_len)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> Allocation | None:
-        return self.block_manager.allocate_slots(
-            seq.seq_id, seq.num_computed_tokens, num_tokens, self._reserve_tokens(seq)
-        )
+        reserve = self._reserve_tokens(seq) if self.settings.reserved else 0
+        return self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_tokens, reserve)
 
     def _record_allocation(self, seq: Sequence, allocation: Allocation, step: _Step) -> None:
         step.block_copies += allocation.copies
@@ -396,14 +401,6 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (seq.sort_key, seq))
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.request.params
-        if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.settings.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FORK_PENDING:  # never started: its parent forgets it
             parent = seq.request.seqs[0]
@@ -431,24 +428,26 @@ class Scheduler:
             self.metrics.requests_finished_total += 1
 
     def update(self, step: StepOutput) -> list[Output]:
-        """Appends the sampled tokens, ends finished sequences and returns what to send to clients."""
+        """Appends the sampled tokens, ends finished sequences and returns what to send to clients. Every
+        token goes out in the update that brings it, so an output carries exactly one new token."""
         now = self._clock()
         outputs: list[Output] = []
         any_finished = False
-        for i, seq_id in enumerate(step.seq_ids):
+        running = SeqStatus.RUNNING
+        for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
             seq = self._seqs.get(seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING:
+            if seq is None or seq.status is not running:
                 continue  # aborted while its step was in flight
-            token = step.token_ids[i]
             seq.token_ids.append(token)
-            if step.logprobs[i] is not None:
-                seq.pending_logprobs.append(step.logprobs[i])
             self._observe_token(seq, now)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
+            request = seq.request
+            if token in request.stop_ids:
+                self._finish(seq, FinishReason.STOP)
                 any_finished = True
-            outputs.append((seq.request.owner, self._output_of(seq)))
+            elif len(seq.token_ids) >= request.max_total_len:
+                self._finish(seq, FinishReason.LENGTH)
+                any_finished = True
+            outputs.append((request.owner, self._output_of(seq, [token], [logprobs])))
         if any_finished:
             self._running = [s for s in self._running if s.status is SeqStatus.RUNNING]
         return outputs
@@ -462,21 +461,17 @@ class Scheduler:
             self.metrics.inter_token_latency.observe(now - seq.last_token_time)
         seq.last_token_time = now
 
-    def _output_of(self, seq: Sequence) -> SeqOutput:
-        start = seq.num_prompt_tokens + seq.num_sent_tokens
-        new_tokens = seq.token_ids[start:]
-        seq.num_sent_tokens += len(new_tokens)
-        logprobs = None
-        if seq.request.params.logprobs is not None:
-            logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+    @staticmethod
+    def _output_of(seq: Sequence, token_ids: list[int], logprobs: list) -> SeqOutput:
+        request = seq.request
         return SeqOutput(
-            request_id=seq.request.request_id,
-            index=seq.index,
-            token_ids=new_tokens,
-            logprobs=logprobs,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=max(0, seq.num_cached_tokens),
+            request.request_id,
+            seq.index,
+            token_ids,
+            logprobs if request.params.logprobs is not None else None,
+            seq.finish_reason,
+            len(request.prompt_token_ids),
+            max(0, seq.num_cached_tokens),
         )
 
     # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""Times the scheduler core alone (schedule + update per step) with a fake worker that only samples.
+
+    python scripts/bench_scheduler.py [--requests 10000] [--steps 1500] [--json-out FILE]
+
+10k requests (prompts of 32-1024 random tokens, outputs of 16-512, fixed seed) are queued at once; for each
+of 64, 256 and 1024 running sequences (max_num_seqs) the scheduler runs until that many are running, then
+`--steps` steps are timed. The pool is large enough that nothing is preempted, so the numbers are the steady
+decode-heavy path a GPU step waits on. The last line reads `256 running: <microseconds> us/step`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
+
+from common.messages import SamplingParams, StepOutput, StepPlan, SubmitRequest  # noqa: E402
+from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
+
+
+class SamplingOnlyWorker:
+    """Follows the plan's sampling rule and returns a token for every sequence that samples."""
+
+    def __init__(self) -> None:
+        self.remaining: dict[int, int] = {}  # seq_id -> tokens still to compute before it samples
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        for seq_id in plan.freed_seq_ids:
+            self.remaining.pop(seq_id, None)
+        for new in plan.new_seqs:
+            self.remaining[new.seq_id] = len(new.token_ids) - new.num_computed_tokens
+        out = StepOutput(plan.step_id, [], [], [])
+        for seq_id, n in zip(plan.scheduled_seq_ids, plan.num_scheduled_tokens, strict=True):
+            left = self.remaining[seq_id] - n
+            if left == 0:
+                out.seq_ids.append(seq_id)
+                out.token_ids.append(seq_id % 1000)
+                out.logprobs.append(None)
+                left = 1  # the sampled token is the next one to compute
+            self.remaining[seq_id] = left
+        for fork in plan.forks:
+            self.remaining[fork.child_seq_id] = 1
+            out.seq_ids.append(fork.child_seq_id)
+            out.token_ids.append(7)
+            out.logprobs.append(None)
+        return out
+
+
+def run(max_num_seqs: int, num_requests: int, steps: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    settings = SchedulerSettings(
+        num_kv_blocks=1 << 20,
+        block_size=16,
+        max_model_len=4096,
+        vocab_size=32000,
+        eos_token_ids=(),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(8192, 2 * max_num_seqs),
+    )
+    scheduler = Scheduler(settings)
+    worker = SamplingOnlyWorker()
+    for i in range(num_requests):
+        prompt = [rng.randrange(32000) for _ in range(rng.randint(32, 1024))]
+        params = SamplingParams(max_tokens=rng.randint(16, 512), ignore_eos=True, seed=i)
+        assert scheduler.add_request(b"bench", SubmitRequest(str(i), prompt, params)) is None
+
+    warmup = 0
+    while scheduler.num_running_seqs < max_num_seqs:  # fill the batch first
+        scheduler.update(worker.execute(scheduler.schedule()))
+        warmup += 1
+        assert warmup < 100_000
+    step_us, seqs = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        plan = scheduler.schedule()
+        t1 = time.perf_counter()
+        output = worker.execute(plan)  # not timed: the GPU's share
+        t2 = time.perf_counter()
+        scheduler.update(output)
+        t3 = time.perf_counter()
+        step_us.append(((t1 - t0) + (t3 - t2)) * 1e6)
+        seqs.append(len(plan.scheduled_seq_ids))
+    median = statistics.median(step_us)
+    return {
+        "max_num_seqs": max_num_seqs,
+        "median_us_per_step": median,
+        "p90_us_per_step": statistics.quantiles(step_us, n=10)[-1],
+        "mean_scheduled_seqs": statistics.fmean(seqs),
+        "us_per_scheduled_seq": median / statistics.median(seqs),
+        "steps": steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    rows = [run(r, args.requests, args.steps, args.seed) for r in args.running]
+    print(f"{'running':>8} {'us/step p50':>12} {'us/step p90':>12} {'seqs/step':>10} {'us/seq':>8}")
+    for row in rows:
+        print(
+            f"{row['max_num_seqs']:>8} {row['median_us_per_step']:>12.0f} {row['p90_us_per_step']:>12.0f} "
+            f"{row['mean_scheduled_seqs']:>10.1f} {row['us_per_scheduled_seq']:>8.2f}"
+        )
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+    for row in rows:
+        if row["max_num_seqs"] == 256:
+            print(f"256 running: {row['median_us_per_step']:.0f} us/step")
+
+
+if __name__ == "__main__":
+    main()
