@@ -71,11 +71,20 @@ async def _serve(
     req = parse(body, model)
     response_id = id_prefix + uuid.uuid4().hex
     record = request[RECORD]
-    record.update(response_id=response_id, stream=req.stream, num_prompts=len(req.prompts), n=req.params[0].n)
+    record.update(
+        response_id=response_id,
+        stream=req.stream,
+        num_prompts=len(req.prompts),
+        n=req.params[0].n,
+        priority=req.priority,
+    )
     handles = []
     try:
         for prompt, params in zip(req.prompts, req.params, strict=True):
-            handles.append(await state.client.submit_one(prompt, params))
+            handle = await state.client.submit_one(
+                prompt, params, priority=req.priority, cache_salt=req.cache_salt
+            )
+            handles.append(handle)
     except BaseException as e:  # refused, or cancelled because the client left: stop what was submitted
         for handle in handles:
             handle.abort()

@@ -30,9 +30,11 @@ SAMPLING_FIELDS = frozenset(
     | {"stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
     | {"min_tokens", "min_p", "max_tokens"}
 )
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-CHAT_FIELDS |= {"response_format", "tools", "tool_choice"}
+# How the scheduler treats the request rather than what it generates (vLLM's extensions of the same names).
+SCHEDULING_FIELDS = frozenset({"priority", "cache_salt"})
+COMPLETION_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion_tokens", "logprobs"}
+CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"}
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_INT = 2**31 - 1  # bounds integers we forward, so they always fit the wire format
 
@@ -46,6 +48,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a final chunk with the usage
     num_logprobs: int | None  # top logprobs per token; None: no logprobs
+    priority: int = 0  # under the scheduler's priority policy, lower runs first
+    cache_salt: str = ""  # non-empty: prefix-cache entries shared only with requests of the same salt
 
 
 def _is_int(value: Any) -> bool:
@@ -91,6 +95,15 @@ class Fields:
         value = self.body.get(name)
         if value is not None and not any(value == a and type(value) is not bool for a in allowed):
             raise invalid(f"'{name}' is not supported (only {allowed[0]!r}), got {value!r}", name)
+
+    def nonempty_string(self, name: str) -> str:
+        """A string field that must not be empty when given; "" when absent."""
+        value = self.body.get(name)
+        if value is None:
+            return ""
+        if not isinstance(value, str) or not value:
+            raise invalid(f"'{name}' must be a non-empty string, got {value!r}", name)
+        return value
 
     def stop_strings(self) -> tuple[str, ...]:
         value = self.body.get("stop")
@@ -173,7 +186,15 @@ def _generation_request(
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise invalid("'stream_options' supports only 'include_usage'", "stream_options")
     include_usage = stream and Fields(options or {}).boolean("include_usage")
-    return GenerationRequest(prompts, params, stream, include_usage, num_logprobs)
+    return GenerationRequest(
+        prompts,
+        params,
+        stream,
+        include_usage,
+        num_logprobs,
+        priority=f.integer("priority", 0),  # type: ignore[arg-type]
+        cache_salt=f.nonempty_string("cache_salt"),
+    )
 
 
 def _prompt_ids(value: Any, model: ServedModel) -> list[int] | None:

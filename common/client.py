@@ -17,33 +17,43 @@ import itertools
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
-from common.detokenizer import SequenceText
 from common.log import get_logger
 from common.messages import (
     AbortRequest,
     CodecError,
     ErrorKind,
-    FinishReason,
     InfoReply,
     InfoRequest,
     Message,
     RequestError,
     RequestOutputs,
     SamplingParams,
-    SeqOutput,
     SubmitRequest,
-    TokenLogprobs,
     decode,
     encode,
 )
+from common.request_stream import RequestHandle, RequestResult, SequenceDelta, SequenceResult, _RequestState
+
+__all__ = [
+    "AsyncEngineClient",
+    "ClientClosed",
+    "EngineClient",
+    "Prompt",
+    "RequestHandle",
+    "RequestRejected",
+    "RequestResult",
+    "SequenceDelta",
+    "SequenceResult",
+    "SyncRequestHandle",
+    "load_tokenizer",
+]
 
 Prompt = str | Sequence[int]  # text (tokenized here) or token ids (sent exactly as given)
 T = TypeVar("T")
@@ -64,190 +74,13 @@ class ClientClosed(Exception):
     """The client was closed while the request was still running."""
 
 
-@dataclass
-class SequenceDelta:
-    """What one sequence of a request produced since its previous delta."""
-
-    request_id: str
-    index: int  # which of the request's n sequences
-    token_ids: list[int]  # new tokens (those after a stop string included: they were generated)
-    text: str | None  # new final text; None when the client has no tokenizer
-    logprobs: list[TokenLogprobs] | None  # one per new token when the request asked for logprobs
-    finish_reason: str | None  # set on the sequence's last delta
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens the scheduler served from its prefix cache
-    num_output_tokens: int  # tokens this sequence has generated so far, these included
-
-
-@dataclass
-class SequenceResult:
-    """One finished sequence."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-
-
-@dataclass
-class RequestResult:
-    """One finished request: its n sequences and usage counters."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[SequenceResult]
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
-
-
-_END = None  # queued after a request's last delta
-
-
-class _RequestState:
-    """Client-side state of one request; touched only by the event loop's thread."""
-
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, tokenizer: Any) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt
-        self.params = params
-        self.queue: asyncio.Queue[SequenceDelta | BaseException | None] = asyncio.Queue()
-        n = params.n
-        self.texts = None if tokenizer is None else [SequenceText(tokenizer, params.stop) for _ in range(n)]
-        self.num_output_tokens = [0] * n
-        self.finished = [False] * n
-        self.num_unfinished = n
-        self.num_cached_tokens = 0
-
-    @property
-    def done(self) -> bool:
-        return self.num_unfinished == 0
-
-    def _finish(self, index: int) -> None:
-        self.finished[index] = True
-        self.num_unfinished -= 1
-        if self.num_unfinished == 0:
-            self.queue.put_nowait(_END)
-
-    def on_output(self, out: SeqOutput) -> AbortRequest | None:
-        """Queues the delta for `out`; returns the abort to send when a stop string ended the sequence."""
-        i = out.index
-        if not 0 <= i < len(self.finished) or self.finished[i]:
-            return None  # late tokens of a sequence we already ended
-        self.num_output_tokens[i] += len(out.token_ids)
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
-        finish_reason = out.finish_reason
-        text = None
-        if self.texts is not None:
-            seq_text = self.texts[i]
-            text = seq_text.push(out.token_ids)
-            if finish_reason is not None and not seq_text.stopped:
-                text += seq_text.finish()
-            if seq_text.stopped:
-                finish_reason = FinishReason.STOP
-        self.queue.put_nowait(
-            SequenceDelta(
-                self.request_id,
-                i,
-                list(out.token_ids),
-                text,
-                out.logprobs,
-                finish_reason,
-                out.num_prompt_tokens,
-                self.num_cached_tokens,
-                self.num_output_tokens[i],
-            )
-        )
-        if finish_reason is None:
-            return None
-        self._finish(i)
-        if out.finish_reason is None:  # ended here by a stop string; the scheduler must stop it too
-            return AbortRequest(self.request_id, i, FinishReason.STOP)
-        return None
-
-    def abort_locally(self) -> None:
-        """Ends every unfinished sequence with finish_reason "abort", flushing its held-back text."""
-        for i, finished in enumerate(self.finished):
-            if finished:
-                continue
-            text = None if self.texts is None else self.texts[i].finish()
-            self.queue.put_nowait(
-                SequenceDelta(
-                    self.request_id,
-                    i,
-                    [],
-                    text,
-                    None,
-                    FinishReason.ABORT,
-                    len(self.prompt_token_ids),
-                    self.num_cached_tokens,
-                    self.num_output_tokens[i],
-                )
-            )
-            self._finish(i)
-
-    def fail(self, error: BaseException) -> None:
-        self.num_unfinished = 0
-        self.queue.put_nowait(error)
-
-
-class RequestHandle:
-    """One submitted prompt. `async for delta in handle` streams its deltas; `await handle.result()` waits."""
-
-    def __init__(self, client: AsyncEngineClient, state: _RequestState) -> None:
-        self._client = client
-        self._state = state
-        self._exhausted = False
-        self.request_id = state.request_id
-        self.prompt_token_ids = state.prompt_token_ids
-        self.params = state.params
-
-    @property
-    def finished(self) -> bool:
-        """Every sequence has ended (or the request failed); nothing more will be queued."""
-        return self._state.done
-
-    def __aiter__(self) -> AsyncIterator[SequenceDelta]:
-        return self
-
-    async def __anext__(self) -> SequenceDelta:
-        if self._exhausted:
-            raise StopAsyncIteration
-        item = await self._state.queue.get()
-        if isinstance(item, SequenceDelta):
-            return item
-        self._exhausted = True
-        if item is _END:
-            raise StopAsyncIteration
-        raise item
-
-    def abort(self) -> None:
-        """Stops the request at the scheduler; unfinished sequences end with finish_reason "abort"."""
-        self._client.abort(self.request_id)
-
-    async def result(self) -> RequestResult:
-        """Consumes the remaining deltas and returns the finished request. Raises RequestRejected."""
-        want_logprobs = self.params.logprobs is not None
-        outputs = [SequenceResult(i, logprobs=[] if want_logprobs else None) for i in range(self.params.n)]
-        num_prompt_tokens = len(self.prompt_token_ids)
-        num_cached_tokens = 0
-        async for delta in self:
-            seq = outputs[delta.index]
-            seq.token_ids.extend(delta.token_ids)
-            if delta.text is not None:
-                seq.text = (seq.text or "") + delta.text
-            if delta.logprobs and seq.logprobs is not None:
-                seq.logprobs.extend(delta.logprobs)
-            seq.finish_reason = delta.finish_reason or seq.finish_reason
-            num_prompt_tokens = delta.num_prompt_tokens
-            num_cached_tokens = max(num_cached_tokens, delta.num_cached_tokens)
-        return RequestResult(
-            self.request_id, self.prompt_token_ids, outputs, num_prompt_tokens, num_cached_tokens
-        )
+def _request_options_problem(priority: object, cache_salt: object) -> str | None:
+    """Why `priority` / `cache_salt` cannot be sent, or None (they must fit the wire's 64-bit int / str)."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+        return f"priority must be a 64-bit integer, got {priority!r}"
+    if not isinstance(cache_salt, str):
+        return f"cache_salt must be a string, got {cache_salt!r}"
+    return None
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
@@ -408,17 +241,24 @@ class AsyncEngineClient:
         return f"{self._id_prefix}-{next(self._request_counter)}"
 
     async def submit(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> list[RequestHandle]:
         """Submits one request per prompt, all with `params`; returns their handles in order.
 
-        `prompts` is a list of prompts, or a single prompt: a string or a list of token ids. Raises
-        RequestRejected (kind invalid_request_error) for parameters or prompts that can never be served.
+        `prompts` is a list of prompts, or a single prompt: a string or a list of token ids. `priority`
+        orders requests under the scheduler's priority policy (lower first); a non-empty `cache_salt`
+        keeps the request's prefix-cache entries apart from those of other salts. Raises RequestRejected
+        (kind invalid_request_error) for parameters or prompts that can never be served.
         """
         params = params or SamplingParams()
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        problem = params.validate()
+        problem = params.validate() or _request_options_problem(priority, cache_salt)
         if problem is not None:
             raise RequestRejected(ErrorKind.INVALID_REQUEST, problem)
         await self.start()
@@ -445,12 +285,13 @@ class AsyncEngineClient:
                 self._requests[state.request_id] = state
                 states.append(state)
                 assert self._socket is not None
-                await self._socket.send_multipart(encode(SubmitRequest(state.request_id, prompt, params)))
+                request = SubmitRequest(state.request_id, prompt, params, priority, cache_salt)
+                await self._socket.send_multipart(encode(request))
         except BaseException:  # cancelled half-way: nobody will read these requests, so stop them
             for state in states:
                 self.abort(state.request_id)
             raise
-        return [RequestHandle(self, state) for state in states]
+        return [RequestHandle(state, self.abort) for state in states]
 
     @staticmethod
     def _tokenize(prompts: Sequence[Prompt], tokenizer: Any) -> list[list[int]]:
@@ -458,9 +299,11 @@ class AsyncEngineClient:
         encoded = iter(tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else [])
         return [list(next(encoded)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
 
-    async def submit_one(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+    async def submit_one(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0, cache_salt: str = ""
+    ) -> RequestHandle:
         """Submits a single prompt; see `submit`."""
-        [handle] = await self.submit([prompt], params)
+        [handle] = await self.submit([prompt], params, priority=priority, cache_salt=cache_salt)
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -476,10 +319,15 @@ class AsyncEngineClient:
             self._send_nowait(AbortRequest(request_id))
 
     async def generate(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> list[RequestResult]:
         """Submits the prompts and waits for all of them; results are in prompt order."""
-        handles = await self.submit(prompts, params)
+        handles = await self.submit(prompts, params, priority=priority, cache_salt=cache_salt)
         try:
             return list(await asyncio.gather(*(h.result() for h in handles)))
         finally:
@@ -559,21 +407,34 @@ class EngineClient:
         return self._run(self._client.get_tokenizer())
 
     def submit(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> list[SyncRequestHandle]:
-        return [SyncRequestHandle(self, h) for h in self._run(self._client.submit(prompts, params))]
+        handles = self._run(self._client.submit(prompts, params, priority=priority, cache_salt=cache_salt))
+        return [SyncRequestHandle(self, h) for h in handles]
 
-    def submit_one(self, prompt: Prompt, params: SamplingParams | None = None) -> SyncRequestHandle:
-        [handle] = self.submit([prompt], params)
+    def submit_one(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0, cache_salt: str = ""
+    ) -> SyncRequestHandle:
+        [handle] = self.submit([prompt], params, priority=priority, cache_salt=cache_salt)
         return handle
 
     def abort(self, request_id: str) -> None:
         self._loop.call_soon_threadsafe(self._client.abort, request_id)
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> list[RequestResult]:
-        return self._run(self._client.generate(prompts, params))
+        return self._run(self._client.generate(prompts, params, priority=priority, cache_salt=cache_salt))
 
     def close(self) -> None:
         """Aborts unfinished requests, closes the socket and stops the background thread."""

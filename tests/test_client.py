@@ -143,6 +143,23 @@ def test_scheduler_refusals_raise_from_the_handle() -> None:
     run_with_fake(test)
 
 
+def test_priority_and_cache_salt_travel_with_every_request() -> None:
+    async def test(fake: FakeScheduler) -> None:
+        async with AsyncEngineClient(fake.address, detokenize=False) as client:
+            params = SamplingParams(max_tokens=1)
+            await client.generate([[1, 2], [3]], params, priority=-2, cache_salt="team-a")
+            await (await client.submit_one([4], params, priority=7)).result()
+            await client.generate([[5]], params)
+            for priority, cache_salt in ((True, ""), (1.5, ""), (2**63, ""), (0, 5)):
+                with pytest.raises(RequestRejected) as info:
+                    await client.submit_one([6], params, priority=priority, cache_salt=cache_salt)  # type: ignore[arg-type]
+                assert info.value.kind == ErrorKind.INVALID_REQUEST
+        sent = [(s.prompt_token_ids, s.priority, s.cache_salt) for s in fake.submits()]
+        assert sent == [([1, 2], -2, "team-a"), ([3], -2, "team-a"), ([4], 7, ""), ([5], 0, "")]
+
+    run_with_fake(test)
+
+
 def test_abort_ends_the_request_and_tells_the_scheduler() -> None:
     async def test(fake: FakeScheduler) -> None:
         async with AsyncEngineClient(fake.address, detokenize=False) as client:
@@ -213,9 +230,11 @@ def test_sync_client_streams_and_generates(tokenizer: Any) -> None:
             handle = client.submit_one("abc def", SamplingParams(max_tokens=5))
             deltas = list(handle)
             assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 5
-            results = client.generate(["x", [7, 8]], SamplingParams(max_tokens=2))
+            results = client.generate(["x", [7, 8]], SamplingParams(max_tokens=2), priority=3, cache_salt="s")
             assert results[1].outputs[0].token_ids == [7, 8]
             assert results[1].outputs[0].text == tokenizer.decode([7, 8])
+            client.submit_one([9], SamplingParams(max_tokens=1), priority=-1).result()
+            assert [(s.priority, s.cache_salt) for s in fake.submits()[-3:]] == [(3, "s"), (3, "s"), (-1, "")]
     finally:
         background.run(fake.stop())
         background.close()

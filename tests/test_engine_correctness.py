@@ -9,27 +9,28 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from common.config import WorkerConfig
 from common.messages import SamplingParams, SubmitRequest
-from scheduler.scheduler import Scheduler, SchedulerLimits
+from scheduler.scheduler import Scheduler, SchedulerSettings
 from worker.model_runner import ModelRunner
 
 MAX_TOKENS = 24
 
 
-def _run_engine(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams, **limits_kw):
-    limits = SchedulerLimits(
+def _run_engine(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams, **settings_kw):
+    settings = SchedulerSettings(
         num_kv_blocks=runner.num_kv_blocks,
         block_size=runner.block_size,
         max_model_len=runner.max_model_len,
         vocab_size=runner.vocab_size,
         eos_token_ids=tuple(runner.eos_token_ids),
-        **limits_kw,
+        **settings_kw,
     )
-    scheduler = Scheduler(limits)
+    scheduler = Scheduler(settings)
     for i, prompt in enumerate(prompts):
         assert scheduler.add_request(b"test", SubmitRequest(f"r{i}", prompt, params)) is None
     outputs: dict[tuple[int, int], list[int]] = {}
@@ -45,25 +46,19 @@ def _run_engine(runner: ModelRunner, prompts: list[list[int]], params: SamplingP
     return outputs, scheduler
 
 
-def test_greedy_matches_transformers_through_continuous_batching_with_preemption(tiny_model_dir):
+def _prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(0)
-    runner = ModelRunner(
-        WorkerConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=40)
-    )
-    vocab = runner.vocab_size
-    lengths = [1, 3, 7, 16, 17, 29, 40, 64]
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-    ours, scheduler = _run_engine(
-        runner,
-        prompts,
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
-        max_num_seqs=8,
-        max_num_batched_tokens=48,  # also splits the longer prompts into chunks
-    )
-    assert scheduler.metrics.preemptions_total >= 2
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (1, 3, 7, 16, 17, 29, 40, 64)]
+    # shared prefixes, so the prefix cache has something to find: a copy, and two extensions
+    return prompts + [list(prompts[6]), prompts[7][:33] + [5, 6, 7], prompts[5] + prompts[2]]
 
+
+@pytest.fixture(scope="module")
+def transformers_greedy(tiny_model_dir):
+    """What transformers' own LlamaForCausalLM.generate produces for each prompt alone."""
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    for i, prompt in enumerate(prompts):
+    expected = []
+    for prompt in _prompts(model.config.vocab_size):
         with torch.no_grad():
             ids = model.generate(
                 torch.tensor([prompt]),
@@ -71,8 +66,49 @@ def test_greedy_matches_transformers_through_continuous_batching_with_preemption
                 max_new_tokens=MAX_TOKENS,
                 do_sample=False,
             )
-        expected = ids[0, len(prompt) :].tolist()
-        assert ours[(i, 0)] == expected, f"prompt {i} (length {len(prompt)})"
+        expected.append(ids[0, len(prompt) :].tolist())
+    return expected
+
+
+@pytest.mark.parametrize(
+    "name,num_kv_blocks,policies",
+    [
+        ("roomy", 400, dict(preemption_mode="recompute")),
+        ("recompute", 40, dict(preemption_mode="recompute")),
+        ("recompute-no-prefix-cache", 40, dict(preemption_mode="recompute", enable_prefix_caching=False)),
+        ("swap", 40, dict(preemption_mode="swap")),
+        ("auto", 40, dict(preemption_mode="auto")),
+    ],
+)
+def test_greedy_matches_transformers_through_continuous_batching(
+    tiny_model_dir, transformers_greedy, name, num_kv_blocks, policies
+):
+    config = WorkerConfig(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=num_kv_blocks,
+        swap_space=0.05,
+    )  # fmt: skip
+    runner = ModelRunner(config)
+    prompts = _prompts(runner.vocab_size)
+    ours, scheduler = _run_engine(
+        runner,
+        prompts,
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        max_num_seqs=8,
+        max_num_batched_tokens=48,  # also splits the longer prompts into chunks
+        num_cpu_blocks=runner.num_cpu_blocks,
+        **policies,
+    )
+    m = scheduler.metrics
+    if name == "roomy":
+        assert m.preemptions_total == 0
+    else:
+        assert m.preemptions_total >= 2
+    if name == "swap":
+        assert m.swap_outs_total >= 2
+    if policies.get("enable_prefix_caching", True):
+        assert m.prefix_cache_hits_total > 0
+    for i, expected in enumerate(transformers_greedy):
+        assert ours[(i, 0)] == expected, f"prompt {i} (length {len(prompts[i])})"
 
 
 def test_seeded_sampling_is_reproducible_and_survives_preemption(tiny_model_dir):

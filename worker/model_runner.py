@@ -1,13 +1,13 @@
 """The worker's state and its one operation: apply a StepPlan, run the batch, sample, answer a StepOutput.
 
-The runner owns the model, the KV pool and, per sequence, the tokens, block table and computed-token count
-that the scheduler mirrors. Block ids come from the scheduler; the runner only writes where they point.
+The runner owns the model, the KV pools (worker/kv_cache.py) and, per sequence, the tokens, block table and
+computed-token count that the scheduler mirrors. Block ids come from the scheduler, which owns their ref
+counts; the runner only reads and writes where they point.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -15,12 +15,10 @@ import torch
 from common.config import WorkerConfig
 from common.messages import NewSequence, StepOutput, StepPlan
 from worker.attention import AttentionMetadata, get_attention_backend
+from worker.kv_cache import KVPools, determine_num_cpu_blocks, determine_num_kv_blocks
 from worker.loader import ModelConfig, load_model_config, load_weights
-from worker.model import KVCache, LlamaModel
+from worker.model import LlamaModel
 from worker.sampler import SamplingRow, sample
-
-MAX_SEQS_FOR_CPU_POOL = 256  # the CPU pool never grows past what this many max-length sequences need
-CUDA_MEMORY_FRACTION = 0.9  # of the free memory after loading weights
 
 
 class PlanError(ValueError):
@@ -64,36 +62,8 @@ def resolve_max_model_len(cfg: WorkerConfig, model_cfg: ModelConfig) -> int:
     return cfg.max_model_len or limit
 
 
-def kv_block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_cfg.num_layers * block_size * model_cfg.kv_size * elem
-
-
-def determine_num_kv_blocks(
-    cfg: WorkerConfig, model_cfg: ModelConfig, max_model_len: int, device: torch.device, dtype: torch.dtype
-) -> int:
-    """How many KV blocks to allocate: the configured number, else what the memory budget holds.
-
-    CPU: `kv_cache_memory_gib`, or a quarter of the available memory, capped at what MAX_SEQS_FOR_CPU_POOL
-    sequences of max_model_len need. CUDA: CUDA_MEMORY_FRACTION of the free memory (call after loading).
-    """
-    if cfg.num_kv_blocks > 0:
-        return cfg.num_kv_blocks
-    per_block = kv_block_bytes(model_cfg, cfg.block_size, dtype)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1, int(free * CUDA_MEMORY_FRACTION) // per_block)
-    if cfg.kv_cache_memory_gib > 0:
-        budget = int(cfg.kv_cache_memory_gib * (1 << 30))
-    else:
-        budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-    cap = MAX_SEQS_FOR_CPU_POOL * -(-max_model_len // cfg.block_size)
-    return max(1, min(budget // per_block, cap))
-
-
 class ModelRunner:
-    """Runs StepPlans on one device: the model, the paged KV pool and every live sequence's state."""
+    """Runs StepPlans on one device: the model, the KV pools and every live sequence's state."""
 
     def __init__(self, cfg: WorkerConfig, attention_backend: str = "torch") -> None:
         self.device = torch.device(cfg.resolved_device)
@@ -105,16 +75,22 @@ class ModelRunner:
         self.model = LlamaModel(self.model_config, self.max_model_len, backend, self.dtype, self.device)
         load_weights(self.model, self.model_config, cfg.model)
         self.model.eval()
-        self.num_kv_blocks = determine_num_kv_blocks(
+        num_blocks = determine_num_kv_blocks(
             cfg, self.model_config, self.max_model_len, self.device, self.dtype
         )
-        c = self.model_config
-        shape = (2, self.num_kv_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        # Zeroed, not empty: attention reads whole blocks and masks the unused tail, and a NaN there would
-        # survive the zero weight.
-        pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
-        self.kv_caches: list[KVCache] = [(p[0], p[1]) for p in pools]
+        num_cpu_blocks = determine_num_cpu_blocks(cfg, self.model_config, self.dtype)
+        self.kv = KVPools(
+            self.model_config, num_blocks, num_cpu_blocks, self.block_size, self.dtype, self.device
+        )
         self.seqs: dict[int, SeqState] = {}
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.kv.num_cpu_blocks
 
     @property
     def vocab_size(self) -> int:
@@ -125,17 +101,32 @@ class ModelRunner:
         return list(self.model_config.eos_token_ids)
 
     # -----------------------------------------------------------------------------------------------------
-    # Plan application
+    # Plan application: steps 1 to 4 of the StepPlan order, then the checks of steps 5 and 6
 
     def _apply_changes(self, plan: StepPlan) -> None:
         for seq_id in plan.freed_seq_ids:
             if self.seqs.pop(seq_id, None) is None:
                 raise PlanError(f"step {plan.step_id}: freed sequence {seq_id} is unknown")
+
+        self._check_pairs(plan, "swap_out", plan.swap_out, self.num_kv_blocks, self.num_cpu_blocks)
+        self._check_pairs(plan, "swap_in", plan.swap_in, self.num_cpu_blocks, self.num_kv_blocks)
+        self.kv.swap_out(plan.swap_out)
+        self.kv.swap_in(plan.swap_in)
+        for seq_id, table in plan.new_block_tables:
+            seq = self._seq(plan, seq_id)
+            self._check_blocks(plan, seq_id, table)
+            seq.block_table = list(table)
+
         for new in plan.new_seqs:
             if new.seq_id in self.seqs:
                 raise PlanError(f"step {plan.step_id}: new sequence {new.seq_id} already exists")
             if not 0 <= new.num_computed_tokens <= len(new.token_ids):
                 raise PlanError(f"step {plan.step_id}: sequence {new.seq_id} has bad num_computed_tokens")
+            if new.num_computed_tokens > len(new.block_table) * self.block_size:
+                raise PlanError(
+                    f"step {plan.step_id}: sequence {new.seq_id} has {new.num_computed_tokens} computed "
+                    f"tokens but only {len(new.block_table)} blocks"
+                )
             if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < self.vocab_size:
                 raise PlanError(f"step {plan.step_id}: sequence {new.seq_id} has token ids outside the vocab")
             self._check_blocks(plan, new.seq_id, new.block_table)
@@ -144,6 +135,24 @@ class ModelRunner:
             seq = self._seq(plan, seq_id)
             self._check_blocks(plan, seq_id, block_ids)
             seq.block_table.extend(block_ids)
+
+        self._check_pairs(plan, "block_copies", plan.block_copies, self.num_kv_blocks, self.num_kv_blocks)
+        if {src for src, _ in plan.block_copies} & {dst for _, dst in plan.block_copies}:
+            raise PlanError(f"step {plan.step_id}: block_copies writes a block it also reads")
+        self.kv.copy(plan.block_copies)
+
+    def _check_pairs(
+        self, plan: StepPlan, name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int
+    ) -> None:
+        """Source ids inside their pool, destination ids inside theirs and distinct (one write per block)."""
+        for src, dst in pairs:
+            if not (0 <= src < num_src and 0 <= dst < num_dst):
+                raise PlanError(
+                    f"step {plan.step_id}: {name} pair ({src}, {dst}) is outside the pools "
+                    f"({num_src} source blocks, {num_dst} destination blocks)"
+                )
+        if len({dst for _, dst in pairs}) != len(pairs):
+            raise PlanError(f"step {plan.step_id}: {name} writes a block twice")
 
     def _check_blocks(self, plan: StepPlan, seq_id: int, block_ids: list[int]) -> None:
         if block_ids and not 0 <= min(block_ids) <= max(block_ids) < self.num_kv_blocks:
@@ -178,6 +187,19 @@ class ModelRunner:
                 )
             seqs.append(seq)
         return seqs
+
+    def _check_forks(self, plan: StepPlan, sampling_ids: set[int]) -> None:
+        """Each fork's parent samples this step, and each child id is new."""
+        children = [fork.child_seq_id for fork in plan.forks]
+        if len(set(children)) != len(children):
+            raise PlanError(f"step {plan.step_id}: a fork child id appears twice")
+        for fork in plan.forks:
+            if fork.parent_seq_id not in sampling_ids:
+                raise PlanError(
+                    f"step {plan.step_id}: fork parent {fork.parent_seq_id} does not sample this step"
+                )
+            if fork.child_seq_id in self.seqs:
+                raise PlanError(f"step {plan.step_id}: fork child {fork.child_seq_id} already exists")
 
     # -----------------------------------------------------------------------------------------------------
     # The step
@@ -221,32 +243,58 @@ class ModelRunner:
         )
         return torch.tensor(token_ids).to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta
 
+    def _create_children(self, plan: StepPlan, seq_ids: list[int], samplers: list[SeqState]) -> list[int]:
+        """Step 6: each fork's child starts as its parent after the forward (tokens, computed count, a block
+        table of the same, shared blocks) with its own seed, and joins `seq_ids` / `samplers`. Returns the
+        index of each child's parent among the samplers: the logits row the child draws from."""
+        row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+        parent_rows = [row_of[fork.parent_seq_id] for fork in plan.forks]
+        for fork, row in zip(plan.forks, parent_rows, strict=True):
+            parent = samplers[row]
+            child = replace(
+                parent, token_ids=list(parent.token_ids), block_table=list(parent.block_table), seed=fork.seed
+            )
+            self.seqs[fork.child_seq_id] = child
+            seq_ids.append(fork.child_seq_id)
+            samplers.append(child)
+        return parent_rows
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Applies `plan` (see StepPlan) and returns the tokens sampled by the sequences that finished their
-        known tokens, in scheduled order. Raises PlanError on a plan that contradicts the worker's state."""
+        """Applies `plan` in the StepPlan order and returns the sampled tokens: the scheduled sequences that
+        reached all their known tokens, in batch order, then the fork children, in plan order. Raises
+        PlanError on a plan that contradicts the worker's state."""
         self._apply_changes(plan)
         seqs = self._check_scheduled(plan)
+        num_tokens = list(plan.num_scheduled_tokens)
+        sampling = [
+            b
+            for b, (s, n) in enumerate(zip(seqs, num_tokens, strict=True))
+            if s.num_computed_tokens + n == len(s.token_ids)
+        ]
+        self._check_forks(plan, {plan.scheduled_seq_ids[b] for b in sampling})
         if not seqs:
             return StepOutput(plan.step_id, [], [], [])
-        num_tokens = list(plan.num_scheduled_tokens)
         token_ids, positions, meta = self._prepare(seqs, num_tokens)
-        hidden = self.model(token_ids, positions, meta, self.kv_caches)  # [T, H]
-
+        hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
         for seq, n in zip(seqs, num_tokens, strict=True):
             seq.num_computed_tokens += n
-        sampling = [b for b, s in enumerate(seqs) if s.num_computed_tokens == len(s.token_ids)]
         if not sampling:
             return StepOutput(plan.step_id, [], [], [])
+
         # The last scheduled token of each sampling sequence is the row that predicts its next token.
         last_rows = meta.query_start_loc[1:].long()[torch.tensor(sampling, device=self.device)] - 1
         logits = self.model.compute_logits(hidden[last_rows])  # [S, V]
+        seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
+        samplers = [seqs[b] for b in sampling]
+        if plan.forks:
+            parent_rows = self._create_children(plan, seq_ids, samplers)
+            logits = logits[torch.tensor(list(range(len(sampling))) + parent_rows, device=logits.device)]
         rows = [
             SamplingRow(s.temperature, s.top_k, s.top_p, s.seed, len(s.token_ids), s.num_logprobs)
-            for s in (seqs[b] for b in sampling)
+            for s in samplers
         ]
         new_tokens, logprobs = sample(logits, rows)
-        for b, token in zip(sampling, new_tokens, strict=True):
-            seqs[b].token_ids.append(token)
-        seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
+        for seq, token in zip(samplers, new_tokens, strict=True):
+            seq.token_ids.append(token)
         return StepOutput(plan.step_id, seq_ids, new_tokens, logprobs)

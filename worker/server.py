@@ -49,6 +49,7 @@ def serve(cfg: WorkerConfig) -> int:
         device=str(runner.device),
         dtype=str(runner.dtype).removeprefix("torch."),
         num_kv_blocks=runner.num_kv_blocks,
+        num_cpu_blocks=runner.num_cpu_blocks,
         block_size=runner.block_size,
         max_model_len=runner.max_model_len,
         torch_threads=torch.get_num_threads(),
@@ -77,6 +78,7 @@ def serve(cfg: WorkerConfig) -> int:
         eos_token_ids=runner.eos_token_ids,
         model_root=str(Path(cfg.model).resolve()),
         model_name=model_name(cfg),
+        num_cpu_blocks=runner.num_cpu_blocks,
     )
     sock.send_multipart(encode(ready))
     log.info("worker_ready", address=cfg.worker_address, model_name=ready.model_name)

@@ -3,7 +3,8 @@
 Sequence `i` of a request generates, at its step `k`, the prompt token `prompt[(start + i + k) % len(prompt)]`
 (`start` is the `output_start` option, 0 by default), so a test chooses the output by choosing the prompt.
 It honours n, max_tokens, stop_token_ids, EOS, ignore_eos and logprobs, validates like the real scheduler,
-and records every message it receives.
+and records every message it receives (`submits()` shows each request's priority and cache_salt). A prompt
+seen before with the same cache_salt reports its whole blocks, bar the last token's, as cached.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class FakeScheduler:
         self.received: list[Message] = []
         self.address = ""
         self._active: list[FakeSequence] = []
-        self._seen_prompts: set[tuple[int, ...]] = set()
+        self._seen_prompts: set[tuple[str, tuple[int, ...]]] = set()  # (cache_salt, prompt)
         self._work = asyncio.Event()
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -189,7 +190,7 @@ class FakeScheduler:
             await self._send(identity, RequestError(msg.request_id, *refusal))
             return
         prompt = list(msg.prompt_token_ids)
-        key = tuple(prompt)
+        key = (msg.cache_salt, tuple(prompt))
         cached = (len(prompt) - 1) // self.block_size * self.block_size if key in self._seen_prompts else 0
         self._seen_prompts.add(key)
         for i in range(msg.params.n):

@@ -49,6 +49,12 @@ BAD_COMPLETIONS: list[tuple[str, Any]] = [
     ("stop token id outside the vocabulary", {"prompt": "abc", "stop_token_ids": [99999]}),
     ("unknown stream option", {"prompt": "abc", "stream": True, "stream_options": {"continuous": True}}),
     ("stream of the wrong type", {"prompt": "abc", "stream": "yes"}),
+    ("priority as a string", {"prompt": "abc", "priority": "high"}),
+    ("priority as a float", {"prompt": "abc", "priority": 1.5}),
+    ("priority as a bool", {"prompt": "abc", "priority": True}),
+    ("huge priority", {"prompt": "abc", "priority": 2**40}),
+    ("empty cache_salt", {"prompt": "abc", "cache_salt": ""}),
+    ("cache_salt of the wrong type", {"prompt": "abc", "cache_salt": 7}),
 ]
 
 BAD_CHATS: list[tuple[str, Any]] = [
@@ -61,6 +67,9 @@ BAD_CHATS: list[tuple[str, Any]] = [
     ("tools", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("json response_format", {"messages": USER, "response_format": {"type": "json_object"}}),
     ("max_completion_tokens as a string", {"messages": USER, "max_completion_tokens": "5"}),
+    ("priority as a string", {"messages": USER, "priority": "1"}),
+    ("cache_salt as a list", {"messages": USER, "cache_salt": ["a"]}),
+    ("empty cache_salt", {"messages": USER, "cache_salt": ""}),
 ]
 
 

@@ -1,0 +1,242 @@
+"""KV memory management in the ModelRunner, driven by hand-built StepPlans on the tiny checkpoint:
+copy-on-write block copies, swapping out and in, prefix-cache hits and forks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from common.config import WorkerConfig
+from common.messages import Fork, NewSequence, StepOutput, StepPlan
+from worker.kv_cache import kv_block_bytes
+from worker.loader import load_model_config
+from worker.model_runner import ModelRunner, PlanError
+
+BLOCK_SIZE = 16
+
+
+def make_runner(model_dir: Path, num_kv_blocks: int = 16, num_cpu_blocks: int = 8) -> ModelRunner:
+    block_gib = kv_block_bytes(load_model_config(str(model_dir)), BLOCK_SIZE, torch.float32) / (1 << 30)
+    runner = ModelRunner(
+        WorkerConfig(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=num_kv_blocks,
+            swap_space=num_cpu_blocks * block_gib,
+        )
+    )
+    assert runner.num_cpu_blocks == num_cpu_blocks
+    return runner
+
+
+class Steps:
+    """Sends plans to one runner with increasing step ids, and keeps every logits row it samples from
+    (fork children share their parent's row, so rows line up with the scheduled samplers only)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.step_id = 0
+        self.rows: dict[int, list[torch.Tensor]] = {}  # seq_id -> logits row of each of its sampled tokens
+        self._last: list[torch.Tensor] = []
+        compute_logits = runner.model.compute_logits
+
+        def recording(hidden: torch.Tensor) -> torch.Tensor:
+            logits = compute_logits(hidden)
+            self._last = list(logits.clone())
+            return logits
+
+        runner.model.compute_logits = recording
+
+    def run(self, schedule: dict[int, int] | None = None, **fields: Any) -> StepOutput:
+        schedule = schedule or {}
+        plan = StepPlan(
+            self.step_id,
+            fields.pop("freed_seq_ids", []),
+            fields.pop("new_seqs", []),
+            fields.pop("new_block_ids", []),
+            list(schedule),
+            list(schedule.values()),
+            **fields,
+        )
+        self.step_id += 1
+        self._last = []
+        out = self.runner.execute(plan)
+        for seq_id, row in zip(out.seq_ids, self._last, strict=False):
+            self.rows.setdefault(seq_id, []).append(row)
+        return out
+
+    def decode(self, seq_ids: list[int], steps: int) -> dict[int, list[int]]:
+        tokens: dict[int, list[int]] = {s: [] for s in seq_ids}
+        for _ in range(steps):
+            out = self.run(dict.fromkeys(seq_ids, 1))
+            assert out.seq_ids == seq_ids
+            for seq_id, token in zip(out.seq_ids, out.token_ids, strict=True):
+                tokens[seq_id].append(token)
+        return tokens
+
+
+def new_seq(
+    seq_id: int,
+    token_ids: list[int],
+    block_table: list[int],
+    num_computed_tokens: int = 0,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> NewSequence:
+    return NewSequence(seq_id, token_ids, block_table, num_computed_tokens, temperature, 1.0, 0, seed, -1)
+
+
+def random_prompt(seed: int, length: int, vocab: int = 4096) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir, num_kv_blocks=12)
+    pool = runner.kv.device_pool  # [L, 2, num_blocks, block_size, Hkv, D]
+    pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(0)))
+    before = pool.clone()
+    copies = [(3, 7), (3, 9), (0, 11), (5, 2)]
+
+    Steps(runner).run(block_copies=copies)
+
+    expected = before.clone()
+    for src, dst in copies:
+        expected[:, :, dst] = before[:, :, src]
+    assert torch.equal(pool, expected)
+    for layer, (k_cache, v_cache) in enumerate(runner.kv.layers):  # what the model reads sees the copies
+        assert torch.equal(k_cache[9], before[layer, 0, 3]) and torch.equal(v_cache[2], before[layer, 1, 5])
+
+
+def test_swap_out_then_in_to_other_blocks_continues_exactly_as_without_swapping(tiny_model_dir: Path) -> None:
+    prompts = {0: random_prompt(0, 37), 1: random_prompt(1, 40)}
+    reference = Steps(make_runner(tiny_model_dir))
+    expected: dict[int, list[int]] = {}
+    for seq_id, table, decodes in ((0, [0, 1, 2], 8), (1, [3, 4, 5], 4)):
+        out = reference.run(
+            {seq_id: len(prompts[seq_id])}, new_seqs=[new_seq(seq_id, prompts[seq_id], table)]
+        )
+        expected[seq_id] = out.token_ids + reference.decode([seq_id], decodes)[seq_id]
+
+    steps = Steps(make_runner(tiny_model_dir))
+    got = {0: steps.run({0: 37}, new_seqs=[new_seq(0, prompts[0], [0, 1, 2])]).token_ids}
+    got[0] += steps.decode([0], 3)[0]
+    # Sequence 0 goes out; sequence 1 takes its blocks in the same plan and overwrites them.
+    out = steps.run({1: 40}, swap_out=[(0, 5), (1, 6), (2, 7)], new_seqs=[new_seq(1, prompts[1], [0, 1, 2])])
+    got[1] = out.token_ids
+    # Sequence 1 goes out and sequence 0 comes back in one plan, partly into the blocks 1 just left.
+    got[0] += steps.run(
+        {0: 1},
+        swap_out=[(0, 0), (1, 1), (2, 2)],
+        swap_in=[(5, 9), (6, 0), (7, 3)],
+        new_block_tables=[(0, [9, 0, 3])],
+    ).token_ids
+    got[0] += steps.decode([0], 4)[0]
+    steps.run(swap_in=[(0, 4), (1, 10), (2, 2)], new_block_tables=[(1, [4, 10, 2])])
+    got[1] += steps.decode([1], 4)[1]
+
+    assert got == expected
+    for seq_id in (0, 1):  # same batches, same KV values: the very same logits
+        assert len(steps.rows[seq_id]) == len(reference.rows[seq_id])
+        for ours, theirs in zip(steps.rows[seq_id], reference.rows[seq_id], strict=True):
+            assert torch.equal(ours, theirs)
+
+
+def test_prefix_hit_computes_only_the_rest_and_matches_a_full_prefill(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir)
+    steps = Steps(runner)
+    shared = random_prompt(2, 2 * BLOCK_SIZE)
+    prompt = shared + random_prompt(3, 7)
+    steps.run({0: 37}, new_seqs=[new_seq(0, shared + random_prompt(4, 5), [0, 1, 2])])
+    cached = runner.kv.device_pool[:, :, [0, 1]].clone()
+
+    # Sequence 1 finds the first two blocks of sequence 0 in the cache: only its last 7 tokens run.
+    hit = steps.run({1: 7}, new_seqs=[new_seq(1, prompt, [0, 1, 3], num_computed_tokens=2 * BLOCK_SIZE)])
+    full = steps.run({2: len(prompt)}, new_seqs=[new_seq(2, prompt, [4, 5, 6])])
+
+    assert torch.equal(runner.kv.device_pool[:, :, [0, 1]], cached), "a cached block was written"
+    torch.testing.assert_close(steps.rows[1][0], steps.rows[2][0], atol=1e-4, rtol=0)
+    assert hit.token_ids == full.token_ids
+    decoded = steps.decode([1, 2], 4)
+    assert decoded[1] == decoded[2]
+
+
+def test_fork_children_draw_and_decode_like_independent_sequences_with_their_seeds(
+    tiny_model_dir: Path,
+) -> None:
+    prompt = random_prompt(5, 21)  # one full block and a partial one, which the children share
+    seeds = [100, 101, 102, 103]
+
+    independent = Steps(make_runner(tiny_model_dir))
+    first = independent.run(
+        dict.fromkeys(range(4), len(prompt)),
+        new_seqs=[
+            new_seq(i, prompt, [2 * i, 2 * i + 1], seed=s, temperature=1.0) for i, s in enumerate(seeds)
+        ],
+    )
+    rest = independent.decode([0, 1, 2, 3], 8)
+    expected = {i: [first.token_ids[i], *rest[i]] for i in range(4)}
+
+    runner = make_runner(tiny_model_dir)
+    steps = Steps(runner)
+    forks = [Fork(0, child, seeds[child]) for child in (1, 2, 3)]
+    out = steps.run(
+        {0: len(prompt)}, new_seqs=[new_seq(0, prompt, [0, 1], seed=seeds[0], temperature=1.0)], forks=forks
+    )
+    assert out.seq_ids == [0, 1, 2, 3]
+    assert out.token_ids == first.token_ids
+    assert all(runner.seqs[child].block_table == [0, 1] for child in (1, 2, 3))
+    # Copy-on-write before the children write their next token into the shared partial block 1.
+    second = steps.run(
+        {0: 1, 1: 1, 2: 1, 3: 1},
+        block_copies=[(1, 5), (1, 6), (1, 7)],
+        new_block_tables=[(1, [0, 5]), (2, [0, 6]), (3, [0, 7])],
+    )
+    decoded = steps.decode([0, 1, 2, 3], 7)
+    got = {i: [out.token_ids[i], second.token_ids[i], *decoded[i]] for i in range(4)}
+
+    assert got == expected
+    assert len({tuple(tokens) for tokens in got.values()}) == 4, "the seeds should make the streams differ"
+
+
+def test_plans_that_misuse_kv_memory_raise(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir, num_kv_blocks=8, num_cpu_blocks=4)
+    steps = Steps(runner)
+    steps.run({0: 20}, new_seqs=[new_seq(0, random_prompt(6, 20), [0, 1])])
+    bad: list[tuple[str, dict[str, Any]]] = [
+        ("outside the pools", {"swap_out": [(0, 4)]}),
+        ("outside the pools", {"swap_in": [(4, 0)]}),
+        ("outside the pools", {"swap_in": [(0, 8)]}),
+        ("twice", {"swap_out": [(0, 1), (1, 1)]}),
+        ("outside the pools", {"block_copies": [(0, 8)]}),
+        ("twice", {"block_copies": [(0, 2), (1, 2)]}),
+        ("reads", {"block_copies": [(0, 2), (2, 3)]}),
+        ("unknown", {"new_block_tables": [(9, [0])]}),
+        ("outside the KV pool", {"new_block_tables": [(0, [0, 8])]}),
+        ("does not sample", {"forks": [Fork(5, 6, 0)]}),
+        ("already exists", {"schedule": {0: 1}, "forks": [Fork(0, 0, 0)]}),
+        ("appears twice", {"schedule": {0: 1}, "forks": [Fork(0, 6, 0), Fork(0, 6, 1)]}),
+        ("computed", {"new_seqs": [new_seq(7, [1] * 40, [2, 3], num_computed_tokens=33)]}),
+    ]
+    for match, fields in bad:
+        with pytest.raises(PlanError, match=match):
+            steps.run(fields.pop("schedule", None), **fields)
+    # A partly prefilled sequence does not sample, so it cannot fork.
+    with pytest.raises(PlanError, match="does not sample"):
+        steps.run({8: 10}, new_seqs=[new_seq(8, [1] * 20, [4, 5])], forks=[Fork(8, 9, 0)])
+
+
+def test_swap_pool_size_follows_swap_space(tiny_model_dir: Path) -> None:
+    assert make_runner(tiny_model_dir, num_cpu_blocks=0).num_cpu_blocks == 0
+    runner = make_runner(tiny_model_dir, num_cpu_blocks=5)
+    assert runner.kv.cpu_pool.shape[:3] == (runner.model_config.num_layers, 2, 5)
+    with pytest.raises(PlanError, match="outside the pools"):
+        make_runner(tiny_model_dir, num_cpu_blocks=0).execute(
+            StepPlan(0, [], [], [], [], [], swap_out=[(0, 0)])
+        )

@@ -1,0 +1,138 @@
+"""The worker's KV memory: the device pool the model reads and writes, the CPU swap pool, and the block
+copies within the device pool (copy-on-write) and between the two pools (swap out, swap in).
+
+Each pool holds every layer in one tensor, `[num_layers, 2 (K, V), num_blocks, block_size, Hkv, D]`, so that
+copying n blocks is one gather and one scatter over all layers, K and V, whatever n. The model sees the
+device pool as per-layer (K, V) views, each `[num_blocks, block_size, Hkv, D]` and contiguous.
+
+Block ids come from the scheduler, which owns ref counts and free lists; nothing here decides which block
+holds what.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from common.config import WorkerConfig
+from worker.loader import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V) of one layer, each [num_blocks, block_size, Hkv, D]
+
+MAX_SEQS_FOR_CPU_POOL = 256  # the CPU pool never grows past what this many max-length sequences need
+CUDA_MEMORY_FRACTION = 0.9  # of the free memory after loading weights
+_BLOCK_DIM = 2  # the block axis of a pool tensor
+
+
+def kv_block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_cfg.num_layers * block_size * model_cfg.kv_size * elem
+
+
+def determine_num_kv_blocks(
+    cfg: WorkerConfig, model_cfg: ModelConfig, max_model_len: int, device: torch.device, dtype: torch.dtype
+) -> int:
+    """How many device KV blocks to allocate: the configured number, else what the memory budget holds.
+
+    CPU: `kv_cache_memory_gib`, or a quarter of the available memory, capped at what MAX_SEQS_FOR_CPU_POOL
+    sequences of max_model_len need. CUDA: CUDA_MEMORY_FRACTION of the free memory (call after loading).
+    """
+    if cfg.num_kv_blocks > 0:
+        return cfg.num_kv_blocks
+    per_block = kv_block_bytes(model_cfg, cfg.block_size, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, int(free * CUDA_MEMORY_FRACTION) // per_block)
+    if cfg.kv_cache_memory_gib > 0:
+        budget = int(cfg.kv_cache_memory_gib * (1 << 30))
+    else:
+        budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    cap = MAX_SEQS_FOR_CPU_POOL * -(-max_model_len // cfg.block_size)
+    return max(1, min(budget // per_block, cap))
+
+
+def determine_num_cpu_blocks(cfg: WorkerConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Blocks in the CPU swap pool: as many as `swap_space` GiB hold (0 turns swapping off)."""
+    if cfg.swap_space <= 0:
+        return 0
+    return int(cfg.swap_space * (1 << 30)) // kv_block_bytes(model_cfg, cfg.block_size, dtype)
+
+
+def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Block `dst[i]` becomes a copy of block `src[i]` in every layer, K and V (copy-on-write).
+
+    pool: [L, 2, num_blocks, block_size, Hkv, D]; src, dst: [N] int64 on the pool's device. Every source is
+    read before any destination is written; `dst` must hold distinct ids. The one PyTorch op behind
+    `KVPools.copy`, so that a kernel can take its place.
+    """
+    pool.index_copy_(_BLOCK_DIM, dst, pool.index_select(_BLOCK_DIM, src))
+
+
+def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Block `dst[i]` of `dst_pool` becomes a copy of block `src[i]` of `src_pool`, every layer, K and V.
+
+    The pools sit on different devices (swap out: device -> CPU, swap in: CPU -> device), same block shape.
+    The blocks are gathered into one tensor on the source device, moved in one blocking transfer and
+    scattered on the destination: a non-blocking device -> CPU copy could still be in flight when the
+    scatter reads it.
+    """
+    moved = src_pool.index_select(_BLOCK_DIM, src.to(src_pool.device))
+    dst_pool.index_copy_(_BLOCK_DIM, dst.to(dst_pool.device), moved.to(dst_pool.device))
+
+
+class KVPools:
+    """The device KV pool and the CPU swap pool of one worker, and the block copies between them."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        c = model_cfg
+        per_block = (block_size, c.num_kv_heads, c.head_dim)
+        # Zeroed, not empty: attention reads whole blocks and masks the unused tail, and a NaN there would
+        # survive the zero weight.
+        self.device_pool = torch.zeros(
+            (c.num_layers, 2, num_blocks, *per_block), dtype=dtype, device=device
+        )  # [L, 2, num_blocks, block_size, Hkv, D]
+        # Empty is enough here: a CPU block is only ever read after a swap out wrote all of it. Pinned on
+        # CUDA, so that transfers run at the link's full rate.
+        self.cpu_pool = torch.empty(
+            (c.num_layers, 2, num_cpu_blocks, *per_block),
+            dtype=dtype,
+            pin_memory=device.type == "cuda" and num_cpu_blocks > 0,
+        )  # [L, 2, num_cpu_blocks, block_size, Hkv, D]
+        self.layers: list[KVCache] = [(layer[0], layer[1]) for layer in self.device_pool]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.device_pool.shape[_BLOCK_DIM]
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_pool.shape[_BLOCK_DIM]
+
+    def _ids(self, pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)  # [N, 2]
+        return ids[:, 0].to(device), ids[:, 1].to(device)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(src, dst) device blocks: dst becomes a copy of src in every layer, K and V."""
+        if pairs:
+            copy_blocks(self.device_pool, *self._ids(pairs, self.device_pool.device))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, CPU block): copies each device block into its CPU block."""
+        if pairs:
+            swap_blocks(self.device_pool, self.cpu_pool, *self._ids(pairs, torch.device("cpu")))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(CPU block, device block): copies each CPU block into its device block."""
+        if pairs:
+            swap_blocks(self.cpu_pool, self.device_pool, *self._ids(pairs, torch.device("cpu")))
