@@ -65,8 +65,11 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's EOS tokens
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob and the top k
     stop: tuple[str, ...] = ()  # stop strings: applied by the client library, which sees text
+    beam_width: int = 0  # 0: sample; W >= n: beam search keeping W beams, returning the n best, at the end
+    length_penalty: float = 1.0  # beam search ranks finished beams by sum of logprobs / length ** this
 
     MAX_LOGPROBS: ClassVar[int] = 20
+    MAX_BEAM_WIDTH: ClassVar[int] = 16
 
     def validate(self) -> str | None:
         """Returns why these parameters are unusable, or None when they are fine."""
@@ -86,6 +89,14 @@ class SamplingParams:
             return f"seed must fit in 64 bits, got {self.seed}"
         if any(not s for s in self.stop):
             return "stop strings must not be empty"
+        if self.beam_width:
+            if not self.n <= self.beam_width <= self.MAX_BEAM_WIDTH:
+                limit = self.MAX_BEAM_WIDTH
+                return f"beam width must be between n ({self.n}) and {limit}, got {self.beam_width}"
+            if self.temperature != 0.0:
+                return "temperature must be 0 with beam search"
+            if self.logprobs is not None:
+                return "logprobs are not available with beam search"
         return None
 
     def to_wire(self) -> list[Any]:
@@ -100,11 +111,13 @@ class SamplingParams:
             self.ignore_eos,
             self.logprobs,
             list(self.stop),
+            self.beam_width,
+            self.length_penalty,
         ]
 
     @classmethod
     def from_wire(cls, f: list[Any]) -> SamplingParams:
-        return cls(f[0], f[1], f[2], f[3], f[4], f[5], tuple(f[6]), f[7], f[8], tuple(f[9]))
+        return cls(f[0], f[1], f[2], f[3], f[4], f[5], tuple(f[6]), f[7], f[8], tuple(f[9]), f[10], f[11])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -307,6 +320,7 @@ class NewSequence:
     top_k: int
     seed: int  # the sequence's own seed; the worker's randomness depends only on it and the position
     num_logprobs: int  # -1: none; k >= 0: sampled token's logprob and the top k
+    beam: bool = False  # a beam: report its top candidates but append nothing (the scheduler chooses)
 
     def to_wire(self) -> list[Any]:
         return [
@@ -319,6 +333,7 @@ class NewSequence:
             self.top_k,
             self.seed,
             self.num_logprobs,
+            self.beam,
         ]
 
     @classmethod
@@ -351,6 +366,8 @@ class StepPlan:
     """One iteration: what to forget, move, copy and add, and how many tokens each sequence computes.
 
     The worker applies a plan in this order:
+      0. create each of `clones` as a copy of its parent's state (beam search), then append
+         `appended_tokens` (tokens the scheduler chose for beams);
       1. drop `freed_seq_ids` (finished, aborted, or preempted by recompute);
       2. copy `swap_out` blocks GPU -> CPU pool, then `swap_in` blocks CPU -> GPU, and give each sequence in
          `new_block_tables` that table (a swapped-in sequence's blocks are new);
@@ -377,6 +394,8 @@ class StepPlan:
     new_block_tables: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, whole new table)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block), GPU pool
     forks: list[Fork] = field(default_factory=list)
+    clones: list[tuple[int, int]] = field(default_factory=list)  # (parent seq_id, new child seq_id)
+    appended_tokens: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, token id)
 
     def to_wire(self) -> list[Any]:
         return [
@@ -391,6 +410,8 @@ class StepPlan:
             [[seq_id, table] for seq_id, table in self.new_block_tables],
             self.block_copies,
             [fork.to_wire() for fork in self.forks],
+            self.clones,
+            self.appended_tokens,
         ]
 
     @classmethod
@@ -407,6 +428,8 @@ class StepPlan:
             [(seq_id, table) for seq_id, table in f[8]],
             _pairs(f[9]),
             [Fork.from_wire(x) for x in f[10]],
+            _pairs(f[11]),
+            _pairs(f[12]),
         )
 
 

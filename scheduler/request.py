@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.messages import SamplingParams
+from common.messages import SamplingParams, TokenLogprobs
+from scheduler.beam import BeamGroup
 
 
 class SeqStatus(enum.Enum):
@@ -30,6 +31,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # generating one ends a sequence: stop ids, and EOS unless ignored
     max_total_len: int = 0  # prompt + max_tokens, capped by max_model_len: a sequence ends at this length
+    beam: BeamGroup | None = None  # beam search state, for a beam search request
+    live_beams: list[Sequence] = field(default_factory=list)  # its beams still searching
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -50,7 +53,7 @@ class Sequence:
     seed: int  # the worker's randomness for this sequence depends only on it and the position
     token_ids: list[int]
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (or will be once the step in flight ends)
-    sort_key: tuple[int, int] = (0, 0)  # (priority or 0, seq_id): queues and victims follow it
+    sort_key: tuple[int, int, int] = (0, 0, 0)  # (priority or 0, request's arrival, seq_id): queue order
     status: SeqStatus = SeqStatus.WAITING
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission (-1: not yet)
     on_worker: bool = False  # the worker holds state for it (so a free must be sent)
@@ -58,6 +61,8 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     fork_children: list[Sequence] = field(default_factory=list)  # n > 1: waiting to share this prompt
+    cum_logprob: float = 0.0  # beam search: summed logprob of the generated tokens
+    candidates: TokenLogprobs | None = None  # beam search: next-token candidates awaiting selection
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,7 +10,9 @@ recomputed, whichever `preemption_mode` says. A sequence's randomness depends on
 position, so either way it resumes with exactly the tokens it would have produced.
 
 n > 1: sequence 0 prefills the prompt; the others are forked from it in the step its prefill completes,
-sharing its blocks, and sample their first token from its logits.
+sharing its blocks, and sample their first token from its logits. Beam search: each beam reports its top
+candidates instead of sampling; once every live beam of a request has reported, `scheduler/beam.py` picks the
+next beams, which the worker makes by cloning (sharing blocks), appending tokens and freeing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from common.messages import (
     StepPlan,
     SubmitRequest,
 )
+from scheduler.beam import BeamGroup, Candidate, Hypothesis, select
 from scheduler.block_manager import Allocation, BlockManager
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import Request, SeqStatus, Sequence
@@ -108,6 +111,9 @@ class Scheduler:
         self._swapped: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort key
         self._running: list[Sequence] = []  # sorted by sort key: the first preemption victim is last
         self._pending_forks = 0  # fork children of running parents: seats they will take
+        self._beam_reserve = 0  # seats beam groups with a running beam hold for their other beams
+        self._pending_clones: list[tuple[int, int]] = []  # beam ops for the next plan that runs
+        self._pending_appends: list[tuple[int, int]] = []
         self._freed_seq_ids: list[int] = []  # to tell the worker in the next plan
         self._next_seq_id = 0
         self._next_step_id = 0
@@ -130,12 +136,17 @@ class Scheduler:
         request.max_total_len = min(len(prompt) + params.max_tokens, self.settings.max_model_len)
         base_seed = params.seed if params.seed is not None else random.getrandbits(63)
         priority = msg.priority if self.settings.scheduling_policy == "priority" else 0
-        for index in range(params.n):
+        order = self._next_seq_id
+        if params.beam_width:
+            request.beam = BeamGroup(params.beam_width, params.length_penalty)
+        for index in range(1 if request.beam else params.n):
             seed = (base_seed * _SEED_MIX + index) % (1 << 63) if index else base_seed % (1 << 63)
             seq_id = self._next_seq_id
             self._next_seq_id += 1
-            seq = Sequence(seq_id, request, index, seed, list(prompt), sort_key=(priority, seq_id))
+            seq = Sequence(seq_id, request, index, seed, list(prompt), sort_key=(priority, order, seq_id))
             request.seqs.append(seq)
+            if request.beam:
+                request.live_beams.append(seq)
             self._seqs[seq_id] = seq
             if index == 0 or self.settings.reserved:  # reserved mode shares nothing, as pre-paging servers
                 heapq.heappush(self._waiting, (seq.sort_key, seq))
@@ -181,6 +192,15 @@ class Scheduler:
         request = self._requests.get((owner, request_id))
         if request is None:
             return []
+        if request.beam is not None:  # a search is all or nothing: end every beam, report n empty results
+            for seq in list(request.live_beams):
+                self._finish(seq, finish_reason)
+            self._running = [s for s in self._running if s.status is SeqStatus.RUNNING]
+            prompt_len = len(request.prompt_token_ids)
+            empty = [
+                SeqOutput(request_id, i, [], None, finish_reason, prompt_len) for i in range(request.params.n)
+            ]
+            return [(owner, out) for out in empty]
         outputs = []
         for seq in list(request.seqs):
             if seq.status is SeqStatus.FINISHED or (index is not None and seq.index != index):
@@ -214,6 +234,12 @@ class Scheduler:
             budget = self._schedule_swapped(step, budget)
             if not self._swapped:
                 self._schedule_waiting(step, budget)
+        while not step.scheduled and self._running and self._has_queued():
+            # Everything running is idle: beams waiting for a sibling that cannot get in. Make room for it.
+            self._preempt(self._running.pop(), step)
+            budget = self._schedule_swapped(step, budget)
+            if not self._swapped:
+                self._schedule_waiting(step, budget)
         bs = self.settings.block_size
         for seq, num_tokens in step.scheduled:
             before = seq.num_computed_tokens
@@ -226,8 +252,10 @@ class Scheduler:
                 self._fork_children(seq, step)
         # frees ride on a plan that runs; an empty plan is not sent
         freed = self._freed_seq_ids if step.scheduled else []
+        clones = self._pending_clones if step.scheduled else []
+        appends = self._pending_appends if step.scheduled else []
         if step.scheduled:
-            self._freed_seq_ids = []
+            self._freed_seq_ids, self._pending_clones, self._pending_appends = [], [], []
         plan = StepPlan(
             step_id=self._next_step_id,
             freed_seq_ids=freed,
@@ -240,6 +268,8 @@ class Scheduler:
             new_block_tables=step.new_block_tables,
             block_copies=step.block_copies,
             forks=step.forks,
+            clones=clones,
+            appended_tokens=appends,
         )
         self._next_step_id += 1
         return plan
@@ -284,9 +314,9 @@ class Scheduler:
             self._set_running(seq)
             self.metrics.swap_ins_total += 1
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            allocation = self._allocate(seq, num_tokens)
+            allocation = self._allocate(seq, num_tokens) if num_tokens else None
             if allocation is None:
-                continue  # back on the GPU; it runs in a later step
+                continue  # back on the GPU; it runs in a later step (a beam may wait for its siblings)
             self._record_allocation(seq, allocation, step)
             step.scheduled.append((seq, num_tokens))
             budget -= num_tokens
@@ -299,7 +329,7 @@ class Scheduler:
             if seq.status is not SeqStatus.WAITING:  # aborted while waiting
                 heapq.heappop(self._waiting)
                 continue
-            if self._seats_taken() + 1 + len(seq.fork_children) > self.settings.max_num_seqs:
+            if self._seats_taken() + self._seats_needed(seq) > self.settings.max_num_seqs:
                 break
             hits = bm.find_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
             num_computed = len(hits) * self.settings.block_size
@@ -327,13 +357,39 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------------------
     # helpers
 
+    def _has_queued(self) -> bool:
+        """Whether a sequence waits or is swapped out (dropping queue heads that were aborted)."""
+        while self._waiting and self._waiting[0][1].status is not SeqStatus.WAITING:
+            heapq.heappop(self._waiting)
+        while self._swapped and self._swapped[0][1].status is not SeqStatus.SWAPPED:
+            heapq.heappop(self._swapped)
+        return bool(self._waiting or self._swapped)
+
     def _seats_taken(self) -> int:
-        return len(self._running) + self._pending_forks
+        return len(self._running) + self._pending_forks + self._beam_reserve
+
+    def _seats_needed(self, seq: Sequence) -> int:
+        """Seats that admitting `seq` takes: itself and the fork children it will have, or for the first
+        running beam of a search, the search's whole width."""
+        group = seq.request.beam
+        if group is not None:
+            return 0 if group.seats_held else group.width
+        return 1 + len(seq.fork_children)
+
+    def _rebalance_beam_seats(self, request: Request) -> None:
+        """A search holds `width` seats while any of its beams runs: its running beams and a reserve."""
+        group = request.beam
+        running = sum(1 for b in request.live_beams if b.status is SeqStatus.RUNNING)
+        held = group.width if running else 0
+        self._beam_reserve += (held - running) - (group.seats_held - group.running_beams)
+        group.seats_held, group.running_beams = held, running
 
     def _set_running(self, seq: Sequence) -> None:
         seq.status = SeqStatus.RUNNING
         bisect.insort(self._running, seq, key=lambda s: s.sort_key)
         self._pending_forks += len(seq.fork_children)
+        if seq.request.beam is not None:
+            self._rebalance_beam_seats(seq.request)
 
     def _reserve_tokens(self, seq: Sequence) -> int:
         """Reserved policy: room for the whole possible length, claimed at admission."""
@@ -378,7 +434,12 @@ class Scheduler:
             top_p=params.top_p,
             top_k=params.top_k,
             seed=seq.seed,
-            num_logprobs=-1 if params.logprobs is None else params.logprobs,
+            num_logprobs=2 * params.beam_width
+            if params.beam_width
+            else -1
+            if params.logprobs is None
+            else params.logprobs,
+            beam=bool(params.beam_width),
         )
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
@@ -387,19 +448,24 @@ class Scheduler:
         self.metrics.preemptions_total += 1
         mode = self.settings.preemption_mode
         swap = mode == "swap" or (mode == "auto" and seq.num_computed_tokens >= SWAP_MIN_TOKENS)
+        swap = swap and seq.request.beam is None  # beams are recomputed: a swapped idle beam could block
         if swap and self.block_manager.can_swap_out(seq.seq_id):
             step.swap_out += self.block_manager.swap_out(seq.seq_id)
             seq.status = SeqStatus.SWAPPED
             heapq.heappush(self._swapped, (seq.sort_key, seq))
             self.metrics.swap_outs_total += 1
-            return
-        self.block_manager.free(seq.seq_id)
-        if seq.on_worker:
-            self._freed_seq_ids.append(seq.seq_id)
-            seq.on_worker = False
-        seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
-        heapq.heappush(self._waiting, (seq.sort_key, seq))
+        else:
+            self.block_manager.free(seq.seq_id)
+            if seq.on_worker:
+                self._freed_seq_ids.append(seq.seq_id)
+                seq.on_worker = False
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+            if seq.candidates is None:
+                heapq.heappush(self._waiting, (seq.sort_key, seq))
+            # else: a beam that already reported waits outside the queue until its search selects (_park)
+        if seq.request.beam is not None:
+            self._rebalance_beam_seats(seq.request)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FORK_PENDING:  # never started: its parent forgets it
@@ -417,6 +483,9 @@ class Scheduler:
             heapq.heappush(self._waiting, (heir.sort_key, heir))
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if seq.request.beam is not None:
+            seq.request.live_beams.remove(seq)
+            self._rebalance_beam_seats(seq.request)
         self.block_manager.free(seq.seq_id)
         if seq.on_worker:
             self._freed_seq_ids.append(seq.seq_id)
@@ -426,6 +495,92 @@ class Scheduler:
         if request.finished:
             del self._requests[request.key]
             self.metrics.requests_finished_total += 1
+
+    def _advance_search(self, request: Request, outputs: list[Output], now: float) -> bool:
+        """Runs one selection once every live beam has reported its candidates; returns whether a beam
+        ended. When the search is done, its n best hypotheses go out as the request's outputs."""
+        live = request.live_beams
+        if any(b.candidates is None for b in live):
+            return False
+        group = request.beam
+        assert group is not None
+        prompt_len = len(request.prompt_token_ids)
+        beams = [
+            (b.token_ids[prompt_len:], b.cum_logprob, b.candidates.top_token_ids, b.candidates.top_logprobs)
+            for b in live
+        ]
+        chosen, done = select(group, beams, request.stop_ids)
+        if not done and len(beams[0][0]) + 1 >= request.max_total_len - prompt_len:
+            for cand in chosen:  # they reach the length limit: they end here
+                group.add_finished(
+                    Hypothesis(beams[cand.parent][0] + [cand.token], cand.cum_logprob, "length")
+                )
+            done = True
+        if done:
+            self._end_search(request, outputs, now)
+            return True
+        children: dict[int, list[Candidate]] = {}
+        for cand in chosen:
+            children.setdefault(cand.parent, []).append(cand)
+        pruned = False
+        for i, beam in enumerate(list(live)):
+            continuations = children.get(i)
+            if not continuations:
+                self._finish(beam, FinishReason.STOP)  # out of the search; nothing is reported for it
+                pruned = True
+                continue
+            for cand in continuations[1:]:  # clones first: they copy the beam before it grows
+                self._clone_beam(beam, cand)
+            self._extend_beam(beam, continuations[0])
+        self._rebalance_beam_seats(request)
+        return pruned
+
+    def _clone_beam(self, parent: Sequence, cand: Candidate) -> None:
+        request = parent.request
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        child = Sequence(
+            seq_id, request, 0, parent.seed, parent.token_ids + [cand.token],
+            sort_key=(*parent.sort_key[:2], seq_id), cum_logprob=cand.cum_logprob,
+        )  # fmt: skip
+        request.seqs.append(child)
+        request.live_beams.append(child)
+        self._seqs[seq_id] = child
+        if parent.status is SeqStatus.RUNNING:  # share its blocks; the worker copies its state
+            self.block_manager.fork(parent.seq_id, seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.on_worker = True
+            self._pending_clones.append((parent.seq_id, seq_id))
+            self._pending_appends.append((seq_id, cand.token))
+            child.status = SeqStatus.RUNNING
+            bisect.insort(self._running, child, key=lambda s: s.sort_key)
+        else:  # the parent's KV is not on the GPU: the child computes its own
+            heapq.heappush(self._waiting, (child.sort_key, child))
+
+    def _extend_beam(self, beam: Sequence, cand: Candidate) -> None:
+        if beam.on_worker:
+            self._pending_appends.append((beam.seq_id, cand.token))
+        if beam.status is SeqStatus.WAITING:  # it was preempted after reporting: back into the queue
+            heapq.heappush(self._waiting, (beam.sort_key, beam))
+        beam.token_ids.append(cand.token)
+        beam.cum_logprob = cand.cum_logprob
+        beam.candidates = None
+
+    def _end_search(self, request: Request, outputs: list[Output], now: float) -> None:
+        group = request.beam
+        assert group is not None
+        prompt_len = len(request.prompt_token_ids)
+        cached = max(0, request.seqs[0].num_cached_tokens)
+        for index, hyp in enumerate(group.best(request.params.n, [])):
+            out = SeqOutput(
+                request.request_id, index, hyp.token_ids, None, hyp.finish_reason, prompt_len, cached
+            )
+            outputs.append((request.owner, out))
+            self.metrics.generated_tokens_total += len(hyp.token_ids)
+        self.metrics.time_to_first_token.observe(now - request.arrival_time)
+        for beam in list(request.live_beams):
+            self._finish(beam, FinishReason.STOP)
 
     def update(self, step: StepOutput) -> list[Output]:
         """Appends the sampled tokens, ends finished sequences and returns what to send to clients. Every
@@ -438,6 +593,10 @@ class Scheduler:
             seq = self._seqs.get(seq_id)
             if seq is None or seq.status is not running:
                 continue  # aborted while its step was in flight
+            if seq.request.beam is not None:
+                seq.candidates = logprobs
+                any_finished |= self._advance_search(seq.request, outputs, now)
+                continue
             seq.token_ids.append(token)
             self._observe_token(seq, now)
             request = seq.request
@@ -518,6 +677,9 @@ class Scheduler:
         bm = self.block_manager
         bm.check_invariants()
         waiting = [s for _, s in self._waiting if s.status is SeqStatus.WAITING]
+        parked = [  # beams that reported, then were preempted: out of the queue until their search selects
+            s for s in self._seqs.values() if s.status is SeqStatus.WAITING and s.candidates is not None
+        ]
         swapped = [s for _, s in self._swapped if s.status is SeqStatus.SWAPPED]
         pending = [c for s in self._seqs.values() for c in s.fork_children]
         assert len({s.seq_id for s in waiting}) == len(waiting), "a sequence is twice in the waiting queue"
@@ -525,13 +687,20 @@ class Scheduler:
         keys = [s.sort_key for s in self._running]
         assert keys == sorted(set(keys)), "the running list is out of order"
         assert self._pending_forks == sum(len(s.fork_children) for s in self._running)
+        searches = {s.request.key: s.request for s in self._seqs.values() if s.request.beam}
+        reserve = 0
+        for request in searches.values():
+            running = sum(1 for b in request.live_beams if b.status is SeqStatus.RUNNING)
+            assert request.beam.running_beams == running and len(request.live_beams) <= request.beam.width
+            reserve += (request.beam.width - running) if running else 0
+        assert self._beam_reserve == reserve, "beam seat reserve is off"
         assert self._seats_taken() <= self.settings.max_num_seqs
-        live = {s.seq_id for s in waiting + swapped + pending + self._running}
+        live = {s.seq_id for s in waiting + parked + swapped + pending + self._running}
         assert live == set(self._seqs), "live sequences differ from the queues"
         for seq in self._running:
             slots = len(bm.block_table(seq.seq_id)) * self.settings.block_size
             assert slots >= seq.num_computed_tokens, f"seq {seq.seq_id} computed past its blocks"
-        for seq in waiting + pending:
+        for seq in waiting + parked + pending:
             assert not bm.block_table(seq.seq_id), f"queued seq {seq.seq_id} holds blocks"
         for seq in swapped:
             assert not bm.block_table(seq.seq_id) and bm.cpu_block_table(seq.seq_id)

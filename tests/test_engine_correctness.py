@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import GenerationConfig, LlamaForCausalLM
 
 from common.config import WorkerConfig
 from common.messages import SamplingParams, SubmitRequest
@@ -131,3 +131,42 @@ def test_seeded_sampling_is_reproducible_and_survives_preemption(tiny_model_dir)
     assert all(len(tokens) == 16 for tokens in roomy.values())
     for i in range(len(prompts)):  # the n samples of a prompt are independent draws
         assert len({tuple(roomy[(i, j)]) for j in range(3)}) > 1
+
+
+@pytest.mark.parametrize("num_kv_blocks", [200, 16])
+def test_beam_search_matches_transformers(tiny_model_dir, num_kv_blocks):
+    """Beams forked with shared blocks, copied on write, pruned and (with 16 blocks) preempted find what
+    transformers' own beam search finds (EOS off, so both run to max_new_tokens)."""
+    width, n, max_tokens = 3, 2, 8
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rng = random.Random(7)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(k)] for k in (3, 9, 17)]
+    config = GenerationConfig(
+        num_beams=width, num_return_sequences=n, max_new_tokens=max_tokens, do_sample=False,
+        early_stopping=False, length_penalty=1.0, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                generation_config=config,
+            )
+        expected.append([row[len(prompt) :].tolist() for row in out])
+
+    runner = ModelRunner(
+        WorkerConfig(
+            model=str(tiny_model_dir),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=num_kv_blocks,
+        )
+    )
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0, beam_width=width, ignore_eos=True)
+    ours, scheduler = _run_engine(runner, prompts, params, max_num_seqs=16, max_num_batched_tokens=64)
+    if num_kv_blocks == 16:
+        assert scheduler.metrics.preemptions_total > 0
+    for i, beams in enumerate(expected):
+        assert [ours[(i, j)] for j in range(n)] == beams, f"prompt {i}"

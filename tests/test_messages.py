@@ -35,6 +35,7 @@ PARAMS = SamplingParams(
 EXAMPLES = [
     SubmitRequest("req-1", [1, 2, 300000], PARAMS),
     SubmitRequest("req-2", [5], SamplingParams(), priority=-3, cache_salt="tenant-a"),
+    SubmitRequest("req-3", [5, 6], SamplingParams(n=2, temperature=0.0, beam_width=4, length_penalty=0.5)),
     AbortRequest("req-1"),
     AbortRequest("req-1", 2, "stop"),
     InfoRequest(41),
@@ -50,7 +51,10 @@ EXAMPLES = [
     StepPlan(
         step_id=7,
         freed_seq_ids=[1, 4],
-        new_seqs=[NewSequence(9, [1, 2, 3], [5, 0], 0, 0.0, 1.0, 0, 123, -1)],
+        new_seqs=[
+            NewSequence(9, [1, 2, 3], [5, 0], 0, 0.0, 1.0, 0, 123, -1),
+            NewSequence(10, [4], [1], 0, 0.0, 1.0, 0, 5, 8, beam=True),
+        ],
         new_block_ids=[(2, [8]), (3, [10, 11])],
         scheduled_seq_ids=[9, 2, 3],
         num_scheduled_tokens=[3, 1, 1],
@@ -59,6 +63,8 @@ EXAMPLES = [
         new_block_tables=[(12, [6, 1])],
         block_copies=[(8, 9)],
         forks=[Fork(9, 13, 77), Fork(9, 14, 78)],
+        clones=[(2, 15)],
+        appended_tokens=[(2, 301), (15, 302)],
     ),
     StepOutput(7, [9, 2], [100, 200], [None, TokenLogprobs(-2.0)]),
     Shutdown("bye"),
@@ -98,3 +104,6 @@ def test_sampling_params_validation():
     assert "temperature" in SamplingParams(temperature=-1).validate()
     assert "logprobs" in SamplingParams(logprobs=21).validate()
     assert "stop" in SamplingParams(stop=("",)).validate()
+    assert "beam width" in SamplingParams(n=3, beam_width=2, temperature=0.0).validate()
+    assert "temperature" in SamplingParams(beam_width=2).validate()
+    assert SamplingParams(n=2, beam_width=4, temperature=0.0).validate() is None

@@ -37,6 +37,7 @@ class SeqState:
     top_k: int
     seed: int
     num_logprobs: int
+    beam: bool = False  # report candidates, append nothing: the scheduler chooses the beam's tokens
 
     @classmethod
     def from_new(cls, s: NewSequence) -> SeqState:
@@ -49,6 +50,7 @@ class SeqState:
             s.top_k,
             s.seed,
             s.num_logprobs,
+            s.beam,
         )
 
 
@@ -101,9 +103,20 @@ class ModelRunner:
         return list(self.model_config.eos_token_ids)
 
     # -----------------------------------------------------------------------------------------------------
-    # Plan application: steps 1 to 4 of the StepPlan order, then the checks of steps 5 and 6
+    # Plan application: steps 0 to 4 of the StepPlan order, then the checks of steps 5 and 6
 
     def _apply_changes(self, plan: StepPlan) -> None:
+        for parent_id, child_id in plan.clones:
+            if child_id in self.seqs:
+                raise PlanError(f"step {plan.step_id}: clone {child_id} already exists")
+            parent = self._seq(plan, parent_id)
+            self.seqs[child_id] = replace(
+                parent, token_ids=list(parent.token_ids), block_table=list(parent.block_table)
+            )
+        for seq_id, token in plan.appended_tokens:
+            if not 0 <= token < self.vocab_size:
+                raise PlanError(f"step {plan.step_id}: appended token {token} is outside the vocab")
+            self._seq(plan, seq_id).token_ids.append(token)
         for seq_id in plan.freed_seq_ids:
             if self.seqs.pop(seq_id, None) is None:
                 raise PlanError(f"step {plan.step_id}: freed sequence {seq_id} is unknown")
@@ -296,5 +309,6 @@ class ModelRunner:
         ]
         new_tokens, logprobs = sample(logits, rows)
         for seq, token in zip(samplers, new_tokens, strict=True):
-            seq.token_ids.append(token)
+            if not seq.beam:
+                seq.token_ids.append(token)
         return StepOutput(plan.step_id, seq_ids, new_tokens, logprobs)

@@ -9,13 +9,25 @@ token depends only on the sequence's seed and its tokens so far, as a seeded mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common.messages import StepOutput, StepPlan, TokenLogprobs
 
 
 def fake_next_token(seed: int, token_ids: list[int], vocab_size: int) -> int:
     return hash((seed, len(token_ids), token_ids[-1], token_ids[len(token_ids) // 2])) % vocab_size
+
+
+def fake_candidates(token_ids: list[int], k: int, vocab_size: int) -> tuple[list[int], list[float]]:
+    """A beam's k best next tokens and their logprobs: distinct tokens, strictly falling logprobs, no ties."""
+    h = hash(tuple(token_ids))
+    tokens: list[int] = []
+    while len(tokens) < k:
+        token = hash((h, len(tokens), "token")) % vocab_size
+        if token not in tokens:
+            tokens.append(token)
+    logprobs = [-(0.05 + 0.5 * i + (hash((h, i)) % 1000) / 4000) for i in range(k)]
+    return tokens, logprobs
 
 
 @dataclass
@@ -25,6 +37,7 @@ class _SeqState:
     num_computed_tokens: int
     seed: int
     num_logprobs: int
+    beam: bool = False
 
 
 class FakeWorker:
@@ -47,6 +60,14 @@ class FakeWorker:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self.plans.append(plan)
+        for parent_id, child_id in plan.clones:
+            assert child_id not in self.seqs
+            parent = self.seqs[parent_id]
+            self.seqs[child_id] = replace(
+                parent, token_ids=list(parent.token_ids), block_table=list(parent.block_table)
+            )
+        for seq_id, token in plan.appended_tokens:
+            self.seqs[seq_id].token_ids.append(token)
         for seq_id in plan.freed_seq_ids:
             del self.seqs[seq_id]
         self._copy_blocks(self.slots, self.cpu_slots, plan.swap_out)
@@ -56,12 +77,9 @@ class FakeWorker:
         for new in plan.new_seqs:
             assert new.seq_id not in self.seqs, f"seq {new.seq_id} sent twice"
             self.seqs[new.seq_id] = _SeqState(
-                list(new.token_ids),
-                list(new.block_table),
-                new.num_computed_tokens,
-                new.seed,
-                new.num_logprobs,
-            )
+                list(new.token_ids), list(new.block_table), new.num_computed_tokens, new.seed,
+                new.num_logprobs, new.beam,
+            )  # fmt: skip
         for seq_id, blocks in plan.new_block_ids:
             self.seqs[seq_id].block_table.extend(blocks)
         self._copy_blocks(self.slots, self.slots, plan.block_copies)
@@ -103,6 +121,12 @@ class FakeWorker:
             assert held == self._kv(state, pos), f"seq {seq_id} position {pos}: KV slot holds {held}"
 
     def _sample(self, seq_id: int, state: _SeqState, out: StepOutput) -> None:
+        if state.beam:  # report candidates; the scheduler appends the chosen token
+            tokens, logprobs = fake_candidates(state.token_ids, state.num_logprobs, self.vocab_size)
+            out.seq_ids.append(seq_id)
+            out.token_ids.append(tokens[0])
+            out.logprobs.append(TokenLogprobs(logprobs[0], tokens, logprobs))
+            return
         token = fake_next_token(state.seed, state.token_ids, self.vocab_size)
         state.token_ids.append(token)
         out.seq_ids.append(seq_id)
