@@ -33,6 +33,7 @@ SAMPLING_FIELDS = frozenset(
 # How the scheduler treats the request rather than what it generates (vLLM's extensions of the same names).
 SCHEDULING_FIELDS = frozenset({"priority", "cache_salt"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"}
 CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion_tokens", "logprobs"}
 CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"}
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -156,7 +157,12 @@ def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel) ->
 
 
 def _generation_request(
-    f: Fields, prompts: list[list[int]], max_tokens: int | None, num_logprobs: int | None, model: ServedModel
+    f: Fields,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    num_logprobs: int | None,
+    model: ServedModel,
+    beam_width: int = 0,
 ) -> GenerationRequest:
     for name in ("presence_penalty", "frequency_penalty", "min_p"):
         f.neutral(name, 0)
@@ -166,7 +172,7 @@ def _generation_request(
     top_k = f.integer("top_k", 0, lo=-1)
     base = SamplingParams(
         n=f.integer("n", 1, lo=1, hi=128),  # type: ignore[arg-type]
-        temperature=f.number("temperature", 1.0),
+        temperature=f.number("temperature", 0.0 if beam_width else 1.0),
         top_p=f.number("top_p", 1.0),
         top_k=max(top_k or 0, 0),  # -1 means off, as in vLLM
         seed=f.integer("seed", None, lo=-(2**63), hi=2**64 - 1),
@@ -174,6 +180,8 @@ def _generation_request(
         ignore_eos=f.boolean("ignore_eos"),
         logprobs=num_logprobs,
         stop=f.stop_strings(),
+        beam_width=beam_width,
+        length_penalty=f.number("length_penalty", 1.0) if beam_width else 1.0,
     )
     problem = base.validate()
     if problem is not None:
@@ -182,6 +190,8 @@ def _generation_request(
         SamplingParams(**{**base.__dict__, "max_tokens": _max_tokens(max_tokens, p, model)}) for p in prompts
     ]
     stream = f.boolean("stream")
+    if stream and beam_width:
+        raise invalid("beam search results are complete only at the end: 'stream' is not supported", "stream")
     options = f.body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise invalid("'stream_options' supports only 'include_usage'", "stream_options")
@@ -226,11 +236,18 @@ def parse_completion(body: Any, model: ServedModel) -> GenerationRequest:
         raise invalid("'prompt' must be a string, a list of token ids, or a list of those", "prompt")
     if any(not p for p in prompts):
         raise invalid("the prompt must not be empty", "prompt")
+    n = f.integer("n", 1)
     best_of = f.integer("best_of")
-    if best_of is not None and best_of != f.integer("n", 1):
+    beam_width = 0
+    if f.boolean("use_beam_search"):
+        beam_width = best_of if best_of is not None else n  # type: ignore[assignment]
+    elif best_of is not None and best_of != n:
         raise invalid("'best_of' must equal 'n' (no hidden candidates are generated)", "best_of")
+    else:
+        f.neutral("length_penalty", 1)
     num_logprobs = f.integer("logprobs", None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
-    return _generation_request(f, prompts, f.integer("max_tokens", None, lo=1, hi=2**63), num_logprobs, model)
+    max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)
+    return _generation_request(f, prompts, max_tokens, num_logprobs, model, beam_width)
 
 
 def _message_content(message: dict[str, Any], i: int) -> str:

@@ -56,3 +56,26 @@ def test_chat_usage_reports_cached_tokens_also_when_streamed(server: ApiServer) 
     prompt_tokens = first["usage"]["prompt_tokens"]
     events = server.stream("/v1/chat/completions", {**request, "stream_options": {"include_usage": True}})
     assert cached_tokens(events[-1]) == (prompt_tokens - 1) // 16 * 16 > 0
+
+
+def test_beam_search_fields_reach_the_scheduler(server: ApiServer) -> None:
+    request = {"prompt": "abc", "max_tokens": 3, "n": 2, "best_of": 4, "use_beam_search": True}
+    response = server.post("/v1/completions", {**request, "length_penalty": 0.5})
+    assert response.status == 200 and len(response.json()["choices"]) == 2
+    params = server.fake.submits()[-1].params
+    assert (params.beam_width, params.n, params.length_penalty, params.temperature) == (4, 2, 0.5, 0.0)
+    server.post("/v1/completions", {"prompt": "abc", "max_tokens": 3, "n": 3, "use_beam_search": True})
+    assert server.fake.submits()[-1].params.beam_width == 3  # best_of defaults to n
+
+
+def test_beam_search_refusals(server: ApiServer) -> None:
+    base = {"prompt": "abc", "max_tokens": 3, "use_beam_search": True}
+    for body, needle in (
+        ({**base, "stream": True}, "stream"),
+        ({**base, "n": 3, "best_of": 2}, "beam width"),
+        ({**base, "temperature": 0.7}, "temperature"),
+        ({**base, "logprobs": 2}, "logprobs"),
+        ({"prompt": "abc", "length_penalty": 0.5}, "length_penalty"),
+    ):
+        response = server.post("/v1/completions", body)
+        assert response.status == 400 and needle in response.json()["error"]["message"], body

@@ -237,3 +237,19 @@ def test_include_usage_chunk_and_sse_framing(server):
     assert all(e.startswith("data: ") for e in events[:-1])
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_beam_search_returns_the_n_best_beams_deterministically(server):
+    body = {
+        "prompt": "def fibonacci(n):", "max_tokens": 10, "n": 2, "best_of": 4, "use_beam_search": True,
+        "ignore_eos": True,
+    }  # fmt: skip
+    s1, r1 = post(server, "/v1/completions", body)
+    s2, r2 = post(server, "/v1/completions", body)
+    assert s1 == s2 == 200, r1
+    texts = [c["text"] for c in sorted(r1["choices"], key=lambda c: c["index"])]
+    assert texts == [c["text"] for c in sorted(r2["choices"], key=lambda c: c["index"])]
+    assert len(texts) == 2 and texts[0] != texts[1]
+    assert all(c["finish_reason"] == "length" for c in r1["choices"])
+    assert r1["usage"]["completion_tokens"] == 20
+    server.wait_until_idle()
