@@ -275,14 +275,22 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, step: _Step, budget: int) -> int:
+        # The hot loop: one pass over every running sequence each step, so it avoids helper calls.
+        allocate = self.block_manager.allocate_slots
+        reserved = self.settings.reserved
+        scheduled = step.scheduled
+        running = self._running
         i = 0
-        while i < len(self._running) and budget > 0:
-            seq = self._running[i]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if num_tokens == 0:  # nothing new to compute (cannot happen while steps run one at a time)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_tokens = len(seq.token_ids) - seq.num_computed_tokens
+            if num_tokens > budget:
+                num_tokens = budget
+            elif num_tokens == 0:  # a beam waiting for its search to select
                 i += 1
                 continue
-            allocation = self._allocate(seq, num_tokens)
+            reserve = self._reserve_tokens(seq) if reserved else 0
+            allocation = allocate(seq.seq_id, seq.num_computed_tokens, num_tokens, reserve)
             while allocation is None:
                 victim = self._running.pop()
                 self._preempt(victim, step)
@@ -291,8 +299,9 @@ class Scheduler:
                 allocation = self._allocate(seq, num_tokens)
             if allocation is None:
                 break  # seq itself was the last in the queue and is now preempted
-            self._record_allocation(seq, allocation, step)
-            step.scheduled.append((seq, num_tokens))
+            if allocation.new_blocks or allocation.copies:
+                self._record_allocation(seq, allocation, step)
+            scheduled.append((seq, num_tokens))
             budget -= num_tokens
             i += 1
         return budget
@@ -589,6 +598,8 @@ class Scheduler:
         outputs: list[Output] = []
         any_finished = False
         running = SeqStatus.RUNNING
+        itl = self.metrics.inter_token_latency
+        generated = 0
         for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.status is not running:
@@ -598,7 +609,12 @@ class Scheduler:
                 any_finished |= self._advance_search(seq.request, outputs, now)
                 continue
             seq.token_ids.append(token)
-            self._observe_token(seq, now)
+            generated += 1
+            if seq.last_token_time is None:
+                self._observe_token(seq, now)
+            else:
+                itl.observe(now - seq.last_token_time)
+                seq.last_token_time = now
             request = seq.request
             if token in request.stop_ids:
                 self._finish(seq, FinishReason.STOP)
@@ -606,13 +622,26 @@ class Scheduler:
             elif len(seq.token_ids) >= request.max_total_len:
                 self._finish(seq, FinishReason.LENGTH)
                 any_finished = True
-            outputs.append((request.owner, self._output_of(seq, [token], [logprobs])))
+            outputs.append(
+                (
+                    request.owner,
+                    SeqOutput(
+                        request.request_id,
+                        seq.index,
+                        [token],
+                        None if request.params.logprobs is None else [logprobs],
+                        seq.finish_reason,
+                        len(request.prompt_token_ids),
+                        seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0,
+                    ),
+                )
+            )
+        self.metrics.generated_tokens_total += generated
         if any_finished:
             self._running = [s for s in self._running if s.status is SeqStatus.RUNNING]
         return outputs
 
     def _observe_token(self, seq: Sequence, now: float) -> None:
-        self.metrics.generated_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.time_to_first_token.observe(now - seq.request.arrival_time)
