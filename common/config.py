@@ -45,7 +45,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompts that start alike
     preemption_mode: str = "auto"  # recompute | swap | auto (per victim, whichever is cheaper)
     scheduling_policy: str = "fcfs"  # fcfs | priority (the request's priority, lower first, then arrival)
-    kv_policy: str = "paged"  # paged: blocks on demand; reserved: prompt + max_tokens up front (for comparison)
+    kv_policy: str = "paged"  # paged: blocks on demand; reserved: prompt + max_tokens up front (a baseline)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
