@@ -35,10 +35,12 @@ from common.messages import (
     StepPlan,
     SubmitRequest,
 )
-from scheduler.beam import BeamGroup, Candidate, Hypothesis, select
+from scheduler.beam import BeamGroup
 from scheduler.block_manager import Allocation, BlockManager
+from scheduler.inspection import SchedulerInspection
 from scheduler.metrics import SchedulerMetrics
 from scheduler.request import Request, SeqStatus, Sequence
+from scheduler.search import BeamSearchSteps
 
 Output = tuple[bytes, SeqOutput]  # (owner, output)
 
@@ -90,7 +92,7 @@ class _Step:
     preempted: bool = False
 
 
-class Scheduler:
+class Scheduler(BeamSearchSteps, SchedulerInspection):
     """Owns the requests, their sequences, the queues and the block manager."""
 
     def __init__(self, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic) -> None:
@@ -385,14 +387,6 @@ class Scheduler:
             return 0 if group.seats_held else group.width
         return 1 + len(seq.fork_children)
 
-    def _rebalance_beam_seats(self, request: Request) -> None:
-        """A search holds `width` seats while any of its beams runs: its running beams and a reserve."""
-        group = request.beam
-        running = sum(1 for b in request.live_beams if b.status is SeqStatus.RUNNING)
-        held = group.width if running else 0
-        self._beam_reserve += (held - running) - (group.seats_held - group.running_beams)
-        group.seats_held, group.running_beams = held, running
-
     def _set_running(self, seq: Sequence) -> None:
         seq.status = SeqStatus.RUNNING
         bisect.insort(self._running, seq, key=lambda s: s.sort_key)
@@ -505,92 +499,6 @@ class Scheduler:
             del self._requests[request.key]
             self.metrics.requests_finished_total += 1
 
-    def _advance_search(self, request: Request, outputs: list[Output], now: float) -> bool:
-        """Runs one selection once every live beam has reported its candidates; returns whether a beam
-        ended. When the search is done, its n best hypotheses go out as the request's outputs."""
-        live = request.live_beams
-        if any(b.candidates is None for b in live):
-            return False
-        group = request.beam
-        assert group is not None
-        prompt_len = len(request.prompt_token_ids)
-        beams = [
-            (b.token_ids[prompt_len:], b.cum_logprob, b.candidates.top_token_ids, b.candidates.top_logprobs)
-            for b in live
-        ]
-        chosen, done = select(group, beams, request.stop_ids)
-        if not done and len(beams[0][0]) + 1 >= request.max_total_len - prompt_len:
-            for cand in chosen:  # they reach the length limit: they end here
-                group.add_finished(
-                    Hypothesis(beams[cand.parent][0] + [cand.token], cand.cum_logprob, "length")
-                )
-            done = True
-        if done:
-            self._end_search(request, outputs, now)
-            return True
-        children: dict[int, list[Candidate]] = {}
-        for cand in chosen:
-            children.setdefault(cand.parent, []).append(cand)
-        pruned = False
-        for i, beam in enumerate(list(live)):
-            continuations = children.get(i)
-            if not continuations:
-                self._finish(beam, FinishReason.STOP)  # out of the search; nothing is reported for it
-                pruned = True
-                continue
-            for cand in continuations[1:]:  # clones first: they copy the beam before it grows
-                self._clone_beam(beam, cand)
-            self._extend_beam(beam, continuations[0])
-        self._rebalance_beam_seats(request)
-        return pruned
-
-    def _clone_beam(self, parent: Sequence, cand: Candidate) -> None:
-        request = parent.request
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
-        child = Sequence(
-            seq_id, request, 0, parent.seed, parent.token_ids + [cand.token],
-            sort_key=(*parent.sort_key[:2], seq_id), cum_logprob=cand.cum_logprob,
-        )  # fmt: skip
-        request.seqs.append(child)
-        request.live_beams.append(child)
-        self._seqs[seq_id] = child
-        if parent.status is SeqStatus.RUNNING:  # share its blocks; the worker copies its state
-            self.block_manager.fork(parent.seq_id, seq_id)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.on_worker = True
-            self._pending_clones.append((parent.seq_id, seq_id))
-            self._pending_appends.append((seq_id, cand.token))
-            child.status = SeqStatus.RUNNING
-            bisect.insort(self._running, child, key=lambda s: s.sort_key)
-        else:  # the parent's KV is not on the GPU: the child computes its own
-            heapq.heappush(self._waiting, (child.sort_key, child))
-
-    def _extend_beam(self, beam: Sequence, cand: Candidate) -> None:
-        if beam.on_worker:
-            self._pending_appends.append((beam.seq_id, cand.token))
-        if beam.status is SeqStatus.WAITING:  # it was preempted after reporting: back into the queue
-            heapq.heappush(self._waiting, (beam.sort_key, beam))
-        beam.token_ids.append(cand.token)
-        beam.cum_logprob = cand.cum_logprob
-        beam.candidates = None
-
-    def _end_search(self, request: Request, outputs: list[Output], now: float) -> None:
-        group = request.beam
-        assert group is not None
-        prompt_len = len(request.prompt_token_ids)
-        cached = max(0, request.seqs[0].num_cached_tokens)
-        for index, hyp in enumerate(group.best(request.params.n, [])):
-            out = SeqOutput(
-                request.request_id, index, hyp.token_ids, None, hyp.finish_reason, prompt_len, cached
-            )
-            outputs.append((request.owner, out))
-            self.metrics.generated_tokens_total += len(hyp.token_ids)
-        self.metrics.time_to_first_token.observe(now - request.arrival_time)
-        for beam in list(request.live_beams):
-            self._finish(beam, FinishReason.STOP)
-
     def update(self, step: StepOutput) -> list[Output]:
         """Appends the sampled tokens, ends finished sequences and returns what to send to clients. Every
         token goes out in the update that brings it, so an output carries exactly one new token."""
@@ -661,75 +569,3 @@ class Scheduler:
             len(request.prompt_token_ids),
             max(0, seq.num_cached_tokens),
         )
-
-    # ----------------------------------------------------------------------------------------------------
-    # state for metrics and tests
-
-    @property
-    def num_running_seqs(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting_seqs(self) -> int:
-        return sum(1 for _, s in self._waiting if s.status is SeqStatus.WAITING)
-
-    @property
-    def num_swapped_seqs(self) -> int:
-        return sum(1 for _, s in self._swapped if s.status is SeqStatus.SWAPPED)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
-    def kv_usage(self):
-        return self.block_manager.usage({s.seq_id: s.num_computed_tokens for s in self._running})
-
-    def metrics_text(self) -> str:
-        running_requests = len({s.request.key for s in self._running})
-        usage = self.kv_usage()
-        gauges = {
-            "pagedserve_requests_running": (running_requests, "Requests with a running sequence"),
-            "pagedserve_requests_waiting": (len(self._requests) - running_requests, "Requests queued"),
-            "pagedserve_requests_swapped": (self.num_swapped_seqs, "Sequences swapped out to the CPU pool"),
-            "pagedserve_kv_blocks_total": (self.block_manager.num_blocks, "KV blocks in the pool"),
-            "pagedserve_kv_blocks_used": (usage.blocks_used, "KV blocks held by live sequences"),
-            "pagedserve_kv_blocks_cached": (usage.blocks_cached, "Free KV blocks holding reusable prefixes"),
-            "pagedserve_kv_blocks_shared": (usage.blocks_shared, "KV blocks held by several sequences"),
-            "pagedserve_kv_blocks_saved": (usage.blocks_saved, "KV blocks that sharing avoids"),
-            "pagedserve_kv_slots_allocated": (usage.slots_allocated, "KV slots in blocks held"),
-            "pagedserve_kv_slots_used": (usage.slots_used, "KV slots holding a token"),
-        }
-        return self.metrics.render(gauges)
-
-    def check_invariants(self) -> None:
-        """Raises AssertionError when the queues, the sequences and the block manager disagree."""
-        bm = self.block_manager
-        bm.check_invariants()
-        waiting = [s for _, s in self._waiting if s.status is SeqStatus.WAITING]
-        parked = [  # beams that reported, then were preempted: out of the queue until their search selects
-            s for s in self._seqs.values() if s.status is SeqStatus.WAITING and s.candidates is not None
-        ]
-        swapped = [s for _, s in self._swapped if s.status is SeqStatus.SWAPPED]
-        pending = [c for s in self._seqs.values() for c in s.fork_children]
-        assert len({s.seq_id for s in waiting}) == len(waiting), "a sequence is twice in the waiting queue"
-        assert all(s.status is SeqStatus.RUNNING for s in self._running), "a non-running sequence is running"
-        keys = [s.sort_key for s in self._running]
-        assert keys == sorted(set(keys)), "the running list is out of order"
-        assert self._pending_forks == sum(len(s.fork_children) for s in self._running)
-        searches = {s.request.key: s.request for s in self._seqs.values() if s.request.beam}
-        reserve = 0
-        for request in searches.values():
-            running = sum(1 for b in request.live_beams if b.status is SeqStatus.RUNNING)
-            assert request.beam.running_beams == running and len(request.live_beams) <= request.beam.width
-            reserve += (request.beam.width - running) if running else 0
-        assert self._beam_reserve == reserve, "beam seat reserve is off"
-        assert self._seats_taken() <= self.settings.max_num_seqs
-        live = {s.seq_id for s in waiting + parked + swapped + pending + self._running}
-        assert live == set(self._seqs), "live sequences differ from the queues"
-        for seq in self._running:
-            slots = len(bm.block_table(seq.seq_id)) * self.settings.block_size
-            assert slots >= seq.num_computed_tokens, f"seq {seq.seq_id} computed past its blocks"
-        for seq in waiting + parked + pending:
-            assert not bm.block_table(seq.seq_id), f"queued seq {seq.seq_id} holds blocks"
-        for seq in swapped:
-            assert not bm.block_table(seq.seq_id) and bm.cpu_block_table(seq.seq_id)
