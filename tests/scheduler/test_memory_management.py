@@ -282,13 +282,15 @@ def test_differential_fuzz_caching_swap_and_pool_size_change_nothing(trial):
     aborted = {a[1] for a in arrivals if a[4]}
     configs = [
         dict(num_blocks=1024, enable_prefix_caching=True),
-        dict(num_blocks=40, enable_prefix_caching=True),
-        dict(num_blocks=40, enable_prefix_caching=False),
-        dict(num_blocks=40, preemption_mode="swap", num_cpu_blocks=64),
-        dict(num_blocks=40, preemption_mode="auto", num_cpu_blocks=8),
+        dict(num_blocks=24, enable_prefix_caching=True),
+        dict(num_blocks=24, enable_prefix_caching=False),
+        dict(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64),
+        dict(num_blocks=24, preemption_mode="auto", num_cpu_blocks=8),
     ]
     for config in configs:
         h = _run_arrivals(arrivals, aborts=True, **config)
+        if config["num_blocks"] < 1024:
+            assert h.scheduler.metrics.preemptions_total > 0, config
         for key, tokens in reference.tokens.items():
             if key[0] in aborted:
                 assert h.tokens[key] == tokens[: len(h.tokens[key])], (config, key)
