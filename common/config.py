@@ -72,6 +72,7 @@ class WorkerConfig:
     num_kv_blocks: int = 0  # fix the pool size; 0: size it from memory
     kv_cache_memory_gib: float = 0.0  # on cpu, memory for the KV pool; 0: a quarter of what is available
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks; 0: no swapping
+    attention_backend: str = "auto"  # torch (reference) | triton; auto: triton on cuda, torch on cpu
     max_model_len: int = 0  # longest prompt + output; 0: the model's max_position_embeddings
     log_level: str = "info"
 
@@ -88,6 +89,12 @@ class WorkerConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.resolved_device == "cpu" else "bfloat16"
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "torch" if self.resolved_device == "cpu" else "triton"
 
 
 C = TypeVar("C")

@@ -42,12 +42,13 @@ def serve(cfg: WorkerConfig) -> int:
     log = configure_logging("worker", cfg.log_level)
     started = time.monotonic()
     log.info("loading_model", model=cfg.model, device=cfg.resolved_device, dtype=cfg.resolved_dtype)
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend)
     log.info(
         "model_loaded",
         model=str(Path(cfg.model).resolve()),
         device=str(runner.device),
         dtype=str(runner.dtype).removeprefix("torch."),
+        attention_backend=cfg.resolved_attention_backend,
         num_kv_blocks=runner.num_kv_blocks,
         num_cpu_blocks=runner.num_cpu_blocks,
         block_size=runner.block_size,
