@@ -1,13 +1,15 @@
 """The attention interface the model calls, and the backends behind it.
 
 Every layer hands its new keys and values, its queries, its cache and the step's `AttentionMetadata` to one
-`AttentionBackend.forward`; a backend decides how to store the keys and values and how to attend. Only the
-PyTorch reference exists now; a Triton backend plugs in behind the same call.
+`AttentionBackend.forward`; a backend decides how to store the keys and values and how to attend: "torch"
+is the PyTorch reference (kernels/reference.py, any device), "triton" the Triton kernels (worker/
+attention_triton.py, CUDA), which the worker picks on a GPU.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +69,17 @@ class TorchReferenceBackend(AttentionBackend):
         )
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchReferenceBackend}
+def _triton_backend() -> AttentionBackend:
+    # Imported on first use: the worker must import on machines without Triton.
+    from worker.attention_triton import TritonBackend
+
+    return TritonBackend()
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": TorchReferenceBackend,
+    "triton": _triton_backend,
+}
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:

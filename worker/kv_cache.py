@@ -124,7 +124,13 @@ class KVPools:
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) device blocks: dst becomes a copy of src in every layer, K and V."""
-        if pairs:
+        if not pairs:
+            return
+        if self.device_pool.is_cuda:  # the Triton kernel moves each byte once (the PyTorch op twice)
+            from kernels.cache_ops import copy_blocks as copy_blocks_kernel
+
+            copy_blocks_kernel(self.device_pool, *self._ids(pairs, self.device_pool.device))
+        else:
             copy_blocks(self.device_pool, *self._ids(pairs, self.device_pool.device))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:

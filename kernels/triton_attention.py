@@ -1,0 +1,349 @@
+"""Triton paged attention over block tables: decode, prefill, chunked prefill and mixed batches in one kernel.
+
+Same contract as `kernels.reference.paged_attention` (the PyTorch reference the tests compare against): the
+query tokens of all sequences are flattened, `query_start_loc` delimits each sequence's chunk, the chunk is
+the END of the sequence's context of `seq_lens[b]` tokens, and the chunk's own keys/values are already in the
+cache (`cache_ops.write_kv` runs first).
+
+One program handles BLOCK_Q consecutive query tokens of one sequence times the GROUP query heads that share
+one KV head: BLOCK_M = BLOCK_Q * GROUP rows. Each K/V tile is loaded once for the whole group and used by
+`tl.dot`, so GQA/MQA read the cache once per KV head. Decode batches use BLOCK_Q = 1 (rows padded to 16
+for `tl.dot`); prefill uses up to 128 rows. For few sequences with long contexts the KV range is split
+over several programs ("flash decoding") whose partial results a second kernel combines.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shape and launch options of the attention kernel."""
+
+    block_m: int  # query rows per program (tokens x query heads of one KV group), a power of 2 >= 16
+    tile_n: int  # cached tokens per inner iteration, a power of 2 >= 16
+    num_warps: int
+    num_stages: int
+
+
+# Tiles and split counts picked from sweeps on an H100 and an H200 (docs/kernels.md).
+DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIG = AttentionConfig(block_m=128, tile_n=32, num_warps=4, num_stages=3)
+# Split-KV: about this many decode programs per multiprocessor, each split holding at least
+# _MIN_SPLIT_TOKENS; batches of up to twice that many programs still split in two, which shortens the last
+# wave. Split counts are powers of 2, so that the splits divide the tiles evenly.
+_SPLIT_PROGRAMS_PER_SM = 4
+_MIN_SPLIT_TOKENS = 128
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _attend_tiles(
+    acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
+    l_i,  # [BLOCK_M] fp32 running sum of exponentials
+    m_i,  # [BLOCK_M] fp32 running max score, log2 units
+    q,  # [BLOCK_M, HEAD_DIM] the program's query rows
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
+    table_ptr,  # [max_blocks] int32, this sequence's block table row
+    kv_head,
+    q_pos,  # [BLOCK_M] context position of each row's query token
+    kv_len,  # tokens of context the program may read
+    qk_scale,  # softmax scale * log2(e)
+    tile_lo,
+    tile_hi,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False only for tiles wholly inside every row's causal window
+    IEEE_DOT: tl.constexpr,  # float32 caches: exact float32 products instead of tf32
+):
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(tile_lo, tile_hi):
+        pos = t * TILE_N + offs_n  # [TILE_N] context positions of the tile
+        in_ctx = pos < kv_len
+        if MASKED:
+            block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        else:
+            block = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
+        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch  # [TILE_N]
+        kv_offs = row[:, None] + offs_d[None, :]  # [TILE_N, HEAD_DIM]
+        if MASKED:
+            k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_offs)
+            v = tl.load(v_cache_ptr + kv_offs)
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale  # [BLOCK_M, TILE_N]
+        if MASKED:
+            s = tl.where(in_ctx[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 so that exp2 gives 0, never NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [T, Hq, HEAD_DIM], written unless SPLIT_KV
+    part_acc_ptr,  # [T, Hq, num_splits, HEAD_DIM] fp32 unnormalized partial outputs (SPLIT_KV)
+    part_ml_ptr,  # [T, Hq, num_splits, 2] fp32 partial max score (log2 units) and sum of exponentials
+    query_ptr,  # [T, Hq, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM], same strides as k_cache
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32, context length after this step
+    query_start_loc_ptr,  # [B + 1] int32
+    num_seqs,
+    num_splits,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * GROUP <= BLOCK_M
+    TILE_N: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # num_splits > 1: write partial results for _combine_splits_kernel
+    DECODE_ONLY: tl.constexpr,  # every chunk is one token: the index on grid axis 0 is the sequence
+    IEEE_DOT: tl.constexpr,
+):
+    if DECODE_ONLY:
+        pid_q = tl.program_id(0)
+    else:
+        # Later query blocks of a sequence see more context: start them first, so short ones fill the tail.
+        pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    if DECODE_ONLY:
+        seq = pid_q
+        q_block = 0
+    else:
+        # Sequence b owns programs first(b) .. first(b) + cdiv(q_len_b, BLOCK_Q) - 1 with
+        # first(b) = query_start_loc[b] // BLOCK_Q + b, which is strictly increasing: binary search for pid_q.
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            lo = tl.where(first <= pid_q, mid, lo)
+            hi = tl.where(first <= pid_q, hi, mid - 1)
+        seq = lo
+        q_block = pid_q - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+
+    if DECODE_ONLY:
+        q_start = seq  # one token per sequence: one dependent load fewer before the cache reads
+        q_len = 1
+    else:
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        if q_block * BLOCK_Q >= q_len:
+            return  # a gap between two sequences' programs
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_start = seq_len - q_len  # context position of the chunk's first token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = q_block * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] token index within the chunk
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head
+    row_ok = (tok < q_len) & (offs_m < BLOCK_Q * GROUP)
+    q_pos = ctx_start + tok
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        query_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+
+    first_pos = ctx_start + q_block * BLOCK_Q  # smallest query position among the rows
+    kv_len = ctx_start + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # the last row sees this many tokens
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    if SPLIT_KV:
+        per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+    # Tiles ending at or before first_pos are visible to every row: no mask needed there.
+    full_hi = tl.maximum(tile_lo, tl.minimum(tile_hi, (first_pos + 1) // TILE_N))
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
+        tile_lo, full_hi, stride_cb, stride_ct, stride_ch,
+        HEAD_DIM, BLOCK_SIZE, TILE_N, False, IEEE_DOT,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
+        full_hi, tile_hi, stride_cb, stride_ct, stride_ch,
+        HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT,
+    )  # fmt: skip
+
+    if SPLIT_KV:
+        part = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        out_offs = q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,  # [T, Hq, HEAD_DIM]
+    part_acc_ptr,  # [T, Hq, num_splits, HEAD_DIM] fp32
+    part_ml_ptr,  # [T, Hq, num_splits, 2] fp32
+    num_splits,
+    stride_ot,
+    stride_oh,
+    SPLITS_PAD: tl.constexpr,  # next power of 2 of num_splits
+    HEAD_DIM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * tl.num_programs(1) + h) * num_splits
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_s < num_splits
+    m = tl.load(part_ml_ptr + (base + offs_s) * 2, mask=ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + (base + offs_s) * 2 + 1, mask=ok, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0
+    )
+    # Split 0 always holds tokens, so m_max is finite; empty splits (m = -inf) get weight 0.
+    w = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: a few splits, so the automatic choice is exercised there too
+
+
+def choose_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Splits of the KV range per decode program: enough programs to fill the GPU when the batch is small,
+    none when the batch alone fills it or the contexts are short."""
+    programs = num_seqs * num_kv_heads
+    target = _SPLIT_PROGRAMS_PER_SM * _num_sms(device)
+    splits = min(target // programs, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS)
+    if splits < 2:
+        return 2 if programs < 2 * target and max_seq_len >= 4 * _MIN_SPLIT_TOKENS else 1
+    return 1 << (splits.bit_length() - 1)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, context length after this step
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    config: AttentionConfig | None = None,
+    out: torch.Tensor | None = None,  # [T, Hq, D], written in full; allocated when None
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal paged attention of each sequence's query chunk to its cached context.
+
+    `max_query_len` and `max_seq_len` are host-side bounds (no device sync, so the call can be captured in
+    a CUDA graph): max_query_len == 1 selects the decode path, where `num_splits` (chosen automatically
+    when None) splits each sequence's context over several programs.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head size must be a power of 2 >= 16"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and query.stride(-1) == 1
+    assert block_tables.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+
+    decode_only = max_query_len == 1 and num_tokens == num_seqs
+    if decode_only:
+        cfg = config or DECODE_CONFIG
+        block_m = max(cfg.block_m, triton.next_power_of_2(group))
+        block_q = 1
+        if num_splits is None:
+            num_splits = choose_num_splits(query.device, num_seqs, num_kv_heads, max_seq_len)
+        num_q_programs = num_seqs
+    else:
+        cfg = config or PREFILL_CONFIG
+        # Short chunks (a mixed batch of decodes and small chunks) get fewer, mostly useful rows.
+        block_m = max(16, min(cfg.block_m, triton.next_power_of_2(max_query_len * group)))
+        block_m = max(block_m, triton.next_power_of_2(group))
+        block_q = block_m // group
+        num_splits = num_splits or 1
+        num_q_programs = num_tokens // block_q + num_seqs
+
+    if num_splits > 1:
+        part_acc = torch.empty(
+            num_tokens, num_heads, num_splits, head_dim, device=query.device, dtype=torch.float32
+        )
+        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, device=query.device, dtype=torch.float32)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (num_q_programs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        out, part_acc, part_ml, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        num_seqs, num_splits, scale * 1.4426950408889634,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
+        TILE_N=cfg.tile_n, SPLIT_KV=num_splits > 1, DECODE_ONLY=decode_only,
+        IEEE_DOT=query.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_ml, num_splits, out.stride(0), out.stride(1),
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,465 @@
+"""Benchmarks of the Triton paged-attention kernels against this GPU's measured ceilings, in one run.
+
+    python scripts/bench_kernels.py --out bench-results/kernels.json [--sweep]
+
+Ceilings measured first: device-to-device copy bandwidth (bytes read + written) and the bf16 matrix-product
+rate (8192^3). Decode: bytes moved (KV read + query + output) per second as a fraction of the copy bandwidth,
+for the Triton kernel on a paged cache (split-KV chosen automatically) and for torch's
+scaled_dot_product_attention (enable_gqa) on a contiguous cache. Prefill: causal attention TFLOP/s over the
+matrix-product rate. Each timing is the median over CUDA-event-timed replays of a CUDA graph that runs the
+kernel once on each of several input sets, rotated so that together they exceed the L2 several times.
+`--sweep` adds split-count and tile-shape sweeps used to tune the defaults. `--smoke` runs tiny shapes on the
+CPU under TRITON_INTERPRET=1 to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels import cache_ops, reference  # noqa: E402
+from kernels import triton_attention as ta  # noqa: E402
+from kernels.triton_attention import (  # noqa: E402
+    DECODE_CONFIG,
+    PREFILL_CONFIG,
+    AttentionConfig,
+    choose_num_splits,
+    paged_attention,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+ROTATE_BYTES = 256 << 20  # input sets together at least this large (the H100's L2 is 50 MB)
+MAX_SETS = 64
+GRAPH_CALLS = 32
+
+
+def time_per_call(
+    fns: list[Callable[[], object]], device: torch.device, min_reps: int = 10, graph: bool = True
+) -> float:
+    """Seconds per call: median over timed replays of one CUDA graph that runs the fns in turn, at least
+    GRAPH_CALLS calls, so that the replay's own launch cost (about 9 us on an H200) is spread thin (or over
+    timed runs of the plain launches, when graph is False)."""
+    for fn in fns:
+        fn()  # compile and warm up
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn()
+        return (time.perf_counter() - t0) / len(fns)
+    torch.cuda.synchronize()
+    if graph:
+        fns = fns * math.ceil(GRAPH_CALLS / len(fns))
+    run: Callable[[], object]
+    try:
+        if not graph:
+            raise RuntimeError("graphs off")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            for fn in fns:
+                fn()
+        run = cuda_graph.replay
+    except RuntimeError as e:  # not capturable: time the launches, gaps included
+        if graph:
+            print(f"  (no CUDA graph: {str(e).splitlines()[0][:80]})", file=sys.stderr)
+        torch.cuda.synchronize()
+
+        def run() -> None:
+            for fn in fns:
+                fn()
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: list[float] = []
+    reps = min_reps
+    while len(times) < reps:
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+        if len(times) == 1:
+            reps = max(min_reps, min(200, int(0.25 / times[0])))
+    return statistics.median(times) / len(fns)
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int, graph: bool = False) -> float:
+    """Bytes read + written per second by a device-to-device copy (cudaMemcpyAsync through torch). Inside a
+    CUDA graph the copy becomes a memcpy node, which ran at about 2/3 of this rate on an H200."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_per_call([lambda: dst.copy_(src)], device, graph=graph)
+
+
+def measure_matmul_rate(device: torch.device, n: int) -> float:
+    a, b = (torch.randn(n, n, device=device, dtype=DTYPE) for _ in range(2))
+    return 2 * n**3 / time_per_call([lambda: a @ b], device)
+
+
+def _num_sets(set_bytes: int) -> int:
+    return max(2, min(MAX_SETS, math.ceil(ROTATE_BYTES / set_bytes)))
+
+
+def _fits(nbytes: int, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes < 0.85 * free
+
+
+def _paged_inputs(
+    num_sets: int, batch: int, ctx: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One random K and V pool holding every set's contexts; each set's block tables a random slice."""
+    blocks = ctx // BLOCK_SIZE
+    total = num_sets * batch * blocks
+    shape = (total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=device, dtype=DTYPE)
+    v_cache = torch.randn(shape, device=device, dtype=DTYPE)
+    perm = torch.randperm(total, generator=gen).to(device=device, dtype=torch.int32)
+    tables = [t.view(batch, blocks) for t in perm.split(batch * blocks)]
+    return k_cache, v_cache, tables
+
+
+def bench_decode(
+    batch: int,
+    ctx: int,
+    device: torch.device,
+    num_splits: int | None = None,
+    config: AttentionConfig | None = None,
+) -> dict:
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    qo_bytes = 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
+    num_sets = _num_sets(kv_bytes)
+    if not _fits(num_sets * kv_bytes * 1.1, device):
+        return {"batch": batch, "ctx": ctx, "skipped": "does not fit"}
+    gen = torch.Generator().manual_seed(batch * ctx)
+    k_cache, v_cache, tables = _paged_inputs(num_sets, batch, ctx, device, gen)
+    queries = [torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for _ in range(num_sets)]
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    splits = num_splits or choose_num_splits(device, batch, NUM_KV_HEADS, ctx)
+
+    def call(i: int) -> Callable[[], torch.Tensor]:
+        return lambda: paged_attention(
+            queries[i], k_cache, v_cache, tables[i], seq_lens, qsl, HEAD_DIM**-0.5, 1, ctx, splits, config
+        )
+
+    t = time_per_call([call(i) for i in range(num_sets)], device)
+    return {
+        "batch": batch, "ctx": ctx, "num_splits": splits, "num_sets": num_sets, "us": t * 1e6,
+        "bytes": kv_bytes + qo_bytes, "tb_s": (kv_bytes + qo_bytes) / t / 1e12,
+    }  # fmt: skip
+
+
+def bench_decode_sdpa(batch: int, ctx: int, device: torch.device) -> dict:
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    qo_bytes = 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
+    num_sets = _num_sets(kv_bytes)
+    if not _fits(num_sets * kv_bytes * 1.1, device):
+        return {"batch": batch, "ctx": ctx, "skipped": "does not fit"}
+    shape = (batch, NUM_KV_HEADS, ctx, HEAD_DIM)
+    sets = [
+        (
+            torch.randn(batch, NUM_HEADS, 1, HEAD_DIM, device=device, dtype=DTYPE),
+            torch.randn(shape, device=device, dtype=DTYPE),
+            torch.randn(shape, device=device, dtype=DTYPE),
+        )
+        for _ in range(num_sets)
+    ]
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    t = time_per_call([call(*s) for s in sets], device)
+    return {"batch": batch, "ctx": ctx, "us": t * 1e6, "tb_s": (kv_bytes + qo_bytes) / t / 1e12}
+
+
+def bench_prefill(
+    prompt_len: int, total_tokens: int, device: torch.device, config: AttentionConfig | None = None
+):
+    """Full causal prefill of total_tokens // prompt_len prompts: Triton (paged) and SDPA (contiguous)."""
+    batch = max(1, total_tokens // prompt_len)
+    num_tokens = batch * prompt_len
+    flops = 4 * NUM_HEADS * HEAD_DIM * batch * prompt_len * (prompt_len + 1) / 2
+    gen = torch.Generator().manual_seed(prompt_len)
+    k_cache, v_cache, tables = _paged_inputs(2, batch, prompt_len, device, gen)
+    queries = [torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for _ in range(2)]
+    seq_lens = torch.full((batch,), prompt_len, dtype=torch.int32, device=device)
+    qsl = torch.arange(0, num_tokens + 1, prompt_len, dtype=torch.int32, device=device)
+
+    def call(i: int) -> Callable[[], torch.Tensor]:
+        return lambda: paged_attention(
+            queries[i], k_cache, v_cache, tables[i], seq_lens, qsl, HEAD_DIM**-0.5, prompt_len, prompt_len,
+            config=config,
+        )  # fmt: skip
+
+    t = time_per_call([call(0), call(1)], device)
+    row = {"prompt_len": prompt_len, "batch": batch, "us": t * 1e6, "tflops": flops / t / 1e12}
+    if config is None:
+        q = torch.randn(batch, NUM_HEADS, prompt_len, HEAD_DIM, device=device, dtype=DTYPE)
+        k, v = (
+            torch.randn(batch, NUM_KV_HEADS, prompt_len, HEAD_DIM, device=device, dtype=DTYPE) for _ in "kv"
+        )
+        t_sdpa = time_per_call(
+            [lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)], device
+        )
+        row["sdpa_tflops"] = flops / t_sdpa / 1e12
+    return row
+
+
+def bench_cache_ops(device: torch.device, num_tokens: int, num_layers: int, num_pairs: int) -> dict:
+    """write_kv (Triton vs the reference's index_put) and copy_blocks over an all-layer pool (Triton vs
+    PyTorch's index_select + index_copy_, as worker/kv_cache.py does it), as bytes moved per second."""
+    num_blocks = 2 * max(num_tokens // BLOCK_SIZE, num_pairs)
+    pool = torch.randn(
+        num_layers, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE
+    )
+    k_cache, v_cache = pool[0, 0], pool[0, 1]
+    key, value = (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for _ in "kv")
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:num_tokens]
+    kv_bytes = 2 * 2 * key.numel() * DTYPE.itemsize  # K and V, read and written
+    t_triton = time_per_call([lambda: cache_ops.write_kv(key, value, k_cache, v_cache, slots)], device)
+    t_torch = time_per_call([lambda: reference.write_kv(key, value, k_cache, v_cache, slots)], device)
+    perm = torch.randperm(num_blocks, device=device)
+    src, dst = perm[:num_pairs], perm[num_pairs : 2 * num_pairs]
+    copy_bytes = 2 * pool[:, :, :num_pairs].numel() * DTYPE.itemsize  # each pair read once and written once
+    t_copy = time_per_call([lambda: cache_ops.copy_blocks(pool, src, dst)], device)
+    t_copy_torch = time_per_call([lambda: pool.index_copy_(2, dst, pool.index_select(2, src))], device)
+    return {
+        "write_kv_tokens": num_tokens, "write_kv_triton_tb_s": kv_bytes / t_triton / 1e12,
+        "write_kv_torch_tb_s": kv_bytes / t_torch / 1e12, "write_kv_triton_us": t_triton * 1e6,
+        "write_kv_torch_us": t_torch * 1e6, "copy_blocks_layers": num_layers, "copy_blocks_pairs": num_pairs,
+        "copy_blocks_us": t_copy * 1e6, "copy_blocks_tb_s": copy_bytes / t_copy / 1e12,
+        "copy_blocks_torch_us": t_copy_torch * 1e6,
+        "copy_blocks_torch_tb_s": copy_bytes / t_copy_torch / 1e12,
+    }  # fmt: skip
+
+
+def _attempt(label: str, fn: Callable[..., dict], *args, **kwargs) -> dict:
+    """fn(*args, **kwargs); a failure (out of memory, a config that does not compile) becomes a note."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - one bad shape must not lose the rest of the run
+        print(f"  {label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"skipped": f"{type(e).__name__}"}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def decode_table(batches: list[int], contexts: list[int], device: torch.device, copy_bw: float) -> list[dict]:
+    rows = []
+    print("\n| batch | context | splits | triton us | triton TB/s | triton % copy | sdpa us | sdpa % copy |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b in batches:
+        for ctx in contexts:
+            row = _attempt(f"decode {b}x{ctx}", bench_decode, b, ctx, device)
+            row.update(batch=b, ctx=ctx)
+            rows.append(row)
+            if "skipped" in row:
+                print(f"| {b} | {ctx} | skipped: {row['skipped']} |", flush=True)
+                continue
+            sd = _attempt(f"sdpa {b}x{ctx}", bench_decode_sdpa, b, ctx, device)
+            row.update(frac=row["tb_s"] * 1e12 / copy_bw)
+            if "skipped" not in sd:
+                row.update(sdpa_us=sd["us"], sdpa_tb_s=sd["tb_s"], sdpa_frac=sd["tb_s"] * 1e12 / copy_bw)
+            print(
+                f"| {b} | {ctx} | {row['num_splits']} | {row['us']:.1f} | {row['tb_s']:.2f} | "
+                f"{100 * row['frac']:.0f}% | {row.get('sdpa_us', float('nan')):.1f} | "
+                f"{100 * row.get('sdpa_frac', float('nan')):.0f}% |", flush=True,
+            )  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_table(prompt_lens: list[int], total_tokens: int, device: torch.device, mm: float) -> list[dict]:
+    rows = []
+    print("\n| prompt | prompts | triton us | triton TFLOP/s | % matmul | sdpa TFLOP/s | sdpa % matmul |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for n in prompt_lens:
+        row = _attempt(f"prefill {n}", bench_prefill, n, total_tokens, device)
+        rows.append(row)
+        if "skipped" not in row:
+            print(
+                f"| {n} | {row['batch']} | {row['us']:.0f} | {row['tflops']:.0f} | "
+                f"{100 * row['tflops'] * 1e12 / mm:.0f}% | {row['sdpa_tflops']:.0f} | "
+                f"{100 * row['sdpa_tflops'] * 1e12 / mm:.0f}% |", flush=True,
+            )  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep split counts and tile shapes")
+    ap.add_argument("--cache-ops-only", action="store_true", help="only the ceilings and the cache ops")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    args = ap.parse_args()
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        global MAX_SETS
+        MAX_SETS = 2
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    res: dict = {
+        "gpu": name, "date": datetime.date.today().isoformat(), "commit": args.commit or _commit(),
+        "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
+        "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                  "block_size": BLOCK_SIZE, "dtype": str(DTYPE)},
+        "decode_config": DECODE_CONFIG.__dict__, "prefill_config": PREFILL_CONFIG.__dict__,
+    }  # fmt: skip
+    copy_bytes = (2 << 30) if not args.smoke else (1 << 20)
+    copy_bw = measure_copy_bandwidth(device, copy_bytes)
+    copy_bw_graph = measure_copy_bandwidth(device, copy_bytes, graph=True)
+    mm = measure_matmul_rate(device, 8192 if not args.smoke else 64)
+    res.update(copy_tb_s=copy_bw / 1e12, copy_in_graph_tb_s=copy_bw_graph / 1e12, matmul_tflops=mm / 1e12)
+    print(
+        f"# {name}  copy {copy_bw / 1e12:.2f} TB/s (read+write; {copy_bw_graph / 1e12:.2f} as a graph memcpy "
+        f"node)  bf16 matmul {mm / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
+    if not args.cache_ops_only:
+        batches, contexts = ([1, 8, 64, 256], [512, 2048, 8192]) if not args.smoke else ([1, 2], [64])
+        res["decode"] = decode_table(batches, contexts, device, copy_bw)
+        prompt_lens = [512, 1024, 2048, 4096, 8192] if not args.smoke else [32]
+        res["prefill"] = prefill_table(prompt_lens, 16384 if not args.smoke else 64, device, mm)
+
+    sizes = (16384, 16, 512) if not args.smoke else (16, 2, 2)
+    ops = res["cache_ops"] = _attempt("cache ops", bench_cache_ops, device, *sizes)
+    if "skipped" not in ops:
+        print(
+            f"\nwrite_kv {ops['write_kv_tokens']} tokens: triton {ops['write_kv_triton_us']:.1f} us "
+            f"({ops['write_kv_triton_tb_s']:.2f} TB/s), reference index_put "
+            f"{ops['write_kv_torch_us']:.1f} us ({ops['write_kv_torch_tb_s']:.2f} TB/s)\n"
+            f"copy_blocks {ops['copy_blocks_layers']} layers x {ops['copy_blocks_pairs']} pairs: triton "
+            f"{ops['copy_blocks_us']:.1f} us ({ops['copy_blocks_tb_s']:.2f} TB/s), torch gather+scatter "
+            f"{ops['copy_blocks_torch_us']:.1f} us ({ops['copy_blocks_torch_tb_s']:.2f} TB/s)", flush=True,
+        )  # fmt: skip
+
+    if not args.smoke and not args.cache_ops_only:
+        res["probes"] = _attempt("probes", probes, device)
+    if args.out:  # written now and again after the sweep, so a run cut short keeps the main table
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+    if args.sweep:
+        res["sweep"] = sweep(device, copy_bw, mm, args.smoke)
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1))
+
+
+@triton.jit
+def _noop_kernel(x_ptr):  # [1]
+    tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+def probes(device: torch.device) -> dict:
+    """Where batch-1 decode time goes: a no-op kernel in the graph, the attention kernel alone (combine
+    skipped), and a copy moving as many bytes as the attention reads."""
+    out: dict = {}
+    x = torch.zeros(1, device=device)
+    out["noop_kernel_us"] = time_per_call([lambda: _noop_kernel[(1,)](x)], device) * 1e6  # graph node
+    real = ta._combine_splits_kernel
+
+    class _Skip:
+        def __getitem__(self, grid: tuple) -> Callable[..., None]:
+            return lambda *a, **k: None
+
+    for b, ctx in [(1, 8192), (1, 2048), (8, 2048)]:
+        full = bench_decode(b, ctx, device)
+        ta._combine_splits_kernel = _Skip()
+        try:
+            alone = bench_decode(b, ctx, device)
+        finally:
+            ta._combine_splits_kernel = real
+        kv_bytes = 2 * b * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+        same = measure_copy_bandwidth(device, kv_bytes // 2, graph=False)
+        row = {"batch": b, "ctx": ctx, "splits": full["num_splits"], "us": full["us"],
+               "attention_only_us": alone["us"], "same_bytes_copy_us": kv_bytes / same * 1e6}  # fmt: skip
+        out[f"{b}x{ctx}"] = row
+        print(f"probe {row}", flush=True)
+    print(f"probe no-op kernel per graph node: {out['noop_kernel_us']:.2f} us", flush=True)
+    return out
+
+
+def sweep(device: torch.device, copy_bw: float, mm: float, smoke: bool) -> dict:
+    """Split counts and tile shapes around the defaults, to tune them."""
+    out: dict = {"splits": [], "decode_tiles": [], "prefill_tiles": []}
+    shapes = [(1, 8192), (1, 2048), (8, 2048), (8, 8192), (64, 2048), (64, 8192), (256, 2048)]
+    split_counts = [1, 2, 4, 8, 16, 32, 64]
+    tile_shapes = [(1, 8192), (8, 2048), (64, 2048), (64, 8192), (256, 2048)]
+    prefill_lens = [1024, 4096]
+    if smoke:
+        shapes, split_counts, prefill_lens = [(1, 64)], [1, 2], [32]
+        tile_shapes = shapes
+    print(
+        "\n# sweep: decode % copy by split count\n| batch | context | "
+        + " | ".join(map(str, split_counts))
+        + " |"
+    )
+    for b, ctx in shapes:
+        rows = [_attempt(f"{b}x{ctx}/{s}", bench_decode, b, ctx, device, num_splits=s) for s in split_counts]
+        fr = [r.get("tb_s", float("nan")) * 1e12 / copy_bw for r in rows]
+        out["splits"].append({"batch": b, "ctx": ctx, "splits": split_counts, "frac": fr})
+        print(f"| {b} | {ctx} | " + " | ".join(f"{100 * f:.0f}%" for f in fr) + " |", flush=True)
+    tiles = [AttentionConfig(16, tn, w, s) for tn, w, s in [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3),
+             (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3)]]  # fmt: skip
+    print("\n# sweep: decode tiles (% copy, automatic splits)")
+    for cfg in tiles if not smoke else tiles[:1]:
+        rows = [_attempt(str(cfg), bench_decode, b, ctx, device, config=cfg) for b, ctx in tile_shapes]
+        fr = [r.get("tb_s", float("nan")) * 1e12 / copy_bw for r in rows]
+        out["decode_tiles"].append({"config": cfg.__dict__, "frac": fr})
+        print(
+            f"{cfg}: "
+            + " ".join(f"{b}x{c}={100 * f:.0f}%" for (b, c), f in zip(tile_shapes, fr, strict=True)),
+            flush=True,
+        )
+    pcfgs = [AttentionConfig(m, n, w, s) for m, n, w, s in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3),
+             (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 4)]]  # fmt: skip
+    print("\n# sweep: prefill tiles (% matmul)")
+    for cfg in pcfgs if not smoke else pcfgs[:1]:
+        rows = [
+            _attempt(str(cfg), bench_prefill, n, 16384 if not smoke else 64, device, cfg)
+            for n in prefill_lens
+        ]
+        fr = [r.get("tflops", float("nan")) * 1e12 / mm for r in rows]
+        out["prefill_tiles"].append({"config": cfg.__dict__, "prompt_lens": prefill_lens, "frac": fr})
+        print(
+            f"{cfg}: " + " ".join(f"{n}={100 * f:.0f}%" for n, f in zip(prefill_lens, fr, strict=True)),
+            flush=True,
+        )
+    return out
+
+
+if __name__ == "__main__":
+    main()

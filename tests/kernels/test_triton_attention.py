@@ -1,0 +1,158 @@
+"""The Triton paged-attention kernel against the PyTorch reference: decode, split-KV, prefill, mixed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels import reference
+from kernels.triton_attention import AttentionConfig, choose_num_splits, paged_attention
+from tests.kernels.conftest import PagedBatch, assert_close_per_sequence, gpu, make_paged_batch
+
+# Tiles smaller than the defaults, so short test contexts span several query blocks and KV tiles.
+SMALL_TILES = AttentionConfig(block_m=32, tile_n=16, num_warps=4, num_stages=2)
+
+
+def _reference(batch: PagedBatch) -> torch.Tensor:
+    """The PyTorch reference on upcast inputs (float64 on the CPU, float32 on CUDA)."""
+    up = torch.float64 if batch.query.device.type == "cpu" else torch.float32
+    args = batch.attention_args()
+    for name in ("query", "k_cache", "v_cache"):
+        args[name] = args[name].to(up)
+    return reference.paged_attention(**args)
+
+
+def _run_and_check(batch: PagedBatch, **kwargs) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))  # poison: every element must be written
+    paged_attention(
+        **batch.attention_args(),
+        max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
+        out=out,
+        **kwargs,
+    )
+    assert_close_per_sequence(out, _reference(batch), batch.query_start_loc, batch.query.dtype)
+    return out
+
+
+# Decode contexts: 1, lengths off the block size, several blocks, longer than one KV tile.
+DECODE_SEQ_LENS = [1, 17, 64, 33, 2, 100, 150]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2), (16, 2)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(
+    device: torch.device, num_heads: int, num_kv_heads: int, block_size: int, num_splits: int
+) -> None:
+    batch = make_paged_batch(
+        DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), num_heads, num_kv_heads, 64, block_size,
+        device=device, seed=num_heads + block_size + num_splits,
+    )  # fmt: skip
+    _run_and_check(batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_half_precision_and_automatic_split(device: torch.device, head_dim: int) -> None:
+    # One long context among short ones: the automatic choice splits it, short ones get empty splits.
+    seq_lens = [700, 3, 40]
+    batch = make_paged_batch(seq_lens, [1, 1, 1], 8, 2, head_dim, 16, torch.float16, device, seed=head_dim)
+    assert choose_num_splits(device, 3, 2, 700) > 1
+    _run_and_check(batch)
+
+
+def test_choose_num_splits_only_when_the_batch_leaves_the_gpu_idle() -> None:
+    cuda_like = torch.device("cpu")
+    assert choose_num_splits(cuda_like, 1, 8, 8192) > 1
+    assert choose_num_splits(cuda_like, 1, 8, 100) == 1  # short context: not worth a second kernel
+    assert choose_num_splits(cuda_like, 4096, 8, 8192) == 1  # the batch fills the GPU
+
+
+# Full prefill, chunks starting part-way (prefix hit, later chunk of a chunked prefill), decodes mixed in.
+def _mixed_lens(block_size: int) -> tuple[list[int], list[int]]:
+    seq_lens = [1, 37, 2 * block_size, 50, 9, block_size + 1, 3, 70]
+    q_lens = [1, 37, 5, 1, 9, block_size, 1, 33]
+    return seq_lens, q_lens
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["default-tiles", "small-tiles"])
+def test_prefill_and_mixed_batch_match_reference(
+    device: torch.device, num_heads: int, num_kv_heads: int, block_size: int, config: AttentionConfig | None
+) -> None:
+    seq_lens, q_lens = _mixed_lens(block_size)
+    batch = make_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, 64, block_size, device=device, seed=3)
+    _run_and_check(batch, config=config)
+
+
+def test_prefill_half_precision_head_128_with_split_kv(device: torch.device) -> None:
+    seq_lens, q_lens = _mixed_lens(16)
+    batch = make_paged_batch(seq_lens, q_lens, 8, 2, 128, 16, torch.float16, device, seed=5)
+    _run_and_check(batch, num_splits=2, config=SMALL_TILES)
+
+
+@st.composite
+def _batches(draw: st.DrawFn) -> tuple[list[int], list[int], int, int]:
+    num_seqs = draw(st.integers(1, 5))
+    seq_lens = draw(st.lists(st.integers(1, 90), min_size=num_seqs, max_size=num_seqs))
+    q_lens = [draw(st.integers(1, n)) for n in seq_lens]
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    block_size = draw(st.sampled_from([16, 32]))
+    return seq_lens, q_lens, group, block_size
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_batches(), seed=st.integers(0, 2**31 - 1))
+def test_random_batches_match_reference(device: torch.device, case: tuple, seed: int) -> None:
+    seq_lens, q_lens, group, block_size = case
+    batch = make_paged_batch(seq_lens, q_lens, 2 * group, 2, 64, block_size, device=device, seed=seed)
+    _run_and_check(batch, config=SMALL_TILES)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Full shapes on the GPU (Llama-like: 32 query heads, 8 KV heads, head size 128).
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(32, 8, 128, 16), (32, 32, 128, 16), (32, 4, 128, 32), (32, 8, 64, 32)],
+)
+@pytest.mark.parametrize("num_seqs", [1, 7, 64])
+@pytest.mark.parametrize("num_splits", [None, 1])
+@gpu
+def test_gpu_decode_full_shapes(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_seqs: int,
+    num_splits: int | None,
+) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(num_seqs)
+    seq_lens = torch.randint(1, 4097, (num_seqs,), generator=gen).tolist()
+    seq_lens[0] = 4096 + 7 if num_seqs == 1 else 1
+    batch = make_paged_batch(
+        seq_lens, [1] * num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", seed=num_seqs
+    )
+    _run_and_check(batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "dtype"),
+    [(32, 8, torch.bfloat16), (32, 32, torch.bfloat16), (32, 4, torch.bfloat16), (32, 8, torch.float16)],
+)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("mix", ["prefill-only", "mixed"])
+@gpu
+def test_gpu_prefill_and_mixed_full_shapes(
+    num_heads: int, num_kv_heads: int, dtype: torch.dtype, block_size: int, mix: str
+) -> None:
+    # A full 2k prompt, a 1000-token chunk 1500 tokens into its sequence, a 333-token prompt; "mixed" adds
+    # 150 decodes of uneven contexts.
+    seq_lens, q_lens = [2048, 2500, 333], [2048, 1000, 333]
+    if mix == "mixed":
+        gen = torch.Generator().manual_seed(1)
+        decodes = torch.randint(1, 3000, (150,), generator=gen).tolist()
+        seq_lens, q_lens = decodes[:70] + seq_lens + decodes[70:], [1] * 70 + q_lens + [1] * 80
+    batch = make_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, 128, block_size, dtype, "cuda")
+    _run_and_check(batch)
