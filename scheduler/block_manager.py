@@ -208,9 +208,13 @@ class BlockManager:
         All or nothing: when the pool has too few free blocks it returns None and changes nothing.
         """
         table = self._tables.get(seq_id)
+        bs = self.block_size
         if table is None:
             table = self._tables[seq_id] = []
-        bs = self.block_size
+        elif num_computed + num_new_tokens <= len(table) * bs and reserve <= len(table) * bs:
+            # The common decode step: the write lands in a block the sequence already holds alone.
+            if num_new_tokens == 0 or self._ref_counts[table[num_computed // bs]] == 1:
+                return _NOTHING_NEW
         end = max(num_computed + num_new_tokens, reserve)
         missing = -(-end // bs) - len(table)
         index = num_computed // bs
