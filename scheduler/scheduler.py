@@ -109,8 +109,8 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         self._clock = clock
         self._requests: dict[tuple[bytes, str], Request] = {}
         self._seqs: dict[int, Sequence] = {}
-        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort key
-        self._swapped: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort key
+        self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []  # heap by sort key
+        self._swapped: list[tuple[tuple[int, int, int], Sequence]] = []  # heap by sort key
         self._running: list[Sequence] = []  # sorted by sort key: the first preemption victim is last
         self._pending_forks = 0  # fork children of running parents: seats they will take
         self._beam_reserve = 0  # seats beam groups with a running beam hold for their other beams
@@ -215,11 +215,6 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
     def live_requests(self) -> list[tuple[bytes, str]]:
         """(owner, request_id) of every request not yet finished."""
         return list(self._requests)
-
-    def abort_owner(self, owner: bytes) -> None:
-        """Ends every request of a client that went away."""
-        for request in [r for r in self._requests.values() if r.owner == owner]:
-            self.abort(owner, request.request_id)
 
     # ----------------------------------------------------------------------------------------------------
     # one step
