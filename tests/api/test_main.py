@@ -5,21 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from scripts._servers import ROOT, free_port
 from tests.api.fake_scheduler import FakeScheduler
 from tests.api.harness import BackgroundLoop, HttpReply, wait_until
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_python_m_api_serves_and_logs(tiny_model_dir: Path) -> None:

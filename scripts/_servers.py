@@ -1,0 +1,82 @@
+"""Starts the server's processes (scheduler and worker, and the api when asked) on free 127.0.0.1 ports,
+for benchmark scripts and the end-to-end tests (tests/e2e/processes.py).
+
+    engine = start_engine(Path("models/tiny-llama"), log_dir, device="cpu", kv_policy="reserved")
+    try:
+        ...  # AsyncEngineClient(engine.scheduler_address); wait until InfoReply.ready
+    finally:
+        engine.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Engine:
+    """A running scheduler + worker pair; `scheduler_address` is where clients connect."""
+
+    scheduler_address: str
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def logs(self, name: str, tail: int = 3000) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")[-tail:]
+
+    def check_alive(self) -> None:
+        """Raises RuntimeError, with the process's log tail, when one of them has exited."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs(name)}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_engine(
+    model_dir: Path, log_dir: Path, processes: tuple[str, ...] = ("scheduler", "worker"), **settings: object
+) -> Engine:
+    """Starts `python -m NAME` for each of `processes` with PAGEDSERVE_* settings (e.g. num_kv_blocks=64).
+
+    Returns at once; the caller waits for InfoReply.ready or /health (and calls `check_alive` meanwhile).
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+    env.update(
+        PAGEDSERVE_MODEL=str(model_dir),
+        PAGEDSERVE_SCHEDULER_ADDRESS=f"tcp://127.0.0.1:{free_port()}",
+        PAGEDSERVE_WORKER_ADDRESS=f"tcp://127.0.0.1:{free_port()}",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in settings.items()})
+    engine = Engine(env["PAGEDSERVE_SCHEDULER_ADDRESS"], log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for name in processes:
+        log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 (the process owns it)
+        engine.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    return engine

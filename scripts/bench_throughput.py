@@ -1,0 +1,416 @@
+"""Offline throughput: a batch of random requests submitted at once to a scheduler + worker started here.
+
+    python scripts/bench_throughput.py    # 1000 requests: prompts 32-1024 tokens, outputs 16-512
+    python scripts/bench_throughput.py --device cpu --num-requests 16 --max-prompt-len 64 \
+        --max-output-len 32 --num-kv-blocks 64 --runs paged,reserved --json-out bench.json
+
+Every request has random token ids, a prompt length drawn uniformly from [min, max] prompt length and an
+output length drawn uniformly from [min, max] output length (fixed seed, ignore_eos, so it generates exactly
+that many). They all go through the ZeroMQ client at once. Each run in `--runs` starts a fresh scheduler and
+worker with that `--kv-policy` and the same KV budget (`--num-kv-blocks`), so the runs differ only in policy.
+
+While a run goes, a background task reads the scheduler's metrics every `--sample-interval` seconds: KV waste
+(1 - slots used / slots allocated, averaged over samples with blocks allocated), the peak of running requests;
+preemptions are read at the end. `--peers hf-static,hf-continuous` also runs transformers (static batching
+with left padding; its paged continuous batching, CUDA only) on the first `--peer-requests` requests.
+The table goes to stdout; `--json-out` also writes everything as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
+
+from common.client import AsyncEngineClient, RequestResult  # noqa: E402
+from common.messages import InfoReply, SamplingParams  # noqa: E402
+from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
+POLICIES = ("paged", "reserved")
+PEERS = ("hf-static", "hf-continuous")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int  # max_tokens with ignore_eos: exactly this many tokens come back
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model", default=None, help=f"checkpoint directory; default: {DEFAULT_MODEL} (made if missing)"
+    )
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--min-prompt-len", type=int, default=32)
+    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=16)
+    p.add_argument("--max-output-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0, help="seeds the workload and the sampling")
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=0, help="KV pool of every run; 0: the worker's default"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
+    )
+    p.add_argument("--runs", default=None, help="comma-separated kv policies to run one after another")
+    p.add_argument("--peers", default="", help=f"comma-separated transformers baselines: {','.join(PEERS)}")
+    p.add_argument("--peer-requests", type=int, default=128, help="the peers run the first N requests")
+    p.add_argument("--peer-batch-size", type=int, default=32, help="hf-static's batch size")
+    p.add_argument("--sample-interval", type=float, default=0.2, help="seconds between metrics samples")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
+    p.add_argument("--log-dir", default=None, help="scheduler/worker logs go here; default: a temp dir")
+    p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()] if args.runs else [args.kv_policy]
+    args.peers = [r.strip() for r in args.peers.split(",") if r.strip()]
+    for bad in [r for r in args.runs if r not in POLICIES] + [r for r in args.peers if r not in PEERS]:
+        p.error(f"unknown run or peer {bad!r}")
+    if "hf-continuous" in args.peers and args.device == "cpu":
+        p.error("hf-continuous needs CUDA")
+    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+        p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+    if not 1 <= args.min_output_len <= args.max_output_len:
+        p.error("need 1 <= --min-output-len <= --max-output-len")
+    return args
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
+    rng = random.Random(args.seed)
+    workload = []
+    for _ in range(args.num_requests):
+        prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
+        output_len = rng.randint(args.min_output_len, args.max_output_len)
+        workload.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
+    return workload
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The unlabelled samples of Prometheus text (`name value` lines)."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+class MetricsSampler:
+    """Reads the scheduler's metrics every `interval` seconds until cancelled."""
+
+    def __init__(self, client: AsyncEngineClient, interval: float) -> None:
+        self.client = client
+        self.interval = interval
+        self.samples: list[dict[str, float]] = []
+
+    async def run(self) -> None:
+        while True:
+            try:
+                info = await self.client.info(timeout=5.0)
+                self.samples.append(parse_metrics(info.metrics_text))
+            except TimeoutError:
+                pass  # a busy scheduler: skip this sample
+            await asyncio.sleep(self.interval)
+
+    def mean_kv_waste(self) -> float | None:
+        """1 - used / allocated KV slots, averaged over samples that had any allocated; None without one."""
+        wastes = [
+            1.0 - s["pagedserve_kv_slots_used"] / s["pagedserve_kv_slots_allocated"]
+            for s in self.samples
+            if s.get("pagedserve_kv_slots_allocated", 0) > 0
+        ]
+        return sum(wastes) / len(wastes) if wastes else None
+
+    def peak(self, name: str) -> int:
+        return int(max((s.get(name, 0) for s in self.samples), default=0))
+
+
+async def wait_ready(client: AsyncEngineClient, engine: Engine, timeout_s: float) -> InfoReply:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        engine.check_alive()
+        try:
+            info = await client.info(timeout=2.0)
+            if info.ready:
+                return info
+        except TimeoutError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the worker was not ready within {timeout_s:.0f} s:\n{engine.logs('worker')}")
+        await asyncio.sleep(0.2)
+
+
+def check_outputs(name: str, workload: list[BenchRequest], results: list[RequestResult]) -> None:
+    """Raises RuntimeError unless every request came back with exactly its output length."""
+    wrong = [
+        (i, req.output_len, [len(o.token_ids) for o in res.outputs], [o.finish_reason for o in res.outputs])
+        for i, (req, res) in enumerate(zip(workload, results, strict=True))
+        if [len(o.token_ids) for o in res.outputs] != [req.output_len]
+    ]
+    if wrong:
+        shown = "\n".join(
+            f"  request {i}: wanted {want}, got {got} ({why})" for i, want, got, why in wrong[:10]
+        )
+        raise RuntimeError(
+            f"{name}: {len(wrong)} of {len(workload)} requests have the wrong length:\n{shown}"
+        )
+
+
+async def run_engine(
+    args: argparse.Namespace, model_dir: Path, policy: str, workload: list[BenchRequest], log_dir: Path
+) -> dict[str, Any]:
+    """One run: start scheduler + worker with `policy`, submit the whole workload at once, measure."""
+    settings: dict[str, object] = {
+        "kv_policy": policy,
+        "device": args.device,
+        "num_kv_blocks": args.num_kv_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "log_level": "warning",  # per-request log lines would cost the scheduler time
+    }
+    engine = start_engine(model_dir, log_dir, **settings)
+    try:
+        async with AsyncEngineClient(engine.scheduler_address, detokenize=False) as client:
+            info = await wait_ready(client, engine, args.ready_timeout)
+            sampler = MetricsSampler(client, args.sample_interval)
+            sampling = asyncio.create_task(sampler.run())
+            start = time.perf_counter()
+            handles = []
+            for i, req in enumerate(workload):
+                params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, seed=args.seed + i)
+                handles.append(await client.submit_one(req.prompt_token_ids, params))
+            results = list(await asyncio.gather(*(h.result() for h in handles)))
+            wall_s = time.perf_counter() - start
+            sampling.cancel()
+            final = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+    except BaseException:
+        print(f"--- {policy}: scheduler log tail ---\n{engine.logs('scheduler')}", file=sys.stderr)
+        print(f"--- {policy}: worker log tail ---\n{engine.logs('worker')}", file=sys.stderr)
+        raise
+    finally:
+        engine.stop()
+    check_outputs(policy, workload, results)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    output_tokens = sum(r.num_output_tokens for r in results)
+    waste = sampler.mean_kv_waste()
+    return {
+        "name": policy,
+        "kv_policy": policy,
+        "num_kv_blocks": info.num_kv_blocks,
+        "block_size": info.block_size,
+        "num_requests": len(workload),
+        "completed": len(results),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "expected_output_tokens": sum(r.output_len for r in workload),
+        "output_lens": [r.num_output_tokens for r in results],
+        "wall_s": round(wall_s, 3),
+        "requests_per_s": round(len(results) / wall_s, 3),
+        "output_tokens_per_s": round(output_tokens / wall_s, 1),
+        "total_tokens_per_s": round((prompt_tokens + output_tokens) / wall_s, 1),
+        "mean_kv_waste": None if waste is None else round(waste, 4),
+        "peak_running": sampler.peak("pagedserve_requests_running"),
+        "preemptions": int(final.get("pagedserve_preemptions_total", 0)),
+        "swap_outs": int(final.get("pagedserve_swap_outs_total", 0)),
+        "num_samples": len(sampler.samples),
+    }
+
+
+def run_peer(
+    args: argparse.Namespace, model_dir: Path, peer: str, workload: list[BenchRequest]
+) -> dict[str, Any]:
+    """A transformers baseline on `workload`: greedy, exactly each request's output length."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if peer == "hf-continuous" and device == "cpu":
+        raise SystemExit("hf-continuous needs CUDA: transformers sizes its paged cache from GPU memory")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    pad_id = 0
+    output_tokens = 0
+    generated_tokens = 0  # static batching also computes the padding past each request's own length
+    start = time.perf_counter()
+    with torch.inference_mode():
+        if peer == "hf-static":
+            for b in range(0, len(workload), args.peer_batch_size):
+                batch = workload[b : b + args.peer_batch_size]
+                width = max(len(r.prompt_token_ids) for r in batch)
+                ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for row, r in enumerate(batch):  # left padding: every prompt ends at the last column
+                    ids[row, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+                    mask[row, width - len(r.prompt_token_ids) :] = 1
+                new_tokens = max(r.output_len for r in batch)
+                out = model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,  # ignore_eos
+                    do_sample=False,
+                    pad_token_id=pad_id,
+                )
+                if out.shape[1] - width != new_tokens:
+                    raise RuntimeError(
+                        f"{peer}: generated {out.shape[1] - width} tokens, wanted {new_tokens}"
+                    )
+                output_tokens += sum(r.output_len for r in batch)
+                generated_tokens += new_tokens * len(batch)
+        else:
+            output_tokens = generated_tokens = _run_hf_continuous(args, model, workload)
+    wall_s = time.perf_counter() - start
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    return {
+        "name": peer,
+        "num_requests": len(workload),
+        "completed": len(workload),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "generated_tokens": generated_tokens,
+        "wall_s": round(wall_s, 3),
+        "requests_per_s": round(len(workload) / wall_s, 3),
+        "output_tokens_per_s": round(output_tokens / wall_s, 1),
+        "total_tokens_per_s": round((prompt_tokens + output_tokens) / wall_s, 1),
+    }
+
+
+def _run_hf_continuous(args: argparse.Namespace, model: Any, workload: list[BenchRequest]) -> int:
+    """transformers' continuous batching (paged cache) on the workload; returns the output tokens.
+
+    Its KV pool is sized like ours (--num-kv-blocks of 16 tokens, else a pool holding the whole workload):
+    left to size itself from memory, it fails on CPU.
+    """
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    num_blocks = args.num_kv_blocks or sum(
+        -(-(len(r.prompt_token_ids) + r.output_len) // 16) for r in workload
+    )
+    cb_config = ContinuousBatchingConfig(
+        block_size=16, num_blocks=num_blocks, max_batch_tokens=args.max_num_batched_tokens
+    )
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=args.max_output_len)
+    manager_cm = model.continuous_batching_context_manager(
+        generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=5
+    )
+    lengths: dict[str, int] = {}
+    with manager_cm as manager:
+        for i, r in enumerate(workload):
+            manager.add_request(
+                r.prompt_token_ids, request_id=str(i), max_new_tokens=r.output_len, eos_token_id=-1
+            )
+        while len(lengths) < len(workload):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                lengths[result.request_id] = len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("hf-continuous: the generation thread stopped")
+    wrong = [i for i, r in enumerate(workload) if lengths[str(i)] != r.output_len]
+    if wrong:
+        raise RuntimeError(
+            f"hf-continuous: {len(wrong)} requests have the wrong length, e.g. request {wrong[0]}"
+        )
+    return sum(lengths.values())
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    columns = [
+        ("run", "name"),
+        ("requests", "completed"),
+        ("wall s", "wall_s"),
+        ("req/s", "requests_per_s"),
+        ("out tok/s", "output_tokens_per_s"),
+        ("total tok/s", "total_tokens_per_s"),
+        ("KV waste", "mean_kv_waste"),
+        ("peak running", "peak_running"),
+        ("preemptions", "preemptions"),
+    ]
+    cells = [[h for h, _ in columns]]
+    for row in rows:
+        waste = row.get("mean_kv_waste")
+        cells.append(
+            [
+                row["name"],
+                str(row["completed"]),
+                f"{row['wall_s']:.2f}",
+                f"{row['requests_per_s']:.2f}",
+                f"{row['output_tokens_per_s']:.1f}",
+                f"{row['total_tokens_per_s']:.1f}",
+                "-" if waste is None else f"{waste:.1%}",
+                _cell(row.get("peak_running")),
+                _cell(row.get("preemptions")),
+            ]
+        )
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def resolve_model(model: str | None) -> Path:
+    if model is not None:
+        return Path(model)
+    from scripts.make_model import make_model
+
+    return make_model(DEFAULT_MODEL, preset="tiny", seed=0)  # does nothing when it is there already
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    model_dir = resolve_model(args.model).resolve()
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    workload = make_workload(args, vocab_size)
+    log_root = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    runs = [asyncio.run(run_engine(args, model_dir, p, workload, log_root / p)) for p in args.runs]
+    peers = [run_peer(args, model_dir, peer, workload[: args.peer_requests]) for peer in args.peers]
+    print(
+        f"{len(workload)} requests, prompts {args.min_prompt_len}-{args.max_prompt_len}, "
+        f"outputs {args.min_output_len}-{args.max_output_len}, KV blocks {runs[0]['num_kv_blocks']} "
+        f"x {runs[0]['block_size']}, model {model_dir.name}"
+    )
+    print_table(runs + peers)
+    report = {
+        "model": str(model_dir),
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "num_requests",
+                "min_prompt_len",
+                "max_prompt_len",
+                "min_output_len",
+                "max_output_len",
+                "seed",
+                "num_kv_blocks",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "device",
+            )
+        },
+        "requests": [{"prompt_len": len(r.prompt_token_ids), "output_len": r.output_len} for r in workload],
+        "runs": runs,
+        "peers": peers,
+    }
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
