@@ -272,36 +272,64 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         return plan
 
     def _schedule_running(self, step: _Step, budget: int) -> int:
+        """Decodes first, in queue order; then the rest of the budget to unfinished prefills, in queue order,
+        so a long prompt is split over steps and never stalls the sequences already generating."""
         # The hot loop: one pass over every running sequence each step, so it avoids helper calls.
         allocate = self.block_manager.allocate_slots
         reserved = self.settings.reserved
         scheduled = step.scheduled
         running = self._running
+        prefills: list[Sequence] = []
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            i += 1
             num_tokens = len(seq.token_ids) - seq.num_computed_tokens
-            if num_tokens > budget:
-                num_tokens = budget
-            elif num_tokens == 0:  # a beam waiting for its search to select
-                i += 1
+            if num_tokens != 1:
+                if num_tokens:  # (0: a beam waiting for its search to select)
+                    prefills.append(seq)
                 continue
             reserve = self._reserve_tokens(seq) if reserved else 0
-            allocation = allocate(seq.seq_id, seq.num_computed_tokens, num_tokens, reserve)
+            allocation = allocate(seq.seq_id, seq.num_computed_tokens, 1, reserve)
             while allocation is None:
-                victim = self._running.pop()
+                victim = running.pop()  # nothing after seq is scheduled yet: the last one is free to go
+                self._preempt(victim, step)
+                if victim is seq:
+                    break
+                allocation = self._allocate(seq, 1)
+            if allocation is None:
+                break  # seq itself was the last in the queue and is now preempted
+            if allocation.new_blocks or allocation.copies:
+                self._record_allocation(seq, allocation, step)
+            scheduled.append((seq, 1))
+            budget -= 1
+        for seq in prefills:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted to make room for a decode
+                continue
+            num_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            allocation = self._allocate(seq, num_tokens)
+            while allocation is None:
+                victim = self._last_unscheduled(step)
                 self._preempt(victim, step)
                 if victim is seq:
                     break
                 allocation = self._allocate(seq, num_tokens)
             if allocation is None:
-                break  # seq itself was the last in the queue and is now preempted
-            if allocation.new_blocks or allocation.copies:
-                self._record_allocation(seq, allocation, step)
+                continue
+            self._record_allocation(seq, allocation, step)
             scheduled.append((seq, num_tokens))
             budget -= num_tokens
-            i += 1
         return budget
+
+    def _last_unscheduled(self, step: _Step) -> Sequence:
+        """Takes the last running sequence in queue order that this step has not scheduled yet."""
+        taken = {seq.seq_id for seq, _ in step.scheduled}
+        for index in range(len(self._running) - 1, -1, -1):
+            if self._running[index].seq_id not in taken:
+                return self._running.pop(index)
+        raise AssertionError("the sequence asking for room is itself unscheduled")
 
     def _schedule_swapped(self, step: _Step, budget: int) -> int:
         bm = self.block_manager

@@ -210,3 +210,21 @@ def test_metrics_text_counts_tokens_and_blocks():
     assert "pagedserve_generated_tokens_total 3" in text
     assert "pagedserve_time_to_first_token_seconds_count 1" in text
     assert "pagedserve_inter_token_latency_seconds_count 2" in text
+
+
+def test_decodes_go_before_an_earlier_queued_prefill():
+    """Under the priority policy an urgent long prompt sorts before a running decode; its chunks must
+    still leave the decode its token every step."""
+    from common.messages import SamplingParams, SubmitRequest
+
+    h = make_harness(num_blocks=256, max_num_batched_tokens=8, scheduling_policy="priority")
+    h.scheduler.add_request(OWNER, SubmitRequest("decoding", [1, 2, 3], SamplingParams(max_tokens=20), 5))
+    h.step()
+    h.scheduler.add_request(OWNER, SubmitRequest("urgent", list(range(40)), SamplingParams(max_tokens=2), 0))
+    while len(h.tokens[("urgent", 0)]) == 0:
+        h.step()
+        plan = h.worker.plans[-1]
+        assert dict(zip(plan.scheduled_seq_ids, plan.num_scheduled_tokens, strict=True))[0] == 1
+        assert sum(plan.num_scheduled_tokens) <= 8
+    assert h.scheduler._running[0].request.request_id == "urgent"  # it was first in queue order
+    h.run()
