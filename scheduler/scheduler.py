@@ -2,12 +2,13 @@
 
 `schedule()` makes the next step's plan and `update(step_output)` turns the worker's sampled tokens into
 client outputs. Each step has one token budget (`max_num_batched_tokens`). It goes first to the running
-sequences in queue order (a decode costs one token, an unfinished prefill the rest of its prompt or what the
-budget allows: chunked prefill), then to swapped-out sequences coming back, then to waiting sequences. When
-the pool has no block for a running sequence, the last running sequence in queue order (the newest, or
-under the priority policy the least urgent) is preempted: swapped to the CPU pool, or freed and later
-recomputed, whichever `preemption_mode` says. A sequence's randomness depends only on its seed and the
-position, so either way it resumes with exactly the tokens it would have produced.
+sequences that decode (one token each), then to running unfinished prefills (the rest of the prompt or what
+the budget allows: chunked prefill), then to swapped-out sequences coming back, then to waiting sequences,
+each group in queue order. When the pool has no block for a running sequence, the last running sequence in
+queue order that the step has not scheduled (the newest, or under the priority policy the least urgent) is
+preempted: swapped to the CPU pool, or freed and later recomputed, whichever `preemption_mode` says. A
+sequence's randomness depends only on its seed and the position, so either way it resumes with exactly the
+tokens it would have produced.
 
 n > 1: sequence 0 prefills the prompt; the others are forked from it in the step its prefill completes,
 sharing its blocks, and sample their first token from its logits. Beam search: each beam reports its top
