@@ -9,7 +9,9 @@ One program handles BLOCK_Q consecutive query tokens of one sequence times the G
 one KV head: BLOCK_M = BLOCK_Q * GROUP rows. Each K/V tile is loaded once for the whole group and used by
 `tl.dot`, so GQA/MQA read the cache once per KV head. Decode batches use BLOCK_Q = 1 (rows padded to 16
 for `tl.dot`); prefill uses up to 128 rows. For few sequences with long contexts the KV range is split
-over several programs ("flash decoding") whose partial results a second kernel combines.
+over several programs ("flash decoding"). In decode batches the last split program of each (sequence, KV
+head) to finish, found through an atomic counter, combines the partial results in the same launch; prefill
+and mixed batches with splits (only when asked for) combine them in a second kernel.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ PREFILL_CONFIG = AttentionConfig(block_m=128, tile_n=32, num_warps=4, num_stages
 # _MIN_SPLIT_TOKENS; batches of up to twice that many programs still split in two, which shortens the last
 # wave. Split counts are powers of 2, so that the splits divide the tiles evenly.
 _SPLIT_PROGRAMS_PER_SM = 4
+# Decode batches combine the splits inside the attention kernel (the last split to finish reduces); False
+# falls back to the separate combine kernel (kept for prefill splits, and for benchmarking the two).
+FUSE_DECODE_COMBINE = True
 _MIN_SPLIT_TOKENS = 128
-_MAX_SPLITS = 64
+_MAX_SPLITS = 32  # H100, batch 1 x 8k: 32 splits beat 64 (docs/kernels.md)
 
 
 @triton.jit
@@ -107,10 +112,59 @@ def _attend_tiles(
 
 
 @triton.jit
+def _combine_group(
+    out_ptr,  # [T, Hq, HEAD_DIM]
+    part_acc_ptr,  # [T, Hq, SPLITS, HEAD_DIM] fp32
+    part_ml_ptr,  # [T, Hq, SPLITS, 2] fp32
+    row,  # the decode token (= sequence) whose GROUP heads are combined
+    first_head,  # kv_head * GROUP
+    num_heads,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # next power of 2 of GROUP
+    SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,  # splits merged per step, a power of 2
+    HEAD_DIM: tl.constexpr,
+):
+    """Merges the SPLITS partial results of one token's GROUP query heads and writes the output. The loads
+    bypass L1 (.cg): the other splits wrote them from other multiprocessors during this launch."""
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_ok = offs_g < GROUP
+    head_row = row.to(tl.int64) * num_heads + first_head + offs_g  # [GROUP_PAD]
+    m_run = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for c in tl.static_range(0, SPLITS, CHUNK):
+        s_ok = g_ok[:, None] & (c + offs_c[None, :] < SPLITS)  # [GROUP_PAD, CHUNK]
+        part = head_row[:, None] * SPLITS + c + offs_c[None, :]
+        m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(
+            part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=s_ok[:, :, None], other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        # Empty splits (and padding) have m = -inf and weigh 0; shift by 0 while every one so far is empty.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(m - m_shift[:, None])
+        alpha = tl.exp2(m_run - m_shift)
+        l_run = l_run * alpha + tl.sum(l_s * w, 1)
+        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 1)
+        m_run = m_new
+    out = acc / l_run[:, None]
+    out_offs = row.to(tl.int64) * stride_ot + (first_head + offs_g)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, HEAD_DIM], written unless SPLIT_KV
     part_acc_ptr,  # [T, Hq, num_splits, HEAD_DIM] fp32 unnormalized partial outputs (SPLIT_KV)
     part_ml_ptr,  # [T, Hq, num_splits, 2] fp32 partial max score (log2 units) and sum of exponentials
+    counter_ptr,  # [B * Hkv] int32, zero between calls: splits done per (sequence, KV head) (FUSED_SPLITS)
     query_ptr,  # [T, Hq, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
     v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM], same strides as k_cache
@@ -137,6 +191,9 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,  # num_splits > 1: write partial results for _combine_splits_kernel
     DECODE_ONLY: tl.constexpr,  # every chunk is one token: the index on grid axis 0 is the sequence
     IEEE_DOT: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr = 0,  # > 0 (= num_splits, DECODE_ONLY): the last split combines in place
+    GROUP_PAD: tl.constexpr = 1,  # next power of 2 of GROUP (FUSED_SPLITS)
+    COMBINE_CHUNK: tl.constexpr = 1,  # splits merged per step by _combine_group (FUSED_SPLITS)
 ):
     if DECODE_ONLY:
         pid_q = tl.program_id(0)
@@ -220,6 +277,20 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        if FUSED_SPLITS > 0:
+            # The last of the sequence's splits for this KV head to get here combines them all. Every thread's
+            # stores above are ordered before the counter's release by the barrier; the acquire makes the
+            # other splits' stores visible to the last one. It resets the counter for the next call (or
+            # graph replay), so the counters stay zero between calls.
+            tl.debug_barrier()
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == FUSED_SPLITS - 1:
+                tl.store(counter, 0)
+                _combine_group(
+                    out_ptr, part_acc_ptr, part_ml_ptr, seq, kv_head * GROUP, num_heads, stride_ot, stride_oh,
+                    GROUP, GROUP_PAD, FUSED_SPLITS, COMBINE_CHUNK, HEAD_DIM,
+                )  # fmt: skip
     else:
         out = acc / l_i[:, None]
         out_offs = q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -252,6 +323,21 @@ def _combine_splits_kernel(
     w = tl.exp2(m - tl.max(m, 0))
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least n counters for the fused split combine, kept per device: the kernel
+    leaves it zero after every call, so the same buffer serves every later call and CUDA-graph replay. Grown
+    (a new zeroed buffer) when a call needs more; warm-up calls before a graph capture allocate it outside
+    the graph. Concurrent calls on different streams must not share it (they would share counters)."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _counters[device] = buf
+    return buf
 
 
 @functools.cache
@@ -329,18 +415,25 @@ def paged_attention(
         part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, device=query.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out  # unused
+    fused = decode_only and num_splits > 1 and FUSE_DECODE_COMBINE
+    counters = _split_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens  # else unused
+    group_pad = triton.next_power_of_2(group)
+    # Splits merged per step by the last split: about 8k fp32 partial-output elements in registers at a time.
+    combine_chunk = max(2, min(triton.next_power_of_2(num_splits), 8192 // (group_pad * head_dim)))
     grid = (num_q_programs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        out, part_acc, part_ml, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        out, part_acc, part_ml, counters, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         num_seqs, num_splits, scale * 1.4426950408889634,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         TILE_N=cfg.tile_n, SPLIT_KV=num_splits > 1, DECODE_ONLY=decode_only,
         IEEE_DOT=query.dtype == torch.float32,
+        FUSED_SPLITS=num_splits if fused else 0, GROUP_PAD=group_pad if fused else 1,
+        COMBINE_CHUNK=combine_chunk if fused else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_ml, num_splits, out.stride(0), out.stride(1),
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,

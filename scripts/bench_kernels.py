@@ -324,6 +324,11 @@ def main() -> None:
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     ap.add_argument("--sweep", action="store_true", help="also sweep split counts and tile shapes")
     ap.add_argument("--cache-ops-only", action="store_true", help="only the ceilings and the cache ops")
+    ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="only the copy ceiling, the decode table, and batch-1/8 splits with fused/separate combine",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     args = ap.parse_args()
 
@@ -342,6 +347,18 @@ def main() -> None:
     copy_bytes = (2 << 30) if not args.smoke else (1 << 20)
     copy_bw = measure_copy_bandwidth(device, copy_bytes)
     copy_bw_graph = measure_copy_bandwidth(device, copy_bytes, graph=True)
+    if args.decode_only:
+        res.update(copy_tb_s=copy_bw / 1e12, copy_in_graph_tb_s=copy_bw_graph / 1e12)
+        print(f"# {name}  copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+        batches, contexts = ([1, 8, 64, 256], [512, 2048, 8192]) if not args.smoke else ([1, 2], [64])
+        res["decode"] = decode_table(batches, contexts, device, copy_bw)
+        res["combine_splits"] = combine_splits(device, copy_bw, args.smoke)
+        if not args.smoke:
+            res["probes"] = _attempt("probes", probes, device)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(res, indent=1))
+        return
     mm = measure_matmul_rate(device, 8192 if not args.smoke else 64)
     res.update(copy_tb_s=copy_bw / 1e12, copy_in_graph_tb_s=copy_bw_graph / 1e12, matmul_tflops=mm / 1e12)
     print(
@@ -378,14 +395,41 @@ def main() -> None:
             args.out.write_text(json.dumps(res, indent=1))
 
 
+def combine_splits(device: torch.device, copy_bw: float, smoke: bool) -> dict:
+    """% of copy by split count with the combine fused into the attention kernel and as a second kernel."""
+    shapes = [(1, 8192, [16, 32, 64]), (1, 2048, [8, 16]), (8, 2048, [4, 8]), (8, 8192, [4, 8])]
+    if smoke:
+        shapes = [(1, 64, [2])]
+    out = []
+    print("\n# decode % copy (us) by split count: fused combine / separate combine kernel")
+    for b, ctx, counts in shapes:
+        for s in counts:
+            row: dict = {"batch": b, "ctx": ctx, "splits": s}
+            for fused in (True, False):
+                ta.FUSE_DECODE_COMBINE = fused
+                try:
+                    r = _attempt(f"{b}x{ctx}/{s}", bench_decode, b, ctx, device, num_splits=s)
+                finally:
+                    ta.FUSE_DECODE_COMBINE = True
+                key = "fused" if fused else "separate"
+                row[f"{key}_us"] = r.get("us", float("nan"))
+                row[f"{key}_frac"] = r.get("tb_s", float("nan")) * 1e12 / copy_bw
+            out.append(row)
+            print(
+                f"{b}x{ctx} splits {s}: fused {100 * row['fused_frac']:.0f}% ({row['fused_us']:.1f} us), "
+                f"separate {100 * row['separate_frac']:.0f}% ({row['separate_us']:.1f} us)", flush=True,
+            )  # fmt: skip
+    return out
+
+
 @triton.jit
 def _noop_kernel(x_ptr):  # [1]
     tl.store(x_ptr, tl.load(x_ptr) + 1)
 
 
 def probes(device: torch.device) -> dict:
-    """Where batch-1 decode time goes: a no-op kernel in the graph, the attention kernel alone (combine
-    skipped), and a copy moving as many bytes as the attention reads."""
+    """Where batch-1 decode time goes: a no-op kernel in the graph, the attention kernel alone (no combine,
+    neither fused nor separate), and a copy moving as many bytes as the attention reads."""
     out: dict = {}
     x = torch.zeros(1, device=device)
     out["noop_kernel_us"] = time_per_call([lambda: _noop_kernel[(1,)](x)], device) * 1e6  # graph node
@@ -398,10 +442,12 @@ def probes(device: torch.device) -> dict:
     for b, ctx in [(1, 8192), (1, 2048), (8, 2048)]:
         full = bench_decode(b, ctx, device)
         ta._combine_splits_kernel = _Skip()
+        ta.FUSE_DECODE_COMBINE = False  # the attention kernel without any combine
         try:
             alone = bench_decode(b, ctx, device)
         finally:
             ta._combine_splits_kernel = real
+            ta.FUSE_DECODE_COMBINE = True
         kv_bytes = 2 * b * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
         same = measure_copy_bandwidth(device, kv_bytes // 2, graph=False)
         row = {"batch": b, "ctx": ctx, "splits": full["num_splits"], "us": full["us"],

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import reference
+from kernels import reference, triton_attention
 from kernels.triton_attention import AttentionConfig, choose_num_splits, paged_attention
 from tests.kernels.conftest import PagedBatch, assert_close_per_sequence, gpu, make_paged_batch
 
@@ -61,6 +61,31 @@ def test_decode_half_precision_and_automatic_split(device: torch.device, head_di
     batch = make_paged_batch(seq_lens, [1, 1, 1], 8, 2, head_dim, 16, torch.float16, device, seed=head_dim)
     assert choose_num_splits(device, 3, 2, 700) > 1
     _run_and_check(batch)
+
+
+@pytest.mark.parametrize("num_splits", [2, 8])
+def test_decode_fused_combine_twice_with_the_same_buffers(device: torch.device, num_splits: int) -> None:
+    # The last split of each (sequence, KV head) combines, found through a counter that it resets: a second
+    # call on the same buffers (as a CUDA-graph replay makes) must count from zero again.
+    batch = make_paged_batch([150, 1, 70], [1, 1, 1], 8, 2, 64, 16, device=device, seed=num_splits)
+    first = _run_and_check(batch, num_splits=num_splits)
+    counters = triton_attention._counters[batch.query.device]
+    assert (counters == 0).all(), "the last split must reset its counter"
+    out = torch.full_like(batch.query, float("nan"))
+    for _ in range(2):
+        paged_attention(
+            **batch.attention_args(), max_query_len=1, max_seq_len=batch.max_seq_len, out=out,
+            num_splits=num_splits,
+        )  # fmt: skip
+        assert torch.equal(out, first)
+    assert (counters == 0).all()
+
+
+def test_decode_fused_combine_with_empty_splits(device: torch.device) -> None:
+    # 16 splits of 16-token tiles over contexts of 1-40 tokens: most splits of every sequence hold no tile
+    # (m = -inf, weight 0), including the last split, which combines.
+    batch = make_paged_batch([1, 40, 17, 3], [1, 1, 1, 1], 8, 2, 64, 16, device=device, seed=11)
+    _run_and_check(batch, num_splits=16, config=SMALL_TILES)
 
 
 def test_choose_num_splits_only_when_the_batch_leaves_the_gpu_idle() -> None:
@@ -156,3 +181,27 @@ def test_gpu_prefill_and_mixed_full_shapes(
         seq_lens, q_lens = decodes[:70] + seq_lens + decodes[70:], [1] * 70 + q_lens + [1] * 80
     batch = make_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, 128, block_size, dtype, "cuda")
     _run_and_check(batch)
+
+
+@gpu
+def test_gpu_decode_fused_combine_in_cuda_graph() -> None:
+    # Batch 1 x 8k with the automatic splits, captured once and replayed with new queries: the split counters
+    # must be back at zero after every replay.
+    batch = make_paged_batch([8192 + 5], [1], 32, 8, 128, 16, torch.bfloat16, "cuda", seed=2)
+    out = torch.empty_like(batch.query)
+    max_seq_len = batch.max_seq_len  # host-side, read before the capture
+
+    def call() -> None:
+        paged_attention(**batch.attention_args(), max_query_len=1, max_seq_len=max_seq_len, out=out)
+
+    call()  # compile, allocate the counters outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(3):
+        batch.query.copy_(torch.randn(batch.query.shape, generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_close_per_sequence(out, _reference(batch), batch.query_start_loc, batch.query.dtype)
