@@ -426,7 +426,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         return min(possible, self.settings.max_model_len)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> Allocation | None:
-        reserve = self._reserve_tokens(seq) if self.settings.reserved else 0
+        reserve = self._reserve_tokens(seq)
         return self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_tokens, reserve)
 
     def _record_allocation(self, seq: Sequence, allocation: Allocation, step: _Step) -> None:
