@@ -46,6 +46,8 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # recompute | swap | auto (per victim, whichever is cheaper)
     scheduling_policy: str = "fcfs"  # fcfs | priority (the request's priority, lower first, then arrival)
     kv_policy: str = "paged"  # paged: blocks on demand; reserved: prompt + max_tokens up front (a baseline)
+    heartbeat_timeout_s: float = 10.0  # a worker silent this long (no heartbeat, no output) is declared dead
+    step_timeout_s: float = 600.0  # a step not answered this long declares the worker group hung
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -74,6 +76,13 @@ class WorkerConfig:
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks; 0: no swapping
     attention_backend: str = "auto"  # torch (reference) | triton; auto: triton on cuda, torch on cpu
     max_model_len: int = 0  # longest prompt + output; 0: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory for weights, activations and KV
+    enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps
+    max_num_seqs: int = 256  # cuda: the largest decode batch a CUDA graph is captured for
+    tensor_parallel_size: int = 1  # workers in the tensor-parallel group
+    rank: int = 0  # this worker's rank in the group (0 talks to the scheduler)
+    dist_init_method: str = "tcp://127.0.0.1:29500"  # torch.distributed rendezvous of the group
+    heartbeat_interval_s: float = 1.0  # how often the worker tells the scheduler it is alive
     log_level: str = "info"
 
     @property
