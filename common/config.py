@@ -79,6 +79,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps
     max_num_seqs: int = 256  # cuda: the largest decode batch a CUDA graph is captured for
+    max_num_batched_tokens: int = 2048  # cuda: the memory profile's step size
     tensor_parallel_size: int = 1  # workers in the tensor-parallel group
     rank: int = 0  # this worker's rank in the group (0 talks to the scheduler)
     dist_init_method: str = "tcp://127.0.0.1:29500"  # torch.distributed rendezvous of the group

@@ -21,7 +21,6 @@ from worker.loader import ModelConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V) of one layer, each [num_blocks, block_size, Hkv, D]
 
 MAX_SEQS_FOR_CPU_POOL = 256  # the CPU pool never grows past what this many max-length sequences need
-CUDA_MEMORY_FRACTION = 0.9  # of the free memory after loading weights
 _BLOCK_DIM = 2  # the block axis of a pool tensor
 
 
@@ -32,25 +31,44 @@ def kv_block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) 
 
 
 def determine_num_kv_blocks(
-    cfg: WorkerConfig, model_cfg: ModelConfig, max_model_len: int, device: torch.device, dtype: torch.dtype
+    cfg: WorkerConfig,
+    model_cfg: ModelConfig,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    cuda_budget_bytes: int = 0,
 ) -> int:
     """How many device KV blocks to allocate: the configured number, else what the memory budget holds.
 
     CPU: `kv_cache_memory_gib`, or a quarter of the available memory, capped at what MAX_SEQS_FOR_CPU_POOL
-    sequences of max_model_len need. CUDA: CUDA_MEMORY_FRACTION of the free memory (call after loading).
+    sequences of max_model_len need. CUDA: `cuda_budget_bytes`, what the memory profile left for the cache
+    (`cuda_kv_budget`).
     """
     if cfg.num_kv_blocks > 0:
         return cfg.num_kv_blocks
     per_block = kv_block_bytes(model_cfg, cfg.block_size, dtype)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1, int(free * CUDA_MEMORY_FRACTION) // per_block)
+        if cuda_budget_bytes < per_block:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache ({cuda_budget_bytes / (1 << 30):.2f} GiB after the "
+                f"weights and activations); raise --gpu-memory-utilization or lower --max-num-batched-tokens"
+            )
+        return cuda_budget_bytes // per_block
     if cfg.kv_cache_memory_gib > 0:
         budget = int(cfg.kv_cache_memory_gib * (1 << 30))
     else:
         budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     cap = MAX_SEQS_FOR_CPU_POOL * -(-max_model_len // cfg.block_size)
     return max(1, min(budget // per_block, cap))
+
+
+def cuda_kv_budget(device: torch.device, utilization: float, peak_bytes: int) -> int:
+    """Bytes the KV pool may take on `device`: `utilization` of its memory, less the peak that the weights
+    and one forward pass at the largest step took (`peak_bytes`, from torch's allocator), less what other
+    users of the GPU (the CUDA context, other processes) hold outside torch's allocator."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = total - free - torch.cuda.memory_reserved(device)
+    return int(total * utilization) - peak_bytes - max(0, outside_torch)
 
 
 def determine_num_cpu_blocks(cfg: WorkerConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -15,7 +15,9 @@ import torch
 from common.config import WorkerConfig
 from common.messages import NewSequence, StepOutput, StepPlan
 from worker.attention import AttentionMetadata, get_attention_backend
-from worker.kv_cache import KVPools, determine_num_cpu_blocks, determine_num_kv_blocks
+from worker.cuda_graphs import DecodeGraphs
+from worker.inputs import BlockTableArray, HostInputs, build_inputs
+from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
 from worker.loader import ModelConfig, load_model_config, load_weights
 from worker.model import LlamaModel
 from worker.sampler import SamplingRow, sample
@@ -38,6 +40,7 @@ class SeqState:
     seed: int
     num_logprobs: int
     beam: bool = False  # report candidates, append nothing: the scheduler chooses the beam's tokens
+    row: int = -1  # this sequence's row in the runner's BlockTableArray, a mirror of block_table
 
     @classmethod
     def from_new(cls, s: NewSequence) -> SeqState:
@@ -77,14 +80,67 @@ class ModelRunner:
         self.model = LlamaModel(self.model_config, self.max_model_len, backend, self.dtype, self.device)
         load_weights(self.model, self.model_config, cfg.model)
         self.model.eval()
+        budget = 0
+        if self.device.type == "cuda" and cfg.num_kv_blocks <= 0:
+            budget = cuda_kv_budget(self.device, cfg.gpu_memory_utilization, self._profile_peak_memory(cfg))
         num_blocks = determine_num_kv_blocks(
-            cfg, self.model_config, self.max_model_len, self.device, self.dtype
+            cfg, self.model_config, self.max_model_len, self.device, self.dtype, budget
         )
         num_cpu_blocks = determine_num_cpu_blocks(cfg, self.model_config, self.dtype)
         self.kv = KVPools(
             self.model_config, num_blocks, num_cpu_blocks, self.block_size, self.dtype, self.device
         )
         self.seqs: dict[int, SeqState] = {}
+        self.tables = BlockTableArray(-(-self.max_model_len // self.block_size))
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv.layers,
+                max_num_seqs=cfg.max_num_seqs,
+                max_blocks_per_seq=self.tables.max_blocks_per_seq,
+                max_model_len=self.max_model_len,
+                device=self.device,
+            )
+        self.last_step_gpu_s = 0.0  # GPU time of the last step with a forward (CUDA; 0 elsewhere)
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self, cfg: WorkerConfig) -> int:
+        """Peak bytes of torch's allocator over the weights and one eager forward of the largest step the
+        budgets allow (max_num_batched_tokens tokens over max_num_seqs prompts, every prompt sampling), with a
+        KV pool just large enough for it, whose own size is left out."""
+        num_tokens = max(1, min(cfg.max_num_batched_tokens, self.max_model_len * cfg.max_num_seqs))
+        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
+        lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+        lens[: num_tokens % num_seqs] += 1
+        blocks_per_seq = -(-int(lens.max()) // self.block_size)
+        pool = KVPools(
+            self.model_config, num_seqs * blocks_per_seq, 0, self.block_size, self.dtype, self.device
+        )
+        tables = BlockTableArray(blocks_per_seq, initial_rows=num_seqs)
+        for b in range(num_seqs):
+            tables.add(list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)))
+        inputs = build_inputs(
+            tables,
+            np.arange(num_seqs),
+            np.zeros(num_seqs, dtype=np.int64),
+            lens,
+            np.zeros(num_tokens, dtype=np.int64),
+            self.block_size,
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        token_ids, positions, meta = self._to_device(inputs)
+        hidden = self.model(token_ids, positions, meta, pool.layers)
+        logits = self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+        rows = [SamplingRow(1.0, 0, 1.0, b, 0, -1) for b in range(num_seqs)]
+        sample(logits, rows)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        pool_bytes = pool.device_pool.numel() * pool.device_pool.element_size()
+        del pool, hidden, logits
+        torch.cuda.empty_cache()
+        return peak - pool_bytes
 
     @property
     def num_kv_blocks(self) -> int:
@@ -111,15 +167,20 @@ class ModelRunner:
                 raise PlanError(f"step {plan.step_id}: clone {child_id} already exists")
             parent = self._seq(plan, parent_id)
             self.seqs[child_id] = replace(
-                parent, token_ids=list(parent.token_ids), block_table=list(parent.block_table)
+                parent,
+                token_ids=list(parent.token_ids),
+                block_table=list(parent.block_table),
+                row=self.tables.copy_row(parent.row),
             )
         for seq_id, token in plan.appended_tokens:
             if not 0 <= token < self.vocab_size:
                 raise PlanError(f"step {plan.step_id}: appended token {token} is outside the vocab")
             self._seq(plan, seq_id).token_ids.append(token)
         for seq_id in plan.freed_seq_ids:
-            if self.seqs.pop(seq_id, None) is None:
+            freed = self.seqs.pop(seq_id, None)
+            if freed is None:
                 raise PlanError(f"step {plan.step_id}: freed sequence {seq_id} is unknown")
+            self.tables.free(freed.row)
 
         self._check_pairs(plan, "swap_out", plan.swap_out, self.num_kv_blocks, self.num_cpu_blocks)
         self._check_pairs(plan, "swap_in", plan.swap_in, self.num_cpu_blocks, self.num_kv_blocks)
@@ -129,6 +190,7 @@ class ModelRunner:
             seq = self._seq(plan, seq_id)
             self._check_blocks(plan, seq_id, table)
             seq.block_table = list(table)
+            self.tables.set(seq.row, seq.block_table)
 
         for new in plan.new_seqs:
             if new.seq_id in self.seqs:
@@ -143,11 +205,14 @@ class ModelRunner:
             if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < self.vocab_size:
                 raise PlanError(f"step {plan.step_id}: sequence {new.seq_id} has token ids outside the vocab")
             self._check_blocks(plan, new.seq_id, new.block_table)
-            self.seqs[new.seq_id] = SeqState.from_new(new)
+            seq = SeqState.from_new(new)
+            seq.row = self.tables.add(seq.block_table)
+            self.seqs[new.seq_id] = seq
         for seq_id, block_ids in plan.new_block_ids:
             seq = self._seq(plan, seq_id)
             self._check_blocks(plan, seq_id, block_ids)
             seq.block_table.extend(block_ids)
+            self.tables.extend(seq.row, block_ids)
 
         self._check_pairs(plan, "block_copies", plan.block_copies, self.num_kv_blocks, self.num_kv_blocks)
         if {src for src, _ in plan.block_copies} & {dst for _, dst in plan.block_copies}:
@@ -217,44 +282,60 @@ class ModelRunner:
     # -----------------------------------------------------------------------------------------------------
     # The step
 
-    def _prepare(
-        self, seqs: list[SeqState], num_tokens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat token ids [T], positions [T] and attention metadata for the batch, built on the host."""
-        bs = self.block_size
+    def _host_inputs(self, seqs: list[SeqState], num_tokens: list[int]) -> HostInputs:
+        """The batch's inputs on the host: one pass over the sequences for their rows, starts and tokens,
+        array operations for the rest."""
         starts = [s.num_computed_tokens for s in seqs]
-        seq_lens = [c + n for c, n in zip(starts, num_tokens, strict=True)]
-        token_ids: list[int] = []
-        for seq, c, end in zip(seqs, starts, seq_lens, strict=True):
-            token_ids.extend(seq.token_ids[c:end])
-
-        max_blocks = -(-max(seq_lens) // bs)
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        for b, (seq, end) in enumerate(zip(seqs, seq_lens, strict=True)):
-            used = -(-end // bs)
-            tables[b, :used] = seq.block_table[:used]
-        block_tables = torch.from_numpy(tables)  # [B, max_blocks]
-
-        q_lens = torch.tensor(num_tokens)  # [B]
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)  # [B + 1]
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)  # [T]
-        # Token j of sequence b sits at position start_b + (j - query_start_loc_b).
-        offsets = torch.tensor(starts) - query_start_loc[:-1].long()  # [B]
-        positions = torch.arange(len(token_ids)) + offsets[seq_index]  # [T]
-        blocks = block_tables[seq_index, positions // bs].long()  # [T]
-        slot_mapping = blocks * bs + positions % bs  # [T]
-
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=query_start_loc.to(dev, non_blocking=True),
-            max_query_len=max(num_tokens),
-            max_seq_len=max(seq_lens),
+        if max(num_tokens) == 1:
+            token_ids = [s.token_ids[c] for s, c in zip(seqs, starts, strict=True)]
+        else:
+            token_ids = []
+            for seq, c, n in zip(seqs, starts, num_tokens, strict=True):
+                token_ids += seq.token_ids[c : c + n]
+        return build_inputs(
+            self.tables,
+            np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs)),
+            np.array(starts, dtype=np.int64),
+            np.array(num_tokens, dtype=np.int64),
+            np.array(token_ids, dtype=np.int64),
+            self.block_size,
         )
-        return torch.tensor(token_ids).to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta
+
+    def _to_device(self, inputs: HostInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat token ids [T], positions [T] and attention metadata on the runner's device."""
+        dev = self.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=put(inputs.slot_mapping),
+            block_tables=put(inputs.block_tables),
+            seq_lens=put(inputs.seq_lens),
+            query_start_loc=put(inputs.query_start_loc),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+        )
+        return put(inputs.token_ids), put(inputs.positions), meta
+
+    def _forward(self, inputs: HostInputs, sampling: list[int]) -> torch.Tensor | None:
+        """Runs the batch; returns the logits rows of the sequences at `sampling` (batch indices), or None
+        when none samples. A decode batch that a captured graph holds replays it."""
+        batch = len(inputs.seq_lens)
+        if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
+            logits = self.graphs.run(inputs)  # [B, V]
+            if len(sampling) == batch:
+                return logits
+            return logits[torch.tensor(sampling, device=self.device)] if sampling else None
+        token_ids, positions, meta = self._to_device(inputs)
+        hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
+        if not sampling:
+            return None
+        # The last scheduled token of each sampling sequence is the row that predicts its next token.
+        last_rows = torch.from_numpy(inputs.query_start_loc[1:][sampling] - 1).to(
+            self.device, non_blocking=True
+        )
+        return self.model.compute_logits(hidden[last_rows.long()])  # [S, V]
 
     def _create_children(self, plan: StepPlan, seq_ids: list[int], samplers: list[SeqState]) -> list[int]:
         """Step 6: each fork's child starts as its parent after the forward (tokens, computed count, a block
@@ -265,7 +346,11 @@ class ModelRunner:
         for fork, row in zip(plan.forks, parent_rows, strict=True):
             parent = samplers[row]
             child = replace(
-                parent, token_ids=list(parent.token_ids), block_table=list(parent.block_table), seed=fork.seed
+                parent,
+                token_ids=list(parent.token_ids),
+                block_table=list(parent.block_table),
+                seed=fork.seed,
+                row=self.tables.copy_row(parent.row),
             )
             self.seqs[fork.child_seq_id] = child
             seq_ids.append(fork.child_seq_id)
@@ -288,16 +373,21 @@ class ModelRunner:
         self._check_forks(plan, {plan.scheduled_seq_ids[b] for b in sampling})
         if not seqs:
             return StepOutput(plan.step_id, [], [], [])
-        token_ids, positions, meta = self._prepare(seqs, num_tokens)
-        hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
+        inputs = self._host_inputs(seqs, num_tokens)
+        timing = self.device.type == "cuda"
+        if timing:
+            started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            started.record()
+        logits = self._forward(inputs, sampling)
         for seq, n in zip(seqs, num_tokens, strict=True):
             seq.num_computed_tokens += n
-        if not sampling:
+        if logits is None:
+            if timing:
+                ended.record()
+                ended.synchronize()
+                self.last_step_gpu_s = started.elapsed_time(ended) / 1e3
             return StepOutput(plan.step_id, [], [], [])
 
-        # The last scheduled token of each sampling sequence is the row that predicts its next token.
-        last_rows = meta.query_start_loc[1:].long()[torch.tensor(sampling, device=self.device)] - 1
-        logits = self.model.compute_logits(hidden[last_rows])  # [S, V]
         seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
         samplers = [seqs[b] for b in sampling]
         if plan.forks:
@@ -308,6 +398,10 @@ class ModelRunner:
             for s in samplers
         ]
         new_tokens, logprobs = sample(logits, rows)
+        if timing:
+            ended.record()
+            ended.synchronize()
+            self.last_step_gpu_s = started.elapsed_time(ended) / 1e3
         for seq, token in zip(samplers, new_tokens, strict=True):
             if not seq.beam:
                 seq.token_ids.append(token)

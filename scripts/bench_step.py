@@ -1,0 +1,151 @@
+"""A profile of one decode step, the scheduler core and the worker's ModelRunner in one process.
+
+    python scripts/bench_step.py --model /tmp/m1b --device cuda [--batch 256] [--context 512] [--steps 64]
+        [--modes graphs,eager] [--json-out FILE]
+
+`--batch` requests with `--context`-token random prompts are prefilled, then `--steps` decode steps are timed
+(median). Each step is what the engine loop does, without the sockets: `schedule()`, the plan's msgpack
+round trip, `execute()` on the runner, the output's round trip and `update()`. Reported per step: the wall
+time, the GPU time of the forward and sampling (CUDA events around them), the scheduler's share (schedule +
+update + codec) and the rest of the worker's host time; the GPU-busy fraction of the step is GPU time over
+wall time. `graphs` and `eager` (--enforce-eager) are two runners on the same weights, measured in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
+
+import torch  # noqa: E402
+
+from common.config import WorkerConfig  # noqa: E402
+from common.messages import SamplingParams, SubmitRequest, decode, encode  # noqa: E402
+from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
+from worker.model_runner import ModelRunner  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile(args: argparse.Namespace, mode: str) -> dict:
+    bs = 16
+    max_len = args.context + args.steps + 16
+    num_blocks = args.batch * -(-max_len // bs) + 16
+    cfg = WorkerConfig(
+        model=args.model,
+        device=args.device,
+        num_kv_blocks=num_blocks,
+        swap_space=0,
+        max_model_len=max_len if args.device == "cpu" else 0,
+        max_num_seqs=args.batch,
+        enforce_eager=mode == "eager",
+    )
+    started = time.monotonic()
+    runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend)
+    startup_s = time.monotonic() - started
+    core = Scheduler(
+        SchedulerSettings(
+            num_kv_blocks=num_blocks,
+            block_size=bs,
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=tuple(runner.eos_token_ids),
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    )
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch):
+        prompt = [rng.randrange(runner.vocab_size) for _ in range(args.context)]
+        core.add_request(b"bench", SubmitRequest(f"r{i}", prompt, params))
+
+    def step() -> tuple[float, float, list[int]]:
+        t0 = time.perf_counter()
+        plan = core.schedule()
+        plan_back = decode(encode(plan))
+        t1 = time.perf_counter()
+        out = runner.execute(plan_back)
+        t2 = time.perf_counter()
+        core.update(decode(encode(out)))
+        t3 = time.perf_counter()
+        return (t1 - t0) + (t3 - t2), t2 - t1, plan.num_scheduled_tokens
+
+    # Prefill (and the first decodes, which compile kernels) until every sequence decodes.
+    while True:
+        _, _, scheduled = step()
+        if len(scheduled) == args.batch and max(scheduled) == 1:
+            break
+    for _ in range(3):
+        step()
+    _sync(runner.device)
+    walls, scheds, works, gpus = [], [], [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        sched_s, work_s, scheduled = step()
+        walls.append(time.perf_counter() - t0)
+        scheds.append(sched_s)
+        works.append(work_s)
+        gpus.append(runner.last_step_gpu_s)
+        assert len(scheduled) == args.batch, f"a step ran {len(scheduled)} sequences, not {args.batch}"
+    wall = statistics.median(walls)
+    gpu = statistics.median(gpus)
+    sched = statistics.median(scheds)
+    return {
+        "mode": mode,
+        "batch": args.batch,
+        "context": args.context,
+        "startup_s": round(startup_s, 2),
+        "graph_capture_s": round(runner.graphs.capture_time_s, 2) if runner.graphs else 0.0,
+        "step_wall_ms": round(wall * 1e3, 3),
+        "gpu_ms": round(gpu * 1e3, 3),
+        "scheduler_ms": round(sched * 1e3, 3),
+        "worker_host_ms": round(max(0.0, statistics.median(works) - gpu) * 1e3, 3),
+        "gpu_busy": round(gpu / wall, 3) if gpu else None,
+        "decode_tok_s": round(args.batch / wall),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/tiny-llama")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--modes", default="graphs,eager", help="graphs,eager (graphs needs CUDA)")
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if args.device == "cpu":
+        modes = [m for m in modes if m != "graphs"] or ["eager"]
+    results = []
+    print("| mode | batch | context | step ms | GPU ms | scheduler ms | worker host ms | GPU busy | tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode in modes:
+        r = profile(args, mode)
+        results.append(r)
+        busy = f"{r['gpu_busy']:.0%}" if r["gpu_busy"] is not None else "-"
+        print(
+            f"| {mode} | {r['batch']} | {r['context']} | {r['step_wall_ms']:.2f} | {r['gpu_ms']:.2f} | "
+            f"{r['scheduler_ms']:.2f} | {r['worker_host_ms']:.2f} | {busy} | {r['decode_tok_s']:,} |",
+            flush=True,
+        )
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

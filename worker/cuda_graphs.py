@@ -1,0 +1,153 @@
+"""CUDA graphs for decode-only steps: one graph per padded batch size, every input in a static buffer.
+
+A decode step launches a few hundred small kernels (per layer: norms, projections, RoPE, the KV write,
+attention, the MLP); replaying a graph launches them with one call, so the host's launch cost disappears
+from the step. Each graph is captured for a fixed batch size (1, 2, 4, 8, then every multiple of 8 up to
+max_num_seqs); a step of B sequences replays the smallest graph that holds B, with the padding rows made
+harmless: their slot is -1 (the KV write skips it) and their context one token of block 0, so they compute
+a finite row that nobody reads.
+
+The attention kernel's split-KV choice is part of the graph: it is made at capture for the longest context
+the worker allows (max_model_len), and a split that finds no tiles of a shorter context does no work.
+Prefills and mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from worker.attention import AttentionMetadata
+from worker.inputs import HostInputs
+from worker.model import KVCache, LlamaModel
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (which is always one)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    sizes += list(range(8, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+def _progress(done: int, total: int, started: float) -> None:
+    width = 30
+    filled = width * done // total
+    bar = "#" * filled + "." * (width - filled)
+    end = "\n" if done == total else "\r"
+    elapsed = time.monotonic() - started
+    print(
+        f"capturing CUDA graphs [{bar}] {done}/{total} {elapsed:.1f}s", end=end, file=sys.stderr, flush=True
+    )
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one model and KV pool, and the static buffers they read."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_layers: list[KVCache],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        device: torch.device,
+        show_progress: bool = True,
+    ) -> None:
+        self.model = model
+        self.kv_layers = kv_layers
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        i32 = {"dtype": torch.int32, "device": device}
+        i64 = {"dtype": torch.int64, "device": device}
+        self.token_ids = torch.zeros(n, **i64)  # [N]
+        self.positions = torch.zeros(n, **i64)  # [N]
+        self.slot_mapping = torch.full((n,), -1, **i64)  # [N]
+        self.seq_lens = torch.ones(n, **i32)  # [N]
+        self.query_start_loc = torch.arange(n + 1, **i32)  # [N + 1], fixed: one token per sequence
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)  # [N, max_blocks_per_seq]
+        # One pinned host buffer per step, copied to the device in a single transfer:
+        # token ids, positions, slots (int64 each), then seq_lens (int32 pairs) are packed as int64 rows.
+        self._host = torch.zeros(4 * n, dtype=torch.int64, pin_memory=True)
+        self._host_tables = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.capture_time_s = 0.0
+        self.num_replays = 0
+        self._capture(show_progress)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:  # [size, V]
+        hidden = self.model(self.token_ids[:size], self.positions[:size], self._meta(size), self.kv_layers)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture(self, show_progress: bool) -> None:
+        started = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: the smaller graphs reuse the memory of the larger ones from the shared pool.
+        for i, size in enumerate(reversed(self.sizes)):
+            self._forward(size)  # warm-up: compiles kernels and allocates their buffers outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[size] = self._forward(size)
+            self._graphs[size] = graph
+            if show_progress:
+                _progress(i + 1, len(self.sizes), started)
+        torch.cuda.synchronize()
+        self.capture_time_s = time.monotonic() - started
+
+    def padded_size(self, batch: int) -> int | None:
+        """The graph that runs a decode batch of `batch` sequences, or None when it is too large."""
+        if batch > self.sizes[-1]:
+            return None
+        lo, hi = 0, len(self.sizes) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.sizes[mid] >= batch:
+                hi = mid
+            else:
+                lo = mid + 1
+        return self.sizes[lo]
+
+    def run(self, inputs: HostInputs) -> torch.Tensor:  # [B, V] logits of the batch's B sequences
+        """Copies a decode batch into the static buffers and replays its graph."""
+        batch = len(inputs.seq_lens)
+        size = self.padded_size(batch)
+        assert size is not None and inputs.decode_only
+        host = self._host.numpy()
+        host[:batch] = inputs.token_ids
+        host[size : size + batch] = inputs.positions
+        host[2 * size : 2 * size + batch] = inputs.slot_mapping
+        host[3 * size : 3 * size + batch] = inputs.seq_lens
+        if size > batch:  # padding rows: position 0, no KV write, one token of context
+            host[batch:size] = 0
+            host[size + batch : 2 * size] = 0
+            host[2 * size + batch : 3 * size] = -1
+            host[3 * size + batch : 4 * size] = 1
+        staged = self._host[: 4 * size].to(self.token_ids.device, non_blocking=True)
+        self.token_ids[:size].copy_(staged[:size])
+        self.positions[:size].copy_(staged[size : 2 * size])
+        self.slot_mapping[:size].copy_(staged[2 * size : 3 * size])
+        self.seq_lens[:size].copy_(staged[3 * size :])
+        # Only the columns this batch uses; the rest of each row is never read (seq_lens bounds the reads).
+        # A padding row keeps whatever valid block ids it last held and reads one token of them.
+        width = inputs.block_tables.shape[1]
+        tables = self._host_tables[: batch * width].view(batch, width)
+        tables.numpy()[:] = inputs.block_tables
+        self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
+        self._graphs[size].replay()
+        self.num_replays += 1
+        return self._logits[size][:batch]
