@@ -39,8 +39,8 @@ class SchedulerConfig:
 
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # bound; clients connect here
     worker_address: str = DEFAULT_WORKER_ADDRESS  # bound; workers connect here
-    max_num_seqs: int = 256  # sequences running in one step, at most
-    max_num_batched_tokens: int = 2048  # tokens computed in one step, at most (decodes and prefill chunks)
+    max_num_seqs: int = 512  # sequences running in one step, at most
+    max_num_batched_tokens: int = 8192  # tokens computed in one step, at most (decodes and prefill chunks)
     max_model_len: int = 0  # longest prompt + output; 0: what the worker announces
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompts that start alike
     preemption_mode: str = "auto"  # recompute | swap | auto (per victim, whichever is cheaper)
@@ -78,8 +78,8 @@ class WorkerConfig:
     max_model_len: int = 0  # longest prompt + output; 0: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps
-    max_num_seqs: int = 256  # cuda: the largest decode batch a CUDA graph is captured for
-    max_num_batched_tokens: int = 2048  # cuda: the memory profile's step size
+    max_num_seqs: int = 512  # cuda: the largest decode batch a CUDA graph is captured for
+    max_num_batched_tokens: int = 8192  # cuda: the memory profile's step size
     tensor_parallel_size: int = 1  # workers in the tensor-parallel group
     rank: int = 0  # this worker's rank in the group (0 talks to the scheduler)
     dist_init_method: str = "tcp://127.0.0.1:29500"  # torch.distributed rendezvous of the group

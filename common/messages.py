@@ -440,6 +440,7 @@ class StepOutput:
     seq_ids: list[int]  # the sequences that sampled a token this step
     token_ids: list[int]  # one per sequence in seq_ids
     logprobs: list[TokenLogprobs | None]  # one per sequence; None where it asked for none
+    gpu_time_s: float = 0.0  # the step's time on the GPU (CUDA events around it; 0 off CUDA)
 
     def to_wire(self) -> list[Any]:
         return [
@@ -447,11 +448,13 @@ class StepOutput:
             self.seq_ids,
             self.token_ids,
             [None if lp is None else lp.to_wire() for lp in self.logprobs],
+            self.gpu_time_s,
         ]
 
     @classmethod
     def from_wire(cls, f: list[Any]) -> StepOutput:
-        return cls(f[0], f[1], f[2], [None if lp is None else TokenLogprobs.from_wire(lp) for lp in f[3]])
+        logprobs = [None if lp is None else TokenLogprobs.from_wire(lp) for lp in f[3]]
+        return cls(f[0], f[1], f[2], logprobs, f[4])
 
 
 @dataclass

@@ -50,6 +50,9 @@ class SchedulerMetrics:
     prefix_cache_hits_total: int = 0  # of which found
     swap_outs_total: int = 0
     swap_ins_total: int = 0
+    gpu_seconds_total: float = 0.0  # the worker's GPU time over every step
+    decode_gpu_seconds_total: float = 0.0  # over decode-only steps
+    decode_step_seconds_total: float = 0.0  # wall time of decode-only steps, update to update
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
 
@@ -74,6 +77,15 @@ class SchedulerMetrics:
             ),
             "pagedserve_swap_outs_total": (self.swap_outs_total, "Sequences swapped out to the CPU pool"),
             "pagedserve_swap_ins_total": (self.swap_ins_total, "Sequences swapped back in"),
+            "pagedserve_gpu_seconds_total": (self.gpu_seconds_total, "Worker GPU time over all steps"),
+            "pagedserve_decode_gpu_seconds_total": (
+                self.decode_gpu_seconds_total,
+                "Worker GPU time over decode-only steps",
+            ),
+            "pagedserve_decode_step_seconds_total": (
+                self.decode_step_seconds_total,
+                "Wall time of decode-only steps, from one step's tokens to the next's",
+            ),
         }
         for name, (value, help_text) in counters.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]

@@ -121,6 +121,8 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         self._next_seq_id = 0
         self._next_step_id = 0
         self._eos = frozenset(settings.eos_token_ids)
+        self._decode_only_steps: set[int] = set()  # plans in flight whose every chunk is one token
+        self._last_update_time: float | None = None
 
     # ----------------------------------------------------------------------------------------------------
     # requests in and out
@@ -269,6 +271,8 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             clones=clones,
             appended_tokens=appends,
         )
+        if step.scheduled and all(n == 1 for _, n in step.scheduled):
+            self._decode_only_steps.add(plan.step_id)
         self._next_step_id += 1
         return plan
 
@@ -527,6 +531,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         """Appends the sampled tokens, ends finished sequences and returns what to send to clients. Every
         token goes out in the update that brings it, so an output carries exactly one new token."""
         now = self._clock()
+        self._observe_step_time(step, now)
         outputs: list[Output] = []
         any_finished = False
         running = SeqStatus.RUNNING
@@ -572,6 +577,18 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         if any_finished:
             self._running = [s for s in self._running if s.status is SeqStatus.RUNNING]
         return outputs
+
+    def _observe_step_time(self, step: StepOutput, now: float) -> None:
+        """GPU time of every step; for decode-only steps also their wall time, from the previous update to
+        this one (a decode-only step always follows another step, so no idle time falls in between)."""
+        m = self.metrics
+        m.gpu_seconds_total += step.gpu_time_s
+        if step.step_id in self._decode_only_steps:
+            self._decode_only_steps.discard(step.step_id)
+            if self._last_update_time is not None:
+                m.decode_gpu_seconds_total += step.gpu_time_s
+                m.decode_step_seconds_total += now - self._last_update_time
+        self._last_update_time = now
 
     def _observe_token(self, seq: Sequence, now: float) -> None:
         if seq.first_token_time is None:

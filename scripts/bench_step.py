@@ -38,7 +38,9 @@ def _sync(device: torch.device) -> None:
 
 def profile(args: argparse.Namespace, mode: str) -> dict:
     bs = 16
-    max_len = args.context + args.steps + 16
+    # Sequences that finish their prefill early decode while the others prefill: room for those tokens too.
+    max_tokens = args.steps + 8 + -(-args.batch * args.context // args.max_num_batched_tokens)
+    max_len = args.context + max_tokens + 16
     num_blocks = args.batch * -(-max_len // bs) + 16
     cfg = WorkerConfig(
         model=args.model,
@@ -64,7 +66,7 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
         )
     )
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
         prompt = [rng.randrange(runner.vocab_size) for _ in range(args.context)]
         core.add_request(b"bench", SubmitRequest(f"r{i}", prompt, params))

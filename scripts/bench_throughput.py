@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--num-kv-blocks", type=int, default=0, help="KV pool of every run; 0: the worker's default"
     )
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
         "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
     )
@@ -225,8 +225,18 @@ async def run_engine(
         "peak_running": sampler.peak("pagedserve_requests_running"),
         "preemptions": int(final.get("pagedserve_preemptions_total", 0)),
         "swap_outs": int(final.get("pagedserve_swap_outs_total", 0)),
+        # GPU time (CUDA events per step) over the run's wall time, and over decode-only steps' wall time.
+        "gpu_busy": _ratio(final.get("pagedserve_gpu_seconds_total"), wall_s),
+        "decode_gpu_busy": _ratio(
+            final.get("pagedserve_decode_gpu_seconds_total"),
+            final.get("pagedserve_decode_step_seconds_total"),
+        ),
         "num_samples": len(sampler.samples),
     }
+
+
+def _ratio(part: float | None, whole: float | None) -> float | None:
+    return round(part / whole, 3) if part and whole else None
 
 
 def run_peer(
@@ -331,6 +341,10 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     columns = [
         ("run", "name"),
@@ -342,6 +356,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ("KV waste", "mean_kv_waste"),
         ("peak running", "peak_running"),
         ("preemptions", "preemptions"),
+        ("GPU busy", "gpu_busy"),
+        ("decode GPU busy", "decode_gpu_busy"),
     ]
     cells = [[h for h, _ in columns]]
     for row in rows:
@@ -357,6 +373,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 "-" if waste is None else f"{waste:.1%}",
                 _cell(row.get("peak_running")),
                 _cell(row.get("preemptions")),
+                _percent(row.get("gpu_busy")),
+                _percent(row.get("decode_gpu_busy")),
             ]
         )
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]

@@ -386,7 +386,7 @@ class ModelRunner:
                 ended.record()
                 ended.synchronize()
                 self.last_step_gpu_s = started.elapsed_time(ended) / 1e3
-            return StepOutput(plan.step_id, [], [], [])
+            return StepOutput(plan.step_id, [], [], [], self.last_step_gpu_s)
 
         seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
         samplers = [seqs[b] for b in sampling]
@@ -405,4 +405,4 @@ class ModelRunner:
         for seq, token in zip(samplers, new_tokens, strict=True):
             if not seq.beam:
                 seq.token_ids.append(token)
-        return StepOutput(plan.step_id, seq_ids, new_tokens, logprobs)
+        return StepOutput(plan.step_id, seq_ids, new_tokens, logprobs, self.last_step_gpu_s)

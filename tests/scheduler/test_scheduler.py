@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 
-from common.messages import FinishReason
-from tests.scheduler.conftest import OWNER, make_harness
+import pytest
+
+from common.messages import FinishReason, SamplingParams, StepOutput, SubmitRequest
+from scheduler.scheduler import Scheduler, SchedulerSettings
+from tests.scheduler.conftest import OWNER, FakeClock, make_harness
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -228,3 +231,28 @@ def test_decodes_go_before_an_earlier_queued_prefill():
         assert sum(plan.num_scheduled_tokens) <= 8
     assert h.scheduler._running[0].request.request_id == "urgent"  # it was first in queue order
     h.run()
+
+
+def test_gpu_time_is_summed_and_decode_steps_are_timed_update_to_update():
+    clock = FakeClock()
+    scheduler = Scheduler(
+        SchedulerSettings(
+            num_kv_blocks=16, block_size=4, max_model_len=64, vocab_size=100, eos_token_ids=(),
+            max_num_seqs=4, max_num_batched_tokens=64,
+        ),
+        clock=clock,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert scheduler.add_request(b"c", SubmitRequest("r", [1, 2, 3, 4, 5], params)) is None
+    gpu_times = [0.5, 0.25, 0.125]  # the prefill step, then two decode-only steps
+    update_times = []
+    for gpu_time_s in gpu_times:
+        plan = scheduler.schedule()
+        clock.now += 1.0  # the step's wall time beyond the clock's own ticks
+        scheduler.update(StepOutput(plan.step_id, list(plan.scheduled_seq_ids), [7], [None], gpu_time_s))
+        update_times.append(clock.now)
+    m = scheduler.metrics
+    assert m.gpu_seconds_total == sum(gpu_times)
+    assert m.decode_gpu_seconds_total == 0.25 + 0.125
+    assert m.decode_step_seconds_total == pytest.approx(update_times[2] - update_times[0])
+    assert "pagedserve_decode_step_seconds_total " in scheduler.metrics_text()
