@@ -214,6 +214,7 @@ class SchedulerServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            outputs: list[Output] = []  # of the last step, streamed while the worker runs the next one
             while self.core is not None and self.core.has_work:
                 core = self.core
                 plan = core.schedule()
@@ -223,6 +224,8 @@ class SchedulerServer:
                 self._pending_step = asyncio.get_running_loop().create_future()
                 self._pending_step_id = plan.step_id
                 self._workers.send_multipart([self._worker_id, *encode(plan)], copy=False)
+                self._send_outputs(outputs)
+                outputs = []
                 try:
                     step = await self._pending_step
                 except asyncio.CancelledError:
@@ -231,4 +234,5 @@ class SchedulerServer:
                     continue  # the worker restarted; its new core starts empty
                 finally:
                     self._pending_step = None
-                self._send_outputs(core.update(step))
+                outputs = core.update(step)
+            self._send_outputs(outputs)
