@@ -288,21 +288,36 @@ class BlockManager:
     # accounting and checks
 
     def usage(self, num_tokens_of: dict[int, int]) -> KVUsage:
-        """The pool's usage, given how many tokens each live sequence has in its GPU blocks."""
-        filled: dict[int, int] = {}
+        """The pool's usage, given how many tokens each live sequence has in its GPU blocks.
+
+        Costs O(blocks in use), mostly in set operations, never O(pool): a /metrics scrape of a large pool
+        must not stall the engine loop."""
         bs = self.block_size
+        ref = self._ref_counts
+        used = set().union(*self._tables.values())
+        shared = {b for b in used if ref[b] > 1}
+        slots_used = 0
+        shared_fill: dict[int, int] = {}  # a shared block holds as many tokens as its fullest holder says
         for seq_id, table in self._tables.items():
             n = num_tokens_of.get(seq_id, 0)
+            if shared.isdisjoint(table):  # block i holds min(bs, n - i * bs) tokens: these add up to this
+                slots_used += min(n, len(table) * bs)
+                continue
             for i, block_id in enumerate(table):
-                filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, n - i * bs)))
-        shared = [c for c in self._ref_counts if c > 1]
+                fill = min(bs, max(0, n - i * bs))
+                if block_id in shared:
+                    shared_fill[block_id] = max(shared_fill.get(block_id, 0), fill)
+                else:
+                    slots_used += fill
+        # Every hashed block is in the cache map (check_invariants): the cached free ones are the rest.
+        hashed_in_use = sum(1 for b in used if self._hash_of[b] is not None)
         return KVUsage(
             blocks_used=self.num_used_blocks,
-            blocks_cached=sum(1 for b in self._free if self._hash_of[b] is not None),
+            blocks_cached=len(self._cached) - hashed_in_use,
             blocks_shared=len(shared),
-            blocks_saved=sum(c - 1 for c in shared),
+            blocks_saved=sum(ref[b] - 1 for b in shared),
             slots_allocated=self.num_used_blocks * bs,
-            slots_used=sum(filled.values()),
+            slots_used=slots_used + sum(shared_fill.values()),
         )
 
     def check_invariants(self) -> None:

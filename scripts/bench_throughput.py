@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers", default="", help=f"comma-separated transformers baselines: {','.join(PEERS)}")
     p.add_argument("--peer-requests", type=int, default=128, help="the peers run the first N requests")
     p.add_argument("--peer-batch-size", type=int, default=32, help="hf-static's batch size")
-    p.add_argument("--sample-interval", type=float, default=0.2, help="seconds between metrics samples")
+    p.add_argument("--sample-interval", type=float, default=1.0, help="seconds between metrics samples")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
     p.add_argument("--log-dir", default=None, help="scheduler/worker logs go here; default: a temp dir")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")

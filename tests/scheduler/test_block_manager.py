@@ -261,6 +261,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(self.bm.cpu_block_table(seq_id)) == self.bm.blocks_for(len(tokens))
         if not self.tokens:
             assert self.bm.num_free_blocks == 12
+        self._check_usage()
+
+    def _check_usage(self) -> None:
+        """usage() against a count over every block of the pool: fullest holder's fill per used block,
+        hashed free blocks, ref counts above one. Sequences claim fewer tokens than they hold, so that
+        partly filled shared blocks occur."""
+        num_tokens = {seq_id: max(0, len(t) - seq_id % 3) for seq_id, t in self.tokens.items()}
+        filled: dict[int, int] = {}
+        for seq_id in self.tokens:
+            for i, block_id in enumerate(self.bm.block_table(seq_id)):
+                fill = min(2, max(0, num_tokens[seq_id] - 2 * i))
+                filled[block_id] = max(filled.get(block_id, 0), fill)
+        refs = [self.bm.ref_count(b) for b in range(12)]
+        usage = self.bm.usage(num_tokens)
+        assert usage.slots_used == sum(filled.values())
+        assert usage.blocks_shared == sum(1 for c in refs if c > 1)
+        assert usage.blocks_saved == sum(c - 1 for c in refs if c > 1)
+        assert usage.blocks_cached == sum(
+            1 for b in range(12) if refs[b] == 0 and self.bm._hash_of[b] is not None
+        )
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
