@@ -71,7 +71,9 @@ def test_graph_replay_gives_the_tokens_of_eager_execution(tiny_model_dir, dtype:
         assert results[0] == results[1]
         return
     # The graph's split-KV choice (made for max_model_len) differs from eager's, so bf16 sums round
-    # differently; where the two differ, the tokens must be near-tied under float32 logprobs.
+    # differently; where the two differ, the tokens must be near-tied under float32 logprobs. bf16 keeps 8
+    # significant bits: logits of magnitude ~10 carry ~0.04 of rounding each, so two of them can swap
+    # order when they are within ~0.1 nats.
     reference = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda().eval()
     for prompt, mine, theirs in zip(prompts, *results, strict=True):
         if mine == theirs:
@@ -81,7 +83,7 @@ def test_graph_replay_gives_the_tokens_of_eager_execution(tiny_model_dir, dtype:
             logits = reference(torch.tensor([prompt + mine[:k]], device="cuda")).logits[0, -1].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         gap = abs(logprobs[mine[k]] - logprobs[theirs[k]]).item()
-        assert gap < 0.05, f"token {k}: {mine[k]} vs {theirs[k]} differ by {gap:.3f} nats"
+        assert gap < 0.1, f"token {k}: {mine[k]} vs {theirs[k]} differ by {gap:.3f} nats"
 
 
 @torch.inference_mode()

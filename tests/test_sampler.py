@@ -1,13 +1,16 @@
-"""The sampler: greedy, top-k / top-p support, seeded reproducibility, logprobs, drawn distribution."""
+"""The sampler: greedy, top-k / top-p support, seeded reproducibility, logprobs, drawn distribution, and the
+batched device path against a plain per-row reference."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from worker.sampler import SamplingRow, sample
+from common.messages import TokenLogprobs
+from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors, uniform_for, uniforms_for
 
 VOCAB = 257
 
@@ -145,3 +148,173 @@ def test_seeded_draws_follow_the_softmax(top_k: int) -> None:
     # Degrees of freedom are at most 7; chi-square 30 has p < 1e-4 there, while a sampler that drew from the
     # wrong distribution by a few percent would land in the hundreds at 20000 draws.
     assert _chi_square(counts, probs) < 30.0
+
+
+# The batched path against a per-row reference written from the documented semantics.
+
+
+def _reference_draw(logits_row: torch.Tensor, row: SamplingRow) -> int:
+    """One row drawn alone, step by step: argmax when greedy; otherwise the logits divided by the temperature,
+    sorted descending with equal logits in vocabulary order when filtered (softmax over the first top_k,
+    then a token dropped when the tokens before it already hold top_p) or left in vocabulary order when not,
+    and the first token whose float64 cumulative mass exceeds u * total, u = uniform_for(seed, position)."""
+    x = logits_row.float()
+    if row.greedy:
+        return int(x.argmax())
+    scaled = x / torch.tensor(row.temperature, dtype=torch.float32)
+    if row.filtered:
+        values, ids = scaled.sort(descending=True, stable=True)
+        if row.top_k > 0:
+            values, ids = values[: row.top_k], ids[: row.top_k]
+        probs = values.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_before >= torch.tensor(row.top_p, dtype=torch.float32), 0.0)
+    else:
+        probs, ids = scaled.softmax(dim=-1), torch.arange(len(x))
+    cdf = probs.double().cumsum(dim=-1).tolist()
+    target = uniform_for(row.seed, row.position) * cdf[-1]
+    for i, mass in enumerate(cdf):
+        if mass > target:
+            return int(ids[i])
+    return int(ids[max(i for i, p in enumerate(probs.tolist()) if p > 0)])
+
+
+def _random_rows(rng: random.Random, count: int, top_ks: list[int]) -> list[SamplingRow]:
+    return [
+        _row(
+            temperature=rng.choice([0.0, 0.5, 1.0, 1.7]),
+            top_k=rng.choice([0, 0, *top_ks]),
+            top_p=rng.choice([1.0, 1.0, 0.9, 0.5]),
+            seed=rng.randrange(-(2**63), 2**64),
+            position=rng.randrange(10**6),
+            num_logprobs=rng.choice([-1, -1, 0, 1, 5]),
+        )
+        for _ in range(count)
+    ]
+
+
+def _assert_logprobs(
+    logits: torch.Tensor, tokens: list[int], logprobs: list[TokenLogprobs | None], rows: list[SamplingRow]
+) -> None:
+    for i, row in enumerate(rows):
+        lp = logprobs[i]
+        if row.num_logprobs < 0:
+            assert lp is None
+            continue
+        assert lp is not None
+        expected = logits[i].float().log_softmax(dim=-1)
+        assert lp.logprob == expected[tokens[i]].item()
+        assert lp.top_token_ids == expected.topk(row.num_logprobs).indices.tolist()
+        assert lp.top_logprobs == expected.topk(row.num_logprobs).values.tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_draws_match_the_per_row_reference(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    logits = _logits(200, seed=100 + seed, spread=rng.choice([0.5, 2.0, 5.0]))
+    rows = _random_rows(rng, 200, top_ks=[1, 2, 5, 40, 64, 65, 100, 256, 257, 1000])
+    tokens, logprobs = sample(logits, rows)
+    assert tokens == [_reference_draw(logits[i], row) for i, row in enumerate(rows)]
+    _assert_logprobs(logits, tokens, logprobs, rows)
+
+
+def test_equal_logits_are_taken_in_vocabulary_order() -> None:
+    # Logits on a coarse grid (as bfloat16 logits are) tie often, also across the top-k cut.
+    rng = random.Random(11)
+    logits = (_logits(300, seed=11, spread=1.5) * 2).round() / 2
+    rows = _random_rows(rng, 300, top_ks=[1, 2, 3, 7, 20, 50, 64, 70])
+    tokens, _ = sample(logits, rows)
+    assert tokens == [_reference_draw(logits[i], row) for i, row in enumerate(rows)]
+
+
+def test_negative_zero_ties_with_zero() -> None:
+    logits = torch.full((2, VOCAB), -5.0)
+    logits[0, 3], logits[0, 9] = -0.0, 0.0
+    logits[1, 3], logits[1, 9] = 0.0, -0.0
+    for temperature in (0.0, 1.0):
+        tokens, _ = sample(logits, [_row(temperature, top_k=1)] * 2)
+        assert tokens == [3, 3]
+
+
+def test_large_top_k_takes_the_full_sort_with_the_same_draws() -> None:
+    vocab = 6000
+    logits = _logits(40, seed=12, vocab=vocab, spread=0.3)
+    rows = [
+        _row(temperature=1.0, top_k=k, top_p=p, seed=s, position=7)
+        for s, (k, p) in enumerate([(4096, 1.0), (4097, 1.0), (5999, 0.99), (10**9, 1.0), (3000, 0.95)] * 8)
+    ]
+    kinds = {(g.kind, g.width) for g in SamplingTensors.from_rows(rows, "cpu").groups}
+    assert kinds == {("top_k", 4096), ("sorted", 0)}
+    tokens, _ = sample(logits, rows)
+    assert tokens == [_reference_draw(logits[i], row) for i, row in enumerate(rows)]
+
+
+def test_a_row_draws_the_same_alone_and_in_any_batch() -> None:
+    rng = random.Random(13)
+    logits = _logits(120, seed=13, spread=2.0)
+    rows = _random_rows(rng, 120, top_ks=[1, 3, 40, 100, 300, 5000])
+    alone = [sample(logits[i : i + 1], [rows[i]]) for i in range(len(rows))]
+    for _ in range(4):
+        batch = rng.sample(range(len(rows)), rng.randrange(2, len(rows)))
+        tokens, logprobs = sample(logits[batch], [rows[i] for i in batch])
+        assert tokens == [alone[i][0][0] for i in batch]
+        assert logprobs == [alone[i][1][0] for i in batch]
+
+
+def _bits64(value: int) -> int:
+    """The signed int64 holding the low 64 bits of value."""
+    return ((value & (2**64 - 1)) ^ 2**63) - 2**63
+
+
+def test_device_uniforms_equal_uniform_for_bit_for_bit() -> None:
+    rng = random.Random(14)
+    seeds = [0, 1, 2, -1, -2, 2**31, 2**32 - 1, 2**63 - 2, 2**63 - 1, 2**63, 2**63 + 1, -(2**63)]
+    seeds += [2**64 - 2, 2**64 - 1, *(rng.randrange(-(2**63), 2**64) for _ in range(40))]
+    positions = [
+        0,
+        1,
+        2,
+        31,
+        2**31 - 1,
+        2**32,
+        2**53 + 1,
+        2**63 - 1,
+        *(rng.randrange(10**6) for _ in range(12)),
+    ]
+    pairs = [(s, p) for s in seeds for p in positions]
+    got = uniforms_for(torch.tensor([_bits64(s) for s, _ in pairs]), torch.tensor([p for _, p in pairs]))
+    assert got.dtype == torch.float64
+    assert got.tolist() == [uniform_for(s, p) for s, p in pairs]
+    # And as the sampler builds them, by slot.
+    rows = [_row(seed=s, position=p) for s, p in pairs]
+    tensors = SamplingTensors.from_rows(rows, "cpu")
+    slots = tensors.order.tolist()
+    assert tensors.uniforms.tolist() == [uniform_for(*pairs[r]) for r in slots]
+
+
+def test_all_greedy_batch_is_an_argmax_alone() -> None:
+    logits = _logits(9, seed=15)
+    rows = [_row(temperature=0.0, top_k=5, top_p=0.5, seed=s) for s in range(9)]
+    tensors = SamplingTensors.from_rows(rows, "cpu")
+    assert tensors.groups == () and tensors.any_greedy and tensors.max_num_logprobs == -1
+    out = sample_tensors(logits, tensors)
+    assert out.chosen_logprobs is None
+    assert out.start_copy().wait() == (logits.argmax(dim=-1).tolist(), [None] * 9)
+
+
+def test_arrays_and_bfloat16_logits_give_the_same_draws() -> None:
+    rng = random.Random(16)
+    logits = _logits(64, seed=16).bfloat16()
+    rows = _random_rows(rng, 64, top_ks=[1, 5, 40, 200])
+    expected = sample(logits.float(), rows)
+    assert sample(logits, rows) == expected
+    tensors = SamplingTensors.from_arrays(
+        temperature=np.array([r.temperature for r in rows]),
+        top_k=np.array([r.top_k for r in rows]),
+        top_p=np.array([r.top_p for r in rows]),
+        seed=np.array([_bits64(r.seed) for r in rows], dtype=np.int64),
+        position=np.array([r.position for r in rows]),
+        num_logprobs=np.array([r.num_logprobs for r in rows]),
+        device="cpu",
+    )
+    assert sample_tensors(logits.float(), tensors).start_copy().wait() == expected

@@ -20,7 +20,8 @@ from worker.inputs import BlockTableArray, HostInputs, build_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
 from worker.loader import ModelConfig, load_model_config, load_weights
 from worker.model import LlamaModel
-from worker.sampler import SamplingRow, sample
+from worker.parallel import ParallelContext
+from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors
 
 
 class PlanError(ValueError):
@@ -70,25 +71,34 @@ def resolve_max_model_len(cfg: WorkerConfig, model_cfg: ModelConfig) -> int:
 class ModelRunner:
     """Runs StepPlans on one device: the model, the KV pools and every live sequence's state."""
 
-    def __init__(self, cfg: WorkerConfig, attention_backend: str = "torch") -> None:
+    def __init__(
+        self, cfg: WorkerConfig, attention_backend: str = "torch", parallel: ParallelContext | None = None
+    ) -> None:
         self.device = torch.device(cfg.resolved_device)
         self.dtype: torch.dtype = getattr(torch, cfg.resolved_dtype)
         self.block_size = cfg.block_size
+        self.parallel = parallel or ParallelContext()  # a tensor-parallel rank, or the whole model (size 1)
         self.model_config = load_model_config(cfg.model)
+        self.shard_config = self.parallel.shard_model_config(self.model_config)  # this rank's heads, for KV
         self.max_model_len = resolve_max_model_len(cfg, self.model_config)
         backend = get_attention_backend(attention_backend)
-        self.model = LlamaModel(self.model_config, self.max_model_len, backend, self.dtype, self.device)
-        load_weights(self.model, self.model_config, cfg.model)
+        self.model = LlamaModel(
+            self.model_config, self.max_model_len, backend, self.dtype, self.device, self.parallel
+        )
+        load_weights(self.model, self.model_config, cfg.model, self.parallel)
         self.model.eval()
         budget = 0
         if self.device.type == "cuda" and cfg.num_kv_blocks <= 0:
             budget = cuda_kv_budget(self.device, cfg.gpu_memory_utilization, self._profile_peak_memory(cfg))
         num_blocks = determine_num_kv_blocks(
-            cfg, self.model_config, self.max_model_len, self.device, self.dtype, budget
+            cfg, self.shard_config, self.max_model_len, self.device, self.dtype, budget
         )
-        num_cpu_blocks = determine_num_cpu_blocks(cfg, self.model_config, self.dtype)
+        num_cpu_blocks = determine_num_cpu_blocks(cfg, self.shard_config, self.dtype)
+        # Every rank runs the same plans on the same block ids: the group's pools take the smallest size.
+        num_blocks = self.parallel.min_across_ranks(num_blocks)
+        num_cpu_blocks = self.parallel.min_across_ranks(num_cpu_blocks)
         self.kv = KVPools(
-            self.model_config, num_blocks, num_cpu_blocks, self.block_size, self.dtype, self.device
+            self.shard_config, num_blocks, num_cpu_blocks, self.block_size, self.dtype, self.device
         )
         self.seqs: dict[int, SeqState] = {}
         self.tables = BlockTableArray(-(-self.max_model_len // self.block_size))
@@ -115,7 +125,7 @@ class ModelRunner:
         lens[: num_tokens % num_seqs] += 1
         blocks_per_seq = -(-int(lens.max()) // self.block_size)
         pool = KVPools(
-            self.model_config, num_seqs * blocks_per_seq, 0, self.block_size, self.dtype, self.device
+            self.shard_config, num_seqs * blocks_per_seq, 0, self.block_size, self.dtype, self.device
         )
         tables = BlockTableArray(blocks_per_seq, initial_rows=num_seqs)
         for b in range(num_seqs):
@@ -133,7 +143,7 @@ class ModelRunner:
         token_ids, positions, meta = self._to_device(inputs)
         hidden = self.model(token_ids, positions, meta, pool.layers)
         logits = self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
-        rows = [SamplingRow(1.0, 0, 1.0, b, 0, -1) for b in range(num_seqs)]
+        rows = [SamplingRow(1.0, 0, 0.9, b, 0, 5) for b in range(num_seqs)]  # top-p sorts: the costliest path
         sample(logits, rows)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -397,9 +407,12 @@ class ModelRunner:
             SamplingRow(s.temperature, s.top_k, s.top_p, s.seed, len(s.token_ids), s.num_logprobs)
             for s in samplers
         ]
-        new_tokens, logprobs = sample(logits, rows)
+        # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
+        copy = sample_tensors(logits, SamplingTensors.from_rows(rows, self.device)).start_copy()
         if timing:
             ended.record()
+        new_tokens, logprobs = copy.wait()
+        if timing:
             ended.synchronize()
             self.last_step_gpu_s = started.elapsed_time(ended) / 1e3
         for seq, token in zip(samplers, new_tokens, strict=True):

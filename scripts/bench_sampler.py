@@ -1,0 +1,89 @@
+"""Median time of one sampler call on a whole batch, per kind of batch, on the best device present.
+
+    python scripts/bench_sampler.py [--batch 256] [--vocab 128256] [--iters 20] [--out sampler.json]
+
+`sample()` is the compatibility entry (rows built into tensors, drawn, copied back, unpacked); `prepared`
+times `sample_tensors(...).start_copy().wait()` with the SamplingTensors built beforehand, as the model
+runner can do before its forward pass. Both include the wait for the device and the one copy of the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors  # noqa: E402
+
+CASES: dict[str, Callable[[random.Random], SamplingRow]] = {
+    "greedy": lambda rng: SamplingRow(0.0, 0, 1.0, rng.randrange(2**63), rng.randrange(4096), -1),
+    "temperature": lambda rng: SamplingRow(0.8, 0, 1.0, rng.randrange(2**63), rng.randrange(4096), -1),
+    "top_k=50": lambda rng: SamplingRow(0.8, 50, 1.0, rng.randrange(2**63), rng.randrange(4096), -1),
+    "top_p=0.9": lambda rng: SamplingRow(0.8, 0, 0.9, rng.randrange(2**63), rng.randrange(4096), -1),
+    "mixed+logprobs": lambda rng: SamplingRow(
+        rng.choice([0.0, 0.8]),
+        rng.choice([0, 20, 50]),
+        rng.choice([1.0, 1.0, 0.95]),
+        rng.randrange(2**63),
+        rng.randrange(4096),
+        rng.choice([-1, -1, 5]),
+    ),
+}
+
+
+def median_seconds(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the results as JSON")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    logits = (torch.randn(args.batch, args.vocab, device=device) * 3).to(dtype)
+
+    results = []
+    print(f"batch {args.batch} x vocab {args.vocab}, {dtype}, on {device}")
+    print(f"{'case':<16} {'sample() ms':>12} {'prepared ms':>12}")
+    for name, make_row in CASES.items():
+        rng = random.Random(0)
+        rows = [make_row(rng) for _ in range(args.batch)]
+        tensors = SamplingTensors.from_rows(rows, device)
+        plain = median_seconds(lambda rows=rows: sample(logits, rows), args.iters, device)
+        prepared = median_seconds(
+            lambda tensors=tensors: sample_tensors(logits, tensors).start_copy().wait(), args.iters, device
+        )
+        print(f"{name:<16} {plain * 1e3:>12.3f} {prepared * 1e3:>12.3f}")
+        results.append({"case": name, "sample_ms": plain * 1e3, "prepared_ms": prepared * 1e3})
+
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report = {"batch": args.batch, "vocab": args.vocab, "dtype": str(dtype), "device": str(device)}
+        args.out.write_text(json.dumps({**report, "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
