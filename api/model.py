@@ -51,6 +51,17 @@ class ModelState:
                 self._model = await self._load()
             return self._model
 
+    async def serving(self) -> ServedModel:
+        """The served model, once the scheduler confirms that a worker serves it now: the model stays known
+        after its worker died, so this asks. Raises ApiError 503 otherwise."""
+        try:
+            info = await self._client.info(timeout=INFO_TIMEOUT_S)
+        except TimeoutError:
+            raise unavailable("the scheduler does not answer") from None
+        if not info.ready:
+            raise unavailable("no worker is ready; try again shortly")
+        return await self.get()
+
     async def _load(self) -> ServedModel:
         try:
             info = await self._client.info(timeout=INFO_TIMEOUT_S)

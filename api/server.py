@@ -91,7 +91,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    model = await state.models.get()
+    model = await state.models.serving()
     entry = {
         "id": model.name,
         "object": "model",

@@ -7,7 +7,7 @@ here and never depends on reflection or pickle.
 Processes and directions:
     client (api or a ZeroMQ user) -> scheduler: SubmitRequest, AbortRequest, InfoRequest
     scheduler -> client:                          RequestOutputs, RequestError, InfoReply
-    worker -> scheduler:                          WorkerReady, StepOutput
+    worker -> scheduler:                          WorkerReady, StepOutput, Heartbeat
     scheduler -> worker:                          StepPlan, Shutdown
 """
 
@@ -29,6 +29,7 @@ class MsgType(IntEnum):
     INFO_REPLY = 12
     WORKER_READY = 20
     STEP_OUTPUT = 21
+    HEARTBEAT = 22
     STEP_PLAN = 30
     SHUTDOWN = 31
 
@@ -289,6 +290,7 @@ class WorkerReady:
     model_root: str  # the checkpoint directory
     model_name: str  # served model name
     num_cpu_blocks: int = 0  # blocks in the worker's CPU swap pool (0: no swapping)
+    worker_id: str = ""  # random per worker process; its heartbeats carry it ("": sends none)
 
     def to_wire(self) -> list[Any]:
         return [
@@ -300,11 +302,28 @@ class WorkerReady:
             self.model_root,
             self.model_name,
             self.num_cpu_blocks,
+            self.worker_id,
         ]
 
     @classmethod
     def from_wire(cls, f: list[Any]) -> WorkerReady:
         return cls(*f)
+
+
+@dataclass
+class Heartbeat:
+    """The worker is alive, even in the middle of a long step. Sent from its own socket, so the scheduler's
+    ROUTER sees another identity than the worker's: `worker_id` is what ties the beat to the worker."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    worker_id: str  # the WorkerReady.worker_id of the process that beats
+
+    def to_wire(self) -> list[Any]:
+        return [self.worker_id]
+
+    @classmethod
+    def from_wire(cls, f: list[Any]) -> Heartbeat:
+        return cls(f[0])
 
 
 @dataclass
@@ -478,6 +497,7 @@ Message = (
     | RequestError
     | InfoReply
     | WorkerReady
+    | Heartbeat
     | StepPlan
     | StepOutput
     | Shutdown
@@ -493,6 +513,7 @@ MESSAGE_CLASSES: dict[MsgType, type] = {
         RequestError,
         InfoReply,
         WorkerReady,
+        Heartbeat,
         StepPlan,
         StepOutput,
         Shutdown,

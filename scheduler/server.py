@@ -6,13 +6,20 @@ send the plan, wait for the worker's sampled tokens, update, stream the new toke
 Client messages are handled while a step is in flight; the core tolerates that (a sequence aborted
 mid-step just ignores its late token, and its blocks are reused only by a later plan, which the worker
 runs after the current one).
+
+A watchdog declares the worker dead when nothing (heartbeat, step output) came from it for
+`heartbeat_timeout_s`, or when a step went unanswered for `step_timeout_s`: its requests fail with
+UNAVAILABLE, the core goes with all its requests and KV bookkeeping, and new requests are refused until a
+worker announces itself again. A worker that re-announces itself is treated the same way, then accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import structlog
 import zmq
@@ -23,12 +30,14 @@ from common.messages import (
     AbortRequest,
     CodecError,
     ErrorKind,
+    Heartbeat,
     InfoReply,
     InfoRequest,
     Message,
     RequestError,
     RequestOutputs,
     SeqOutput,
+    Shutdown,
     StepOutput,
     SubmitRequest,
     WorkerReady,
@@ -40,12 +49,44 @@ from scheduler.scheduler import Output, Scheduler, SchedulerSettings
 log = structlog.get_logger(process="scheduler")
 
 
+@dataclass
+class WorkerWatch:
+    """When the worker was last heard from and since when a step waits for it: decides when it is dead.
+
+    Plain bookkeeping on the caller's clock, so that the rules are testable without sockets or sleeps.
+    """
+
+    heartbeat_timeout_s: float  # silence (no heartbeat, no step output) that counts as death
+    step_timeout_s: float  # a step unanswered this long counts as a hung worker (group)
+    last_heard: float  # the last heartbeat, step output or announcement
+    step_sent_at: float | None = None  # when the step now running was sent; None between steps
+
+    def heard(self, now: float) -> None:
+        self.last_heard = now
+
+    def step_sent(self, now: float) -> None:
+        self.step_sent_at = now
+
+    def step_answered(self, now: float) -> None:
+        self.step_sent_at = None
+        self.last_heard = now
+
+    def death_reason(self, now: float) -> str | None:
+        """Why the worker counts as dead at `now`, or None while it does not."""
+        silent = now - self.last_heard
+        if silent > self.heartbeat_timeout_s:
+            return f"the worker stopped responding (nothing heard from it for {silent:.1f} s)"
+        if self.step_sent_at is not None and now - self.step_sent_at > self.step_timeout_s:
+            return f"the worker did not finish a step within {self.step_timeout_s:g} s"
+        return None
+
+
 class SchedulerServer:
     """Serves clients and drives the worker until cancelled."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.core: Scheduler | None = None  # exists once a worker has announced itself
+        self.core: Scheduler | None = None  # exists while a worker that announced itself is alive
         self.ready_msg: WorkerReady | None = None
         self._ctx = zmq.asyncio.Context()
         self._clients = self._ctx.socket(zmq.ROUTER)
@@ -55,7 +96,8 @@ class SchedulerServer:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client must not block the loop
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-        self._worker_id: bytes | None = None
+        self._worker_id: bytes | None = None  # the ZeroMQ identity that plans go to
+        self._watch: WorkerWatch | None = None  # exists while a worker is accepted
         self._pending_step: asyncio.Future[StepOutput] | None = None
         self._pending_step_id = -1
         self._wake = asyncio.Event()
@@ -73,6 +115,7 @@ class SchedulerServer:
                 tasks.create_task(self._serve_clients())
                 tasks.create_task(self._serve_workers())
                 tasks.create_task(self._engine_loop())
+                tasks.create_task(self._watchdog())
         finally:
             self._clients.close()
             self._workers.close()
@@ -164,19 +207,37 @@ class SchedulerServer:
             except CodecError as e:
                 log.error("bad_worker_message", error=str(e))
                 continue
-            if isinstance(msg, WorkerReady):
-                self._on_worker_ready(identity, msg)
+            if isinstance(msg, Heartbeat):
+                self._on_heartbeat(msg)
             elif isinstance(msg, StepOutput):
-                if identity == self._worker_id and self._pending_step is not None:
-                    if msg.step_id == self._pending_step_id and not self._pending_step.done():
-                        self._pending_step.set_result(msg)
+                self._on_step_output(identity, msg)
+            elif isinstance(msg, WorkerReady):
+                self._on_worker_ready(identity, msg)
             else:
                 log.warning("unexpected_worker_message", type=type(msg).__name__)
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        # Beats come from the worker's heartbeat socket, another identity: they match on the announced id.
+        ready, watch = self.ready_msg, self._watch
+        if ready is not None and watch is not None and msg.worker_id == ready.worker_id:
+            watch.heard(time.monotonic())
+
+    def _on_step_output(self, identity: bytes, msg: StepOutput) -> None:
+        if identity != self._worker_id or self._watch is None:  # a worker declared dead, or replaced
+            log.warning("stale_step_output_ignored", step_id=msg.step_id)
+            return
+        pending = self._pending_step
+        if pending is not None and msg.step_id == self._pending_step_id and not pending.done():
+            self._watch.step_answered(time.monotonic())
+            pending.set_result(msg)
+        else:
+            self._watch.heard(time.monotonic())
 
     def _on_worker_ready(self, identity: bytes, msg: WorkerReady) -> None:
         if self.core is not None:
             # A worker that announces itself again has lost its state: what ran on it cannot continue.
-            self._fail_all("the worker restarted; the request was lost")
+            log.warning("worker_restarted", num_failed_requests=len(self.core.live_requests()))
+            self._drop_worker("the worker restarted; the request was lost")
         max_model_len = msg.max_model_len
         if self.config.max_model_len:
             max_model_len = min(max_model_len, self.config.max_model_len)
@@ -198,14 +259,43 @@ class SchedulerServer:
         self.core = Scheduler(settings)
         self.ready_msg = msg
         self._worker_id = identity
-        log.info("worker_ready", model=msg.model_root, **dataclasses.asdict(settings))
+        self._watch = WorkerWatch(config.heartbeat_timeout_s, config.step_timeout_s, time.monotonic())
+        log.info(
+            "worker_ready", model=msg.model_root, worker_id=msg.worker_id, **dataclasses.asdict(settings)
+        )
 
-    def _fail_all(self, message: str) -> None:
-        assert self.core is not None
-        for owner, request_id in self.core.live_requests():
-            self._send_client(owner, RequestError(request_id, ErrorKind.UNAVAILABLE, message))
+    def _drop_worker(self, message: str) -> None:
+        """Fails every live request with UNAVAILABLE and forgets the worker, and the core with all its
+        requests and KV bookkeeping; new requests are refused until a worker announces itself."""
+        if self.core is not None:
+            for owner, request_id in self.core.live_requests():
+                self._send_client(owner, RequestError(request_id, ErrorKind.UNAVAILABLE, message))
         if self._pending_step is not None and not self._pending_step.done():
             self._pending_step.cancel()
+        self.core = None
+        self.ready_msg = None
+        self._worker_id = None
+        self._watch = None
+
+    async def _watchdog(self) -> None:
+        period = min(1.0, max(0.01, min(self.config.heartbeat_timeout_s, self.config.step_timeout_s) / 4))
+        while True:
+            await asyncio.sleep(period)
+            if self._watch is None:
+                continue
+            reason = self._watch.death_reason(time.monotonic())
+            if reason is None:
+                continue
+            if self._workers.get(zmq.EVENTS) & zmq.POLLIN:
+                continue  # worker messages wait to be read (this loop was busy): judge once they are
+            self._declare_dead(reason)
+
+    def _declare_dead(self, reason: str) -> None:
+        assert self.core is not None and self._worker_id is not None
+        log.error("worker_dead", reason=reason, num_failed_requests=len(self.core.live_requests()))
+        # Should it come back (a stopped process continued), it must not serve plans of a core that is gone.
+        self._workers.send_multipart([self._worker_id, *encode(Shutdown(f"declared dead: {reason}"))])
+        self._drop_worker(f"{reason}; the request was lost")
 
     # ----------------------------------------------------------------------------------------------------
     # the engine loop
@@ -214,25 +304,31 @@ class SchedulerServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            outputs: list[Output] = []  # of the last step, streamed while the worker runs the next one
-            while self.core is not None and self.core.has_work:
-                core = self.core
-                plan = core.schedule()
-                if not plan.scheduled_seq_ids:
-                    break  # nothing can run until a request arrives or ends; _wake says when
-                assert self._worker_id is not None
-                self._pending_step = asyncio.get_running_loop().create_future()
-                self._pending_step_id = plan.step_id
-                self._workers.send_multipart([self._worker_id, *encode(plan)], copy=False)
-                self._send_outputs(outputs)
-                outputs = []
-                try:
-                    step = await self._pending_step
-                except asyncio.CancelledError:
-                    if self.core is core:
-                        raise
-                    continue  # the worker restarted; its new core starts empty
-                finally:
-                    self._pending_step = None
-                outputs = core.update(step)
+            await self._run_steps()
+
+    async def _run_steps(self) -> None:
+        """Runs steps while there is work that can run, or until the worker goes away (a function of its
+        own, so that no local keeps a dropped core and its requests alive)."""
+        outputs: list[Output] = []  # of the last step, streamed while the worker runs the next one
+        while self.core is not None and self.core.has_work:
+            core = self.core
+            plan = core.schedule()
+            if not plan.scheduled_seq_ids:
+                break  # nothing can run until a request arrives or ends; _wake says when
+            assert self._worker_id is not None and self._watch is not None
+            self._pending_step = asyncio.get_running_loop().create_future()
+            self._pending_step_id = plan.step_id
+            self._workers.send_multipart([self._worker_id, *encode(plan)], copy=False)
+            self._watch.step_sent(time.monotonic())
             self._send_outputs(outputs)
+            outputs = []
+            try:
+                step = await self._pending_step
+            except asyncio.CancelledError:
+                if self.core is core:
+                    raise
+                return  # the worker died or restarted: the core went with it, a new one starts empty
+            finally:
+                self._pending_step = None
+            outputs = core.update(step)
+        self._send_outputs(outputs)

@@ -33,7 +33,18 @@ class Engine:
 
     scheduler_address: str
     log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)  # every process's environment, PAGEDSERVE_* settings
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str) -> subprocess.Popen:
+        """Starts `python -m NAME` (again, after it exited: tests restart a worker), logging to NAME.log."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        mode = "ab" if name in self.procs else "wb"  # a restart keeps the log of the process it replaces
+        with open(self.log_dir / f"{name}.log", mode) as log:  # the child holds its own copy of the fd
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", name], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        return self.procs[name]
 
     def logs(self, name: str, tail: int = 3000) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")[-tail:]
@@ -72,11 +83,7 @@ def start_engine(
         PYTHONUNBUFFERED="1",
     )
     env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in settings.items()})
-    engine = Engine(env["PAGEDSERVE_SCHEDULER_ADDRESS"], log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    engine = Engine(env["PAGEDSERVE_SCHEDULER_ADDRESS"], log_dir, env)
     for name in processes:
-        log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 (the process owns it)
-        engine.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
+        engine.start(name)
     return engine

@@ -1,14 +1,16 @@
-"""Writes a Llama checkpoint with random weights and a locally trained tokenizer.
+"""Writes a Llama, Qwen2 or Qwen3 checkpoint with random weights and a locally trained tokenizer.
 
 Nothing can be downloaded where this project is developed and tested, so every model it serves is made here:
 a byte-level BPE tokenizer trained on the Python standard library's top-level modules (text every machine
 with Python has), wrapped as a transformers fast tokenizer with a Llama-3-style chat template, and a
-`LlamaForCausalLM` of a preset shape with seeded random weights, saved with `save_pretrained`.
+`LlamaForCausalLM` (or `Qwen2ForCausalLM`, `Qwen3ForCausalLM`) of a preset shape with seeded random weights,
+saved with `save_pretrained`.
 
     python scripts/make_model.py --out models/tiny-llama [--preset tiny] [--seed 0] [--force]
 
-The larger presets keep the real Llama vocabulary size (128256) for realistic memory and speed, but their
-tokenizer is still the small trained one: ids past the tokenizer's vocabulary decode to nothing.
+The larger presets keep the real vocabulary size (128256 for Llama, 151936 for Qwen) for realistic memory and
+speed, but their tokenizer is still the small trained one, Qwen's included: ids past the tokenizer's
+vocabulary decode to nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class Preset:
     rope_scaling: dict[str, float | int] | None  # llama3 scaling parameters; None: plain RoPE
     dtype: str  # saved weights
     initializer_range: float
+    model_type: str = "llama"  # or "qwen2", "qwen3"
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
 
 
 def _llama3_scaling(factor: float, original_max_position_embeddings: int) -> dict[str, float | int]:
@@ -64,6 +70,15 @@ PRESETS: dict[str, Preset] = {
         2048, 16, 32, 8, 64, 8192, 128256, 131072, _llama3_scaling(32.0, 8192), "bfloat16", 0.02
     ),
     "llama-3-8b": Preset(4096, 32, 32, 8, 128, 14336, 128256, 8192, None, "bfloat16", 0.02),
+    "qwen2-tiny": Preset(128, 4, 4, 2, 32, 344, 0, 2048, None, "float32", 0.08, "qwen2", 1e6, 1e-6),
+    # head_dim 64 with 4 heads: q_size (256) differs from hidden_size, as in the real Qwen3 shapes.
+    "qwen3-tiny": Preset(128, 4, 4, 2, 64, 344, 0, 2048, None, "float32", 0.08, "qwen3", 1e6, 1e-6, True),
+    "qwen2.5-0.5b": Preset(
+        896, 24, 14, 2, 64, 4864, 151936, 32768, None, "bfloat16", 0.02, "qwen2", 1e6, 1e-6, True
+    ),
+    "qwen3-0.6b": Preset(
+        1024, 28, 16, 8, 128, 3072, 151936, 40960, None, "bfloat16", 0.02, "qwen3", 1e6, 1e-6, True
+    ),
 }
 
 
@@ -105,7 +120,15 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):  # -> PreTrainedTok
 def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, force: bool = False) -> Path:
     """Writes the checkpoint to `out_dir` and returns its path; does nothing if it already holds one."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     out = Path(out_dir)
     if (out / "config.json").exists() and not force:
@@ -119,40 +142,52 @@ def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, force: 
     eos_ids = [tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids("<|eot_id|>")]
 
     dtype = getattr(torch, p.dtype)
-    rope: dict[str, float | int | str] = {"rope_type": "default", "rope_theta": 500000.0}
+    rope: dict[str, float | int | str] = {"rope_type": "default", "rope_theta": p.rope_theta}
     if p.rope_scaling is not None:
         rope.update(p.rope_scaling, rope_type="llama3")
-    config = LlamaConfig(
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[p.model_type]
+    # Qwen2's config has no head_dim (it is always hidden_size / num_heads there).
+    head_dim = {} if p.model_type == "qwen2" else {"head_dim": p.head_dim}
+    config = config_class(
         vocab_size=p.vocab_size or len(tokenizer),
         hidden_size=p.hidden_size,
         intermediate_size=p.intermediate_size,
         num_hidden_layers=p.num_layers,
         num_attention_heads=p.num_heads,
         num_key_value_heads=p.num_kv_heads,
-        head_dim=p.head_dim,
+        **head_dim,
         max_position_embeddings=p.max_position_embeddings,
-        rms_norm_eps=1e-5,
+        rms_norm_eps=p.rms_norm_eps,
         rope_parameters=rope,
-        tie_word_embeddings=False,
+        tie_word_embeddings=p.tie_word_embeddings,
         initializer_range=p.initializer_range,
         bos_token_id=bos_id,
         eos_token_id=eos_ids[0],
     )
     torch.manual_seed(seed)
     # Built directly in the saved dtype so the large presets never hold a float32 copy.
-    model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    model = model_class._from_config(config, dtype=dtype)
     with torch.no_grad():
-        # Random norm gains keep activations from being identical across positions of a random model.
+        # Random norm gains keep activations from being identical across positions of a random model; random
+        # biases (Qwen2's q/k/v) make a bias that is lost or misplaced change the output.
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, do_sample=False)
     model.save_pretrained(out)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write a random-weight Llama checkpoint and its tokenizer.")
+    parser = argparse.ArgumentParser(
+        description="Write a random-weight Llama or Qwen checkpoint and its tokenizer."
+    )
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)

@@ -7,10 +7,11 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from common.config import WorkerConfig
 from common.messages import SamplingParams
+from scripts.make_model import make_model
 from tests.test_engine_correctness import _run_engine
 from worker.model_runner import ModelRunner
 
@@ -29,7 +30,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _transformers_greedy(model_dir, prompts, dtype):
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
     expected = []
     for prompt in prompts:
         with torch.no_grad():
@@ -57,6 +58,27 @@ def test_triton_engine_float32_matches_transformers_exactly(tiny_model_dir, pree
     )  # fmt: skip
     assert scheduler.metrics.preemptions_total > 0 and scheduler.metrics.prefix_cache_hits_total > 0
     expected = _transformers_greedy(tiny_model_dir, prompts, torch.float32)
+    for i, tokens in enumerate(expected):
+        assert ours[(i, 0)] == tokens, f"prompt {i}"
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny"])
+def test_triton_engine_float32_matches_transformers_on_qwen(tmp_path_factory, preset):
+    """Qwen2's q/k/v biases and Qwen3's q/k norms, head_dim 64 and tied lm_head, through the Triton kernels
+    and CUDA graphs."""
+    model_dir = make_model(tmp_path_factory.mktemp("models") / preset, preset=preset, seed=0)
+    config = WorkerConfig(
+        model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=24, swap_space=0.05
+    )
+    runner = ModelRunner(config, attention_backend="triton")
+    prompts = _prompts(runner.vocab_size)
+    ours, scheduler = _run_engine(
+        runner, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        max_num_seqs=8, max_num_batched_tokens=128, num_cpu_blocks=runner.num_cpu_blocks,
+        preemption_mode="recompute",
+    )  # fmt: skip
+    assert scheduler.metrics.preemptions_total > 0 and scheduler.metrics.prefix_cache_hits_total > 0
+    expected = _transformers_greedy(model_dir, prompts, torch.float32)
     for i, tokens in enumerate(expected):
         assert ours[(i, 0)] == tokens, f"prompt {i}"
 

@@ -1,4 +1,5 @@
-"""Checkpoint reading: config layouts, EOS ids, and weights of sharded / tied / biased checkpoints."""
+"""Checkpoint reading: config layouts and model types, EOS ids, and the weights of sharded / tied / biased
+checkpoints."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from common.config import WorkerConfig
 from common.messages import NewSequence, StepPlan
+from tests.test_model_runner import Driver, _assert_logits_match_hf, make_runner
 from worker.loader import RopeScaling, load_model_config
 from worker.model import rope_inv_freq
 from worker.model_runner import ModelRunner
@@ -120,3 +122,105 @@ def test_sharded_tied_biased_checkpoint_matches_transformers(tmp_path: Path) -> 
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0, -1]
     assert (rows[0][0] - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "model_type,extra,flags",
+    [
+        ("llama", {"attention_bias": True}, (True, True, False)),
+        ("mistral", {}, (False, False, False)),
+        ("qwen2", {}, (True, False, False)),  # Qwen2's config has no attention_bias: q/k/v biased, o_proj not
+        ("qwen3", {"attention_bias": False}, (False, False, True)),
+        ("qwen3", {"attention_bias": True}, (True, True, True)),
+    ],
+)
+def test_architecture_flags_per_model_type(
+    tmp_path: Path, model_type: str, extra: dict, flags: tuple[bool, bool, bool]
+) -> None:
+    cfg = load_model_config(_write_config(tmp_path, {**BASE, "model_type": model_type, **extra}))
+    assert cfg.model_type == model_type
+    assert (cfg.qkv_bias, cfg.o_proj_bias, cfg.qk_norm) == flags
+
+
+def test_qwen3_head_dim_comes_from_config(tmp_path: Path) -> None:
+    raw = {
+        **BASE,
+        "model_type": "qwen3",
+        "head_dim": 128,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    }
+    cfg = load_model_config(_write_config(tmp_path, raw))
+    assert cfg.head_dim == 128 and (cfg.q_size, cfg.kv_size) == (1024, 256)  # q_size != hidden_size (256)
+    assert cfg.tie_word_embeddings
+
+
+def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unsupported model_type 'gemma2'.*qwen3"):
+        load_model_config(_write_config(tmp_path, {**BASE, "model_type": "gemma2"}))
+
+
+@pytest.mark.parametrize(
+    "extra,max_position_embeddings",
+    [
+        ({"model_type": "mistral", "sliding_window": 1024}, 1024),  # Mistral v0.1: every layer slides
+        ({"model_type": "mistral", "sliding_window": None}, 4096),
+        ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 1024}, 4096),
+        (
+            {
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 1024,
+                "max_window_layers": 1,
+            },
+            1024,
+        ),
+        # Layers from max_window_layers on slide: with 2 layers and max_window_layers 2, none does.
+        (
+            {
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 1024,
+                "max_window_layers": 2,
+            },
+            4096,
+        ),
+        (
+            {
+                "model_type": "qwen3",
+                "use_sliding_window": True,
+                "sliding_window": 1024,
+                "layer_types": ["full_attention", "sliding_attention"],
+            },
+            1024,
+        ),
+    ],
+)
+def test_sliding_window_caps_max_position_embeddings(
+    tmp_path: Path, extra: dict, max_position_embeddings: int
+) -> None:
+    cfg = load_model_config(_write_config(tmp_path, {**BASE, **extra}))
+    assert cfg.max_position_embeddings == max_position_embeddings
+
+
+def test_mistral_with_sliding_window_matches_transformers_up_to_the_window(tmp_path: Path) -> None:
+    """The worker has no sliding-window attention; capped to the window, full attention is the same."""
+    window = 24
+    config = MistralConfig(
+        **{**BASE, "vocab_size": 500, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 160},
+        num_key_value_heads=2,
+        sliding_window=window,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    hf = MistralForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    runner = make_runner(tmp_path, num_kv_blocks=4)
+    assert runner.max_model_len == window
+    driver = Driver(runner)
+    driver.add(0, [random.Random(1).randrange(500) for _ in range(window - 6)])
+    driver.step({0: window - 6})
+    for _ in range(5):
+        driver.step({0: 1})
+    assert len(driver.tokens[0]) == window
+    _assert_logits_match_hf(driver, hf, dict(driver.tokens))

@@ -10,6 +10,7 @@ from common.messages import (
     AbortRequest,
     CodecError,
     Fork,
+    Heartbeat,
     InfoReply,
     InfoRequest,
     NewSequence,
@@ -47,7 +48,8 @@ EXAMPLES = [
     ),
     RequestError("req-9", "invalid_request_error", "prompt too long: 9000 > 2048"),
     InfoReply(41, True, "/models/x", "x", 2048, 4096, 16, 512, "# TYPE a gauge\na 1\n"),
-    WorkerReady(512, 16, 2048, 4096, [2, 5], "/models/x", "x", num_cpu_blocks=64),
+    WorkerReady(512, 16, 2048, 4096, [2, 5], "/models/x", "x", num_cpu_blocks=64, worker_id="9f2c"),
+    Heartbeat("9f2c"),
     StepPlan(
         step_id=7,
         freed_seq_ids=[1, 4],

@@ -1,14 +1,26 @@
-"""`python -m worker [flags]`: a worker process; flags and PAGEDSERVE_* variables mirror WorkerConfig."""
+"""`python -m worker [flags]`: a worker process; flags and PAGEDSERVE_* variables mirror WorkerConfig.
+
+Tensor parallelism runs one such process per rank, all with the same `--tensor-parallel-size` and
+`--dist-init-method`, each with its own `--rank` (or PAGEDSERVE_RANK). Under honcho with several workers
+(`honcho start -c worker=2`), a worker given no rank takes it from its process name: worker.1 is rank 0,
+worker.2 rank 1.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from common.config import WorkerConfig, parse_config
+from worker.parallel import honcho_rank
 from worker.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rank = honcho_rank()
+    if rank is not None and "PAGEDSERVE_RANK" not in os.environ:
+        argv = ["--rank", str(rank), *argv]  # a --rank of the command line, later in argv, still wins
     cfg = parse_config(WorkerConfig, argv, description="pagedserve worker: runs the model on StepPlans")
     return serve(cfg)
 

@@ -1,23 +1,34 @@
-"""Reads a local Hugging Face Llama checkpoint: its config, and its weights into the worker's own modules.
+"""Reads a local Hugging Face checkpoint of a Llama-like model (Llama, Mistral, Qwen2, Qwen3): its config,
+and its weights into the worker's own modules.
 
 config.json is read as plain JSON rather than through transformers, so the worker does not depend on how a
 given transformers version normalises it; both the old (`rope_theta` + `rope_scaling`) and the new
 (`rope_parameters`) layouts are understood.
+
+The four families share one forward and differ only in flags: Qwen2 always has a bias on q/k/v and none on
+o_proj (its config has no `attention_bias`); Qwen3 normalises each q and k head before RoPE (`q_norm`,
+`k_norm`). The worker has no sliding-window attention; within the window a sliding layer attends exactly as a
+full one does, so a checkpoint whose layers slide (Mistral v0.1's `sliding_window`, Qwen's
+`use_sliding_window`) is served with max_position_embeddings capped to the window.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
+if TYPE_CHECKING:
+    from worker.parallel import ParallelContext
+
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -33,8 +44,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape and constants of a Llama model, as the worker needs them."""
+    """The shape and constants of a Llama-like model, as the worker needs them."""
 
+    model_type: str  # one of SUPPORTED_MODEL_TYPES
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -45,9 +57,11 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None  # None: plain RoPE
-    max_position_embeddings: int
+    max_position_embeddings: int  # capped to the sliding window, if any layer has one
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
 
@@ -92,6 +106,26 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+    """The attention window of the checkpoint's sliding layers, or None when every layer sees all tokens."""
+    if model_type == "mistral":
+        window = raw.get("sliding_window")  # null from Mistral v0.2 on; 4096 in v0.1, for every layer
+        return int(window) if window else None
+    if (
+        model_type not in ("qwen2", "qwen3")
+        or not raw.get("use_sliding_window")
+        or not raw.get("sliding_window")
+    ):
+        return None
+    # Qwen slides only in layers from max_window_layers on; transformers 5 also writes them as layer_types.
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        slides = "sliding_attention" in layer_types
+    else:
+        slides = int(raw.get("max_window_layers", 0)) < int(raw["num_hidden_layers"])
+    return int(raw["sliding_window"]) if slides else None
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """The ModelConfig of the checkpoint in `model_dir` (config.json, and generation_config.json for EOS)."""
     model_dir = Path(model_dir)
@@ -99,8 +133,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face checkpoint directory")
     raw = _read_json(config_path)
-    if raw.get("model_type", "llama") != "llama":
-        raise ValueError(f"only Llama checkpoints are supported, got model_type {raw.get('model_type')!r}")
+    model_type = raw.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in {config_path}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     theta, scaling = _rope_settings(raw)
     eos = ()
     gen_path = model_dir / "generation_config.json"
@@ -109,7 +147,16 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not eos:
         eos = _as_id_list(raw.get("eos_token_id"))
     num_heads = int(raw["num_attention_heads"])
+    if model_type == "qwen2":  # its config has no attention_bias: q/k/v always have a bias, o_proj never
+        qkv_bias, o_proj_bias = True, False
+    else:
+        qkv_bias = o_proj_bias = bool(raw.get("attention_bias", False))
+    max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
+    window = _sliding_window(raw, model_type)
+    if window is not None:
+        max_position_embeddings = min(max_position_embeddings, window)
     return ModelConfig(
+        model_type=model_type,
         hidden_size=int(raw["hidden_size"]),
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=num_heads,
@@ -120,9 +167,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", False)),
+        qkv_bias=qkv_bias,
+        o_proj_bias=o_proj_bias,
+        qk_norm=model_type == "qwen3",
         mlp_bias=bool(raw.get("mlp_bias", False)),
         eos_token_ids=eos,
     )
@@ -140,13 +189,20 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def iter_checkpoint_tensors(
-    model_dir: str | Path, device: torch.device
+    model_dir: str | Path,
+    device: torch.device,
+    select: Callable[[str], tuple[slice, ...] | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the checkpoint, read one at a time straight onto `device`."""
+    """Every (name, tensor) of the checkpoint, read one at a time straight onto `device`; where `select`
+    gives slices for a name, only that part of the tensor is read (a tensor-parallel rank's shard)."""
     for path in _checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                slices = select(name) if select is not None else None
+                if slices is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, f.get_slice(name)[slices].to(device)
 
 
 # Checkpoint projections that the worker stores fused: (fused parameter, index of the shard within it).
@@ -177,13 +233,52 @@ def _shard_rows(config: ModelConfig, fused_name: str, shard: int) -> tuple[int, 
     return start, start + sizes[shard]
 
 
-def load_weights(model: torch.nn.Module, config: ModelConfig, model_dir: str | Path) -> None:
+def _rank_slices(name: str, local: ModelConfig, vocab_rows: int, rank: int) -> tuple[slice, ...] | None:
+    """The part of checkpoint tensor `name` that tensor-parallel rank `rank` holds (None: all of it), given
+    the rank's layer shapes `local` and its rows of the vocabulary. q/k/v and gate/up (weights and biases)
+    are split by output rows, o_proj and down_proj weights by input columns, the embedding and the LM head
+    by vocabulary rows; norms and the row-parallel biases are whole on every rank."""
+    parts = name.split(".")
+    proj = parts[-2] if len(parts) >= 2 else ""
+    rows = {
+        "q_proj": local.q_size,
+        "k_proj": local.kv_size,
+        "v_proj": local.kv_size,
+        "gate_proj": local.intermediate_size,
+        "up_proj": local.intermediate_size,
+        "embed_tokens": vocab_rows,
+        "lm_head": vocab_rows,
+    }.get(proj)
+    if rows is not None:  # the last vocabulary slice may run past the end: the slice stops there
+        return (slice(rank * rows, (rank + 1) * rows),)
+    cols = {"o_proj": local.q_size, "down_proj": local.intermediate_size}.get(proj)
+    if cols is not None and parts[-1] == "weight":
+        return (slice(None), slice(rank * cols, (rank + 1) * cols))
+    return None
+
+
+def load_weights(
+    model: torch.nn.Module,
+    config: ModelConfig,
+    model_dir: str | Path,
+    parallel: ParallelContext | None = None,
+) -> None:
     """Copies the checkpoint's tensors into `model` (whose parameters are already on the target device and
-    dtype), fusing q/k/v and gate/up, and tying lm_head to the embedding where the checkpoint says so."""
+    dtype), fusing q/k/v and gate/up, and tying lm_head to the embedding where the checkpoint says so. With
+    a tensor-parallel `parallel` of more than one rank, reads only this rank's shard of each tensor."""
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
     loaded: set[str] = set()
-    for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, device):
+    select = None
+    if parallel is not None and parallel.world_size > 1:
+        local = parallel.shard_model_config(config)
+        vocab_rows = parallel.vocab_shard(config.vocab_size)[1]
+        config = local  # the fused rows below are this rank's
+
+        def select(name: str) -> tuple[slice, ...] | None:
+            return _rank_slices(name.removeprefix("model."), local, vocab_rows, parallel.rank)
+
+    for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, device, select):
         name = ckpt_name.removeprefix("model.")
         if "rotary_emb" in name:  # older checkpoints store inv_freq; the worker computes its own
             continue
@@ -198,6 +293,10 @@ def load_weights(model: torch.nn.Module, config: ModelConfig, model_dir: str | P
         elif name in params:
             target = params[name]
             loaded.add(name)
+            if select is not None and name in ("embed_tokens.weight", "lm_head.weight"):
+                with torch.no_grad():  # the last rank's vocabulary slice is padded with zero rows
+                    target[tensor.shape[0] :].zero_()
+                target = target[: tensor.shape[0]]
         else:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in the model")
         if target.shape != tensor.shape:

@@ -1,4 +1,5 @@
-"""The Llama forward pass over a flattened batch, on the worker's paged KV cache.
+"""The Llama forward pass over a flattened batch, on the worker's paged KV cache. Mistral, Qwen2 and Qwen3
+run the same layers; they differ only in the flags of ModelConfig (q/k/v and o_proj biases, q/k norms).
 
 The batch is every scheduled token of every sequence, concatenated (`[T]`); attention finds each sequence's
 context through `AttentionMetadata`. The numerics follow transformers' LlamaForCausalLM (RMSNorm in float32,
@@ -15,6 +16,12 @@ from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.loader import ModelConfig, RopeScaling
+from worker.parallel import (
+    ParallelContext,
+    row_parallel_linear,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_size, Hkv, D]
 
@@ -86,22 +93,34 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with fused q/k/v projection and grouped KV heads."""
+    """Self-attention with fused q/k/v projection and grouped KV heads. `config` is this rank's shape: with
+    tensor parallelism, its heads only; o_proj's partial outputs are summed over the ranks."""
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext,
     ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
+        self.parallel = parallel
         kw = {"dtype": dtype, "device": device}
         qkv_rows = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Module()
         self.qkv_proj.weight = _param(qkv_rows, config.hidden_size, **kw)
-        self.qkv_proj.bias = _param(qkv_rows, **kw) if config.attention_bias else None
+        self.qkv_proj.bias = _param(qkv_rows, **kw) if config.qkv_bias else None
         self.o_proj = nn.Module()
         self.o_proj.weight = _param(config.hidden_size, config.q_size, **kw)
-        self.o_proj.bias = _param(config.hidden_size, **kw) if config.attention_bias else None
+        self.o_proj.bias = _param(config.hidden_size, **kw) if config.o_proj_bias else None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:  # Qwen3: one norm over head_dim, shared by every head of q (and of k)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
         self.scale = config.head_dim**-0.5
 
     def forward(
@@ -118,16 +137,23 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
-        return F.linear(out.reshape(-1, c.q_size), self.o_proj.weight, self.o_proj.bias)
+        out = out.reshape(-1, c.q_size)
+        return row_parallel_linear(out, self.o_proj.weight, self.o_proj.bias, self.parallel)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with fused gate/up projection."""
+    """SwiGLU feed-forward with fused gate/up projection (with tensor parallelism, this rank's rows of it;
+    down_proj's partial outputs are summed over the ranks)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, parallel: ParallelContext
+    ) -> None:
         super().__init__()
+        self.parallel = parallel
         kw = {"dtype": dtype, "device": device}
         inter = config.intermediate_size
         self.gate_up_proj = nn.Module()
@@ -139,20 +165,26 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        x = F.silu(gate) * up
+        return row_parallel_linear(x, self.down_proj.weight, self.down_proj.bias, self.parallel)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks, each with a residual connection."""
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, backend, dtype, device)
+        self.self_attn = LlamaAttention(config, backend, dtype, device, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device, parallel)
 
     def forward(
         self,
@@ -168,7 +200,10 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """A Llama causal LM. Parameter names follow the checkpoint's, minus the `model.` prefix, with q/k/v and
-    gate/up fused; `worker.loader.load_weights` fills them."""
+    gate/up fused; `worker.loader.load_weights` fills them.
+
+    With a tensor-parallel `parallel` of N ranks (worker/parallel.py), the layers hold this rank's 1/N of the
+    heads and of the MLP, and the embedding and LM head its slice of the vocabulary (ceil(V/N) rows)."""
 
     def __init__(
         self,
@@ -177,20 +212,25 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel or ParallelContext()
+        layer_config = self.parallel.shard_model_config(config)
+        vocab_rows = self.parallel.vocab_shard(config.vocab_size)[1]
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight = _param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype, device) for _ in range(config.num_layers)
+            LlamaDecoderLayer(layer_config, backend, dtype, device, self.parallel)
+            for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = nn.Module()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         else:
-            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            self.lm_head.weight = _param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(config, max_model_len, dtype, device)
 
     def forward(
@@ -200,10 +240,10 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[KVCache],  # one per layer
     ) -> torch.Tensor:  # [T, H], after the final norm
-        hidden = F.embedding(token_ids, self.embed_tokens.weight)
+        hidden = vocab_parallel_embedding(token_ids, self.embed_tokens.weight, self.parallel)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, meta, self.rotary_emb)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V]
-        return F.linear(hidden, self.lm_head.weight)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V], on every rank
+        return vocab_parallel_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.parallel)

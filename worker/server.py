@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
+import uuid
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -18,7 +19,9 @@ import zmq
 from common.config import WorkerConfig
 from common.log import configure_logging
 from common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode, encode
+from worker.heartbeat import HeartbeatThread
 from worker.model_runner import ModelRunner
+from worker.parallel import ParallelContext, init_parallel
 
 POLL_MS = 100  # how often the receive loop looks at the stop flag
 
@@ -41,8 +44,11 @@ def serve(cfg: WorkerConfig) -> int:
     """Runs the worker until Shutdown or a stop signal; returns the process exit code."""
     log = configure_logging("worker", cfg.log_level)
     started = time.monotonic()
+    cfg, parallel = init_parallel(cfg)  # at tensor_parallel_size 1: nothing, no torch.distributed
+    if parallel.world_size > 1:
+        log = log.bind(rank=parallel.rank, tensor_parallel_size=parallel.world_size)
     log.info("loading_model", model=cfg.model, device=cfg.resolved_device, dtype=cfg.resolved_dtype)
-    runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend)
+    runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend, parallel=parallel)
     log.info(
         "model_loaded",
         model=str(Path(cfg.model).resolve()),
@@ -62,6 +68,11 @@ def serve(cfg: WorkerConfig) -> int:
             pool_tokens=runner.num_kv_blocks * runner.block_size,
             max_model_len=runner.max_model_len,
         )
+    if not parallel.is_driver:
+        try:
+            return _follow(runner, parallel, log)
+        finally:
+            parallel.close()
 
     # Installed after loading: until then the default handlers end the process at once, which is right.
     stop = _StopFlag()
@@ -80,19 +91,26 @@ def serve(cfg: WorkerConfig) -> int:
         model_root=str(Path(cfg.model).resolve()),
         model_name=model_name(cfg),
         num_cpu_blocks=runner.num_cpu_blocks,
+        worker_id=uuid.uuid4().hex,
     )
     sock.send_multipart(encode(ready))
-    log.info("worker_ready", address=cfg.worker_address, model_name=ready.model_name)
+    heartbeat = HeartbeatThread(cfg.worker_address, ready.worker_id, cfg.heartbeat_interval_s).start()
+    log.info(
+        "worker_ready", address=cfg.worker_address, model_name=ready.model_name, worker_id=ready.worker_id
+    )
     try:
-        return _loop(sock, runner, stop, log)
+        return _loop(sock, runner, stop, log, parallel)
     finally:
+        parallel.close()
+        heartbeat.stop()
         sock.close()
         ctx.term()
 
 
-def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any) -> int:
+def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any, parallel: ParallelContext) -> int:
     while stop.signum is None:
         if not sock.poll(POLL_MS):
+            parallel.keep_followers_alive()
             continue
         frames = sock.recv_multipart()
         if len(frames) == 3 and frames[0] == b"":
@@ -103,6 +121,7 @@ def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any) -> i
             log.error("bad_message", error=str(e))
             continue
         if isinstance(msg, StepPlan):
+            parallel.forward_to_followers(frames)  # every rank runs every step; rank 0 alone answers
             try:
                 out = runner.execute(msg)
             except Exception:
@@ -111,9 +130,39 @@ def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any) -> i
                 return 1
             sock.send_multipart(encode(out))
         elif isinstance(msg, Shutdown):
+            parallel.forward_to_followers(frames)
             log.info("shutdown", reason=msg.reason)
             return 0
         else:
             log.error("unexpected_message", type=type(msg).__name__)
     log.info("stopped_by_signal", signal=signal.Signals(stop.signum).name)
+    parallel.stop_followers("rank 0 stopped by a signal")
     return 0
+
+
+def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any) -> int:
+    """A tensor-parallel rank other than 0: runs every StepPlan that rank 0 forwards, in step with it,
+    until Shutdown, or until rank 0 goes away."""
+    # No stop flag here: a follower blocks inside the group's receive, where it could not look at one, and
+    # holds nothing that needs a clean exit. Rank 0 answers the scheduler and tells the others to stop.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    log.info("following_rank_0")
+    while True:
+        try:
+            frames = parallel.receive_message()
+        except RuntimeError as e:  # rank 0 exited, or sent nothing within the group timeout
+            log.error("lost_rank_0", error=str(e))
+            return 1
+        if not frames:
+            continue  # rank 0's keepalive
+        msg = decode(frames)
+        if isinstance(msg, StepPlan):
+            try:
+                runner.execute(msg)
+            except Exception:
+                log.exception("step_failed", step_id=msg.step_id)
+                return 1
+        elif isinstance(msg, Shutdown):
+            log.info("shutdown", reason=msg.reason)
+            return 0

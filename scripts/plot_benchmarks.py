@@ -1,0 +1,171 @@
+"""Charts (PNG) from the JSON that bench_throughput.py, bench_serving.py and bench_sharing.py write.
+
+    python scripts/plot_benchmarks.py tp.json serving.json sharing.json --out-dir charts
+    python scripts/plot_benchmarks.py before.json after.json --labels before,after --out-dir charts
+
+Each input is recognized by its content and labelled by its file name (or --labels, in order). Written,
+for the kinds present:
+  throughput.png  output tokens/s of every run and peer of every throughput file, as bars
+  serving.png     TTFT, TPOT and ITL (p50 solid, p99 dashed) and output tokens/s against the request rate,
+                  one colour per serving file
+  sharing.png     output tokens/s, TTFT p50 and peak KV blocks of every sharing run, as bars
+Needs matplotlib (requirements-dev.txt); the benchmark scripts themselves do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+Report = tuple[str, dict[str, Any]]  # (label, the benchmark's JSON)
+
+
+def kind_of(report: dict[str, Any]) -> str:
+    """`serving`, `sharing` or `throughput` (whose JSON predates the `benchmark` field)."""
+    if report.get("benchmark") in ("serving", "sharing"):
+        return report["benchmark"]
+    if "runs" in report and all("output_tokens_per_s" in r for r in report["runs"]):
+        return "throughput"
+    raise ValueError("not the JSON of a benchmark script")
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _bars(ax: Any, labels: list[str], values: list[float], title: str, fmt: str = "{:,.0f}") -> None:
+    bars = ax.bar(range(len(values)), values, color=[f"C{i % 10}" for i in range(len(values))])
+    ax.set_xticks(range(len(labels)), labels, rotation=30 if len(labels) > 3 else 0, ha="right")
+    ax.set_title(title)
+    ax.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_throughput(reports: list[Report], path: Path) -> Path:
+    """One group of bars per file, one bar (and legend entry) per run or peer name."""
+    plt = _pyplot()
+    names = list(dict.fromkeys(run["name"] for _, r in reports for run in r["runs"] + r.get("peers", [])))
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.0 + len(reports) * (0.6 * len(names) + 0.8)), 5.0))
+    for j, name in enumerate(names):
+        points = [
+            (i, run["output_tokens_per_s"])
+            for i, (_, r) in enumerate(reports)
+            for run in r["runs"] + r.get("peers", [])
+            if run["name"] == name
+        ]
+        xs = [i + (j - (len(names) - 1) / 2) * width for i, _ in points]
+        bars = ax.bar(xs, [v for _, v in points], width, label=name, color=f"C{j % 10}")
+        ax.bar_label(bars, labels=[f"{v:,.0f}" for _, v in points], fontsize=8)
+    ax.set_xticks(
+        range(len(reports)), [label for label, _ in reports], rotation=15 if len(reports) > 2 else 0
+    )
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Offline throughput")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _rate_order(rate: str) -> float:
+    return math.inf if rate == "inf" else float(rate)
+
+
+def plot_serving(reports: list[Report], path: Path) -> Path:
+    """Latencies and throughput against the offered request rate; `inf` (all at once) is the last tick."""
+    plt = _pyplot()
+    rates = sorted({run["rate"] for _, r in reports for run in r["runs"]}, key=_rate_order)
+    position = {rate: i for i, rate in enumerate(rates)}
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    panels = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)")]
+    for ax, (metric, title) in zip(axes.flat, panels, strict=False):
+        for i, (label, report) in enumerate(reports):
+            runs = sorted(report["runs"], key=lambda run: _rate_order(run["rate"]))
+            for q, style in (("p50", "-"), ("p99", "--")):
+                points = [
+                    (position[r["rate"]], r[metric].get(q)) for r in runs if r[metric].get(q) is not None
+                ]
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    ax.plot(xs, ys, style, marker="o", color=f"C{i % 10}", label=f"{label} {q}")
+        ax.set_title(title)
+        if all(line.get_ydata().min() > 0 for line in ax.get_lines()) and ax.get_lines():
+            ax.set_yscale("log")
+    ax = axes.flat[3]
+    for i, (label, report) in enumerate(reports):
+        runs = sorted(report["runs"], key=lambda run: _rate_order(run["rate"]))
+        xs = [position[r["rate"]] for r in runs]
+        ax.plot(xs, [r["output_tokens_per_s"] for r in runs], marker="o", color=f"C{i % 10}", label=label)
+    ax.set_title("output tokens/s")
+    for ax in axes.flat:
+        ax.set_xticks(range(len(rates)), [f"{r}" if r != "inf" else "inf\n(all at once)" for r in rates])
+        ax.set_xlabel("request rate (requests/s)")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    fig.suptitle("Online serving: latency against load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_sharing(reports: list[Report], path: Path) -> Path:
+    plt = _pyplot()
+    runs = [
+        (f"{label}\n{run['name']}" if len(reports) > 1 else run["name"], run)
+        for label, r in reports
+        for run in r["runs"]
+    ]
+    labels = [name for name, _ in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(max(12.0, 3 * len(runs) + 3), 4.5))
+    _bars(axes[0], labels, [r["output_tokens_per_s"] for _, r in runs], "output tokens/s")
+    _bars(axes[1], labels, [r["ttft_ms"]["p50"] or 0.0 for _, r in runs], "TTFT p50 (ms)", "{:,.1f}")
+    _bars(axes[2], labels, [r["peak_kv_blocks_used"] for _, r in runs], "peak KV blocks used")
+    fig.suptitle("KV sharing: prefix caching and parallel sampling")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+PLOTS = {"throughput": plot_throughput, "serving": plot_serving, "sharing": plot_sharing}
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("inputs", nargs="+", help="JSON files written by the benchmark scripts' --json-out")
+    p.add_argument("--labels", default=None, help="comma-separated, one per input; default: file names")
+    p.add_argument("--out-dir", default=".", help="where the PNG files go")
+    args = p.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else [Path(f).stem for f in args.inputs]
+    if len(labels) != len(args.inputs):
+        p.error("give one label per input")
+    by_kind: dict[str, list[Report]] = {}
+    for label, name in zip(labels, args.inputs, strict=True):
+        report = json.loads(Path(name).read_text())
+        try:
+            by_kind.setdefault(kind_of(report), []).append((label, report))
+        except ValueError as e:
+            p.error(f"{name}: {e}")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [PLOTS[kind](reports, out_dir / f"{kind}.png") for kind, reports in by_kind.items()]
+    for path in written:
+        print(path)
+    return written
+
+
+if __name__ == "__main__":
+    main()

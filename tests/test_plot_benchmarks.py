@@ -1,0 +1,58 @@
+"""scripts/plot_benchmarks.py turns the benchmark scripts' JSON into PNG charts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.bench_serving import RequestTiming, summarize
+
+pytest.importorskip("matplotlib")
+
+from scripts.plot_benchmarks import kind_of, main  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _serving_report(scale: float) -> dict:
+    rows = []
+    for rate in (2.0, 8.0, float("inf")):
+        timings = [
+            RequestTiming(
+                10, 4, ttft_s=scale * k * 0.01, latency_s=scale * k * 0.05, itls_s=[0.01] * 3, output_tokens=4
+            )
+            for k in range(1, 6)
+        ]
+        rows.append(summarize(rate, timings, duration_s=2.0))
+    return {"benchmark": "serving", "runs": rows}
+
+
+def test_plots_throughput_serving_and_sharing_json_as_png(tmp_path: Path) -> None:
+    throughput = {
+        "runs": [
+            {"name": "paged", "output_tokens_per_s": 900.0},
+            {"name": "reserved", "output_tokens_per_s": 700.0},
+        ],
+        "peers": [{"name": "hf-static", "output_tokens_per_s": 100.0}],
+    }
+    run = {"output_tokens_per_s": 50.0, "ttft_ms": {"p50": 3.0}, "peak_kv_blocks_used": 12}
+    sharing = {"benchmark": "sharing", "runs": [run | {"name": "prefix-on"}, run | {"name": "prefix-off"}]}
+    files = {"tp": throughput, "a": _serving_report(1.0), "b": _serving_report(2.0), "sh": sharing}
+    for name, report in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+
+    written = main([*(str(tmp_path / f"{n}.json") for n in files), "--out-dir", str(tmp_path / "charts")])
+
+    assert sorted(p.name for p in written) == ["serving.png", "sharing.png", "throughput.png"]
+    for path in written:
+        data = path.read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 5000
+
+
+def test_kind_of_refuses_json_of_something_else() -> None:
+    assert kind_of({"runs": [{"output_tokens_per_s": 1.0}]}) == "throughput"
+    assert kind_of({"benchmark": "serving", "runs": []}) == "serving"
+    with pytest.raises(ValueError):
+        kind_of({"hello": 1})
