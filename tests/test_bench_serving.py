@@ -91,7 +91,8 @@ def test_bench_serving_streams_every_token_at_each_rate(
 @pytest.mark.e2e
 def test_bench_serving_counts_text_chunks_without_logprobs(tiny_model_dir: Path, tmp_path: Path) -> None:
     # The tiny model's tokenizer covers its vocabulary, so auto leaves logprobs off.
-    options = ["--num-requests", "4", "--rates", "inf", "--max-output-len", "12", "--num-warmup", "0"]
+    options = ["--num-requests", "4", "--rates", "inf", "--min-output-len", "4", "--max-output-len", "12"]
+    options += ["--num-warmup", "0"]
     report = _serve(tiny_model_dir, tmp_path, *options)
 
     assert report["workload"]["use_logprobs"] is False
