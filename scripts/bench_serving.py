@@ -230,20 +230,20 @@ async def send_all(
     session: aiohttp.ClientSession,
     url: str,
     workload: list[BenchRequest],
-    offsets: list[float],
-    seed: int,
+    offsets: list[float] | None,
+    args: argparse.Namespace,
     cache_salt: str,
-    logprobs: bool,
 ) -> tuple[list[RequestTiming], float]:
-    """Sends request i at `offsets[i]` seconds from now; returns the timings and the wall time of it all."""
+    """Sends request i at `offsets[i]` seconds from now (None: all now); returns the timings and the wall
+    time of it all."""
     start = time.perf_counter()
     tasks = []
-    for i, (req, offset) in enumerate(zip(workload, offsets, strict=True)):
+    for i, (req, offset) in enumerate(zip(workload, offsets or [0.0] * len(workload), strict=True)):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         timing = RequestTiming(len(req.prompt_token_ids), req.output_len)
-        body = completion_body(req, seed + i, cache_salt, logprobs)
+        body = completion_body(req, args.seed + i, cache_salt, args.use_logprobs)
         tasks.append(asyncio.create_task(stream_completion(session, url, body, timing)))
     timings = list(await asyncio.gather(*tasks))
     return timings, time.perf_counter() - start
@@ -331,29 +331,16 @@ async def run_rates(
         ):
             info = await wait_ready(client, engine, args.ready_timeout)
             await wait_healthy(session, base_url, engine, args.ready_timeout)
-            if args.num_warmup:
-                warm, _ = await send_all(
-                    session,
-                    url,
-                    workload[: args.num_warmup],
-                    [0.0] * args.num_warmup,
-                    args.seed,
-                    "warmup",
-                    args.use_logprobs,
-                )
-                bad = [t.error for t in warm if t.error is not None]
-                if bad:
-                    raise RuntimeError(f"warm-up requests failed: {bad}")
+            warm, _ = await send_all(session, url, workload[: args.num_warmup], None, args, "warm-up")
+            if any(t.error is not None for t in warm):
+                raise RuntimeError(f"warm-up requests failed: {[t.error for t in warm]}")
             for rate in args.rates:
                 before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
                 sampler = MetricsSampler(client, args.sample_interval)
                 sampling = asyncio.create_task(sampler.run())
-                offsets = arrival_offsets(
-                    len(workload), rate, random.Random(f"{args.seed}-{rate_label(rate)}")
-                )
-                timings, duration_s = await send_all(
-                    session, url, workload, offsets, args.seed, f"rate-{rate_label(rate)}", args.use_logprobs
-                )
+                label = rate_label(rate)
+                offsets = arrival_offsets(len(workload), rate, random.Random(f"{args.seed}-{label}"))
+                timings, duration_s = await send_all(session, url, workload, offsets, args, f"rate-{label}")
                 sampling.cancel()
                 after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
                 row = summarize(rate, timings, duration_s)
