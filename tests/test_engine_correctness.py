@@ -57,13 +57,18 @@ def _prompts(vocab: int) -> list[list[int]]:
 def transformers_greedy(tiny_model_dir):
     """What transformers' own LlamaForCausalLM.generate produces for each prompt alone."""
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return transformers_generate(model, _prompts(model.config.vocab_size), MAX_TOKENS)
+
+
+def transformers_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of transformers' own `generate` for each prompt alone, on the CPU."""
     expected = []
-    for prompt in _prompts(model.config.vocab_size):
+    for prompt in prompts:
         with torch.no_grad():
             ids = model.generate(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
+                max_new_tokens=max_new_tokens,
                 do_sample=False,
             )
         expected.append(ids[0, len(prompt) :].tolist())

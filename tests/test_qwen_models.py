@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from common.config import WorkerConfig
 from common.messages import SamplingParams
 from scripts.make_model import PRESETS, make_model
-from tests.test_engine_correctness import _prompts, _run_engine
+from tests.test_engine_correctness import _prompts, _run_engine, transformers_generate
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
 from worker.loader import load_model_config
 from worker.model_runner import ModelRunner
@@ -39,17 +39,7 @@ def hf_qwen(qwen_model_dir: Path) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def transformers_greedy(hf_qwen) -> list[list[int]]:
     """What transformers' own generate produces for each of the engine tests' prompts alone."""
-    expected = []
-    for prompt in _prompts(hf_qwen.config.vocab_size):
-        with torch.no_grad():
-            ids = hf_qwen.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-            )
-        expected.append(ids[0, len(prompt) :].tolist())
-    return expected
+    return transformers_generate(hf_qwen, _prompts(hf_qwen.config.vocab_size), MAX_TOKENS)
 
 
 def test_config_and_modules_follow_the_architecture(qwen_model_dir: Path, hf_qwen) -> None:
