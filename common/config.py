@@ -46,6 +46,7 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # recompute | swap | auto (per victim, whichever is cheaper)
     scheduling_policy: str = "fcfs"  # fcfs | priority (the request's priority, lower first, then arrival)
     kv_policy: str = "paged"  # paged: blocks on demand; reserved: prompt + max_tokens up front (a baseline)
+    async_scheduling: bool = True  # plan step N+1 while the worker runs step N (no GPU idle between steps)
     heartbeat_timeout_s: float = 10.0  # a worker silent this long (no heartbeat, no output) is declared dead
     step_timeout_s: float = 600.0  # a step not answered this long declares the worker group hung
     log_level: str = "info"

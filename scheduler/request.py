@@ -52,7 +52,11 @@ class Sequence:
     index: int  # which of the request's n sequences
     seed: int  # the worker's randomness for this sequence depends only on it and the position
     token_ids: list[int]
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or will be once the step in flight ends)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or will be once the steps in flight end)
+    # Tokens this sequence samples in plans sent but not answered yet (the worker already knows them): the
+    # next plan may schedule them before they arrive here. Counted in num_computed_tokens once scheduled.
+    num_pending_tokens: int = 0
+    num_pending_reports: int = 0  # the same for a beam: candidate reports in flight (its tokens come later)
     sort_key: tuple[int, int, int] = (0, 0, 0)  # (priority or 0, request's arrival, seq_id): queue order
     status: SeqStatus = SeqStatus.WAITING
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission (-1: not yet)
@@ -74,4 +78,4 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens

@@ -10,6 +10,14 @@ preempted: swapped to the CPU pool, or freed and later recomputed, whichever `pr
 sequence's randomness depends only on its seed and the position, so either way it resumes with exactly the
 tokens it would have produced.
 
+Plans may run ahead of the tokens (async scheduling): the server sends plan N+1 while the worker runs plan
+N, so `schedule()` is called before `update()` has brought step N's tokens. A sequence that samples in a
+plan counts that token as pending; the next plan may schedule it (the worker appended it itself), unless the
+pending token is the sequence's last by length. A stop token found in `update()` ends the sequence then: the
+plan already sent computes one token too many, whose result is ignored, and the sequence's blocks go back to
+the pool for plans after it. A sequence preempted with a token pending gets it all the same (it is the
+token the sequence would produce anyway), and waits in its queue until it has.
+
 n > 1: sequence 0 prefills the prompt; the others are forked from it in the step its prefill completes,
 sharing its blocks, and sample their first token from its logits. Beam search: each beam reports its top
 candidates instead of sampling; once every live beam of a request has reported, `scheduler/beam.py` picks the
@@ -234,8 +242,9 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             budget = self._schedule_swapped(step, budget)
             if not self._swapped:
                 self._schedule_waiting(step, budget)
-        while not step.scheduled and self._running and self._has_queued():
+        while not step.scheduled and self._running and self._has_queued() and not self._tokens_in_flight():
             # Everything running is idle: beams waiting for a sibling that cannot get in. Make room for it.
+            # (Sequences whose last token is in flight are not stuck: the next update ends them.)
             self._preempt(self._running.pop(), step)
             budget = self._schedule_swapped(step, budget)
             if not self._swapped:
@@ -243,12 +252,20 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         bs = self.settings.block_size
         for seq, num_tokens in step.scheduled:
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += num_tokens
-            if before // bs != seq.num_computed_tokens // bs:  # a block filled up: cache it
+            computed = seq.num_computed_tokens = before + num_tokens
+            known = len(seq.token_ids)
+            samples = computed == known + seq.num_pending_tokens
+            if samples:
+                if seq.request.beam is None:
+                    seq.num_pending_tokens += 1
+                else:  # a beam reports candidates; its next token comes from the search, after the update
+                    seq.num_pending_reports += 1
+            # A block filled up: cache it, once its tokens are all known (pending ones come with an update).
+            if before // bs != computed // bs or computed > known:
                 self.block_manager.register_computed(
-                    seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt
+                    seq.seq_id, seq.token_ids, min(computed, known), seq.request.cache_salt
                 )
-            if seq.fork_children and seq.num_computed_tokens == len(seq.token_ids):
+            if seq.fork_children and samples:
                 self._fork_children(seq, step)
         # frees ride on a plan that runs; an empty plan is not sent
         freed = self._freed_seq_ids if step.scheduled else []
@@ -289,11 +306,14 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         while i < len(running) and budget > 0:
             seq = running[i]
             i += 1
-            num_tokens = len(seq.token_ids) - seq.num_computed_tokens
+            pending = seq.num_pending_tokens
+            num_tokens = len(seq.token_ids) + pending - seq.num_computed_tokens
             if num_tokens != 1:
                 if num_tokens:  # (0: a beam waiting for its search to select)
                     prefills.append(seq)
                 continue
+            if pending and len(seq.token_ids) + pending >= seq.request.max_total_len:
+                continue  # the token in flight is its last
             reserve = self._reserve_tokens(seq) if reserved else 0
             allocation = allocate(seq.seq_id, seq.num_computed_tokens, 1, reserve)
             while allocation is None:
@@ -313,7 +333,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted to make room for a decode
                 continue
-            num_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
             allocation = self._allocate(seq, num_tokens)
             while allocation is None:
                 victim = self._last_unscheduled(step)
@@ -343,6 +363,8 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             if seq.status is not SeqStatus.SWAPPED:  # aborted while swapped out
                 heapq.heappop(self._swapped)
                 continue
+            if seq.num_pending_tokens:
+                break  # preempted with a token in flight: it comes back once the token is here (next update)
             # its blocks, one more for its next token, and the watermark for the others
             reserve = self.settings.watermark_blocks if self._running else 0
             if bm.num_blocks_to_swap_in(seq.seq_id) + 1 > bm.num_free_blocks - reserve:
@@ -368,6 +390,8 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             if seq.status is not SeqStatus.WAITING:  # aborted while waiting
                 heapq.heappop(self._waiting)
                 continue
+            if seq.num_pending_tokens or seq.num_pending_reports:
+                break  # preempted with a token (report) in flight: it is recomputed once that is in
             if self._seats_taken() + self._seats_needed(seq) > self.settings.max_num_seqs:
                 break
             hits = bm.find_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
@@ -403,6 +427,9 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         while self._swapped and self._swapped[0][1].status is not SeqStatus.SWAPPED:
             heapq.heappop(self._swapped)
         return bool(self._waiting or self._swapped)
+
+    def _tokens_in_flight(self) -> bool:
+        return any(s.num_pending_tokens or s.num_pending_reports for s in self._running)
 
     def _seats_taken(self) -> int:
         return len(self._running) + self._pending_forks + self._beam_reserve
@@ -447,6 +474,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             child.token_ids = list(parent.token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            child.num_pending_tokens = 1  # it samples from the parent's logits in this step
             child.on_worker = True
             step.forks.append(Fork(parent.seq_id, child.seq_id, child.seed))
             child.status = SeqStatus.RUNNING
@@ -539,12 +567,17 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         generated = 0
         for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
             seq = self._seqs.get(seq_id)
-            if seq is None or seq.status is not running:
-                continue  # aborted while its step was in flight
+            if seq is None:
+                continue  # finished (aborted, or stopped by a token of an earlier step) while in flight
             if seq.request.beam is not None:
-                seq.candidates = logprobs
-                any_finished |= self._advance_search(seq.request, outputs, now)
+                seq.num_pending_reports -= 1
+                if seq.status is running:  # (a beam preempted since then reports again once recomputed)
+                    seq.candidates = logprobs
+                    any_finished |= self._advance_search(seq.request, outputs, now)
                 continue
+            # Running, or preempted after this step was sent: the token is the one it would produce anyway.
+            assert seq.num_pending_tokens > 0, f"step {step.step_id}: unexpected token for seq {seq_id}"
+            seq.num_pending_tokens -= 1
             seq.token_ids.append(token)
             generated += 1
             if seq.last_token_time is None:

@@ -3,9 +3,11 @@
 Two ROUTER sockets: clients (the api, ZeroMQ users) connect to `scheduler_address`, workers to
 `worker_address`. One task reads each socket; the engine loop runs steps while there is work: schedule,
 send the plan, wait for the worker's sampled tokens, update, stream the new tokens to their clients.
-Client messages are handled while a step is in flight; the core tolerates that (a sequence aborted
-mid-step just ignores its late token, and its blocks are reused only by a later plan, which the worker
-runs after the current one).
+With `async_scheduling` (the default) the loop keeps two plans at the worker: it sends plan N+1 before it
+waits for step N's tokens, so the worker starts step N+1 as soon as step N is done, and the scheduler's
+own work (update, schedule, the codec, streaming) happens while the GPU runs. Client messages are handled
+while steps are in flight; the core tolerates that (a sequence aborted mid-step just ignores its late
+token, and its blocks are reused only by a later plan, which the worker runs after the ones before it).
 
 A watchdog declares the worker dead when nothing (heartbeat, step output) came from it for
 `heartbeat_timeout_s`, or when a step went unanswered for `step_timeout_s`: its requests fail with
@@ -59,16 +61,21 @@ class WorkerWatch:
     heartbeat_timeout_s: float  # silence (no heartbeat, no step output) that counts as death
     step_timeout_s: float  # a step unanswered this long counts as a hung worker (group)
     last_heard: float  # the last heartbeat, step output or announcement
-    step_sent_at: float | None = None  # when the step now running was sent; None between steps
+    step_sent_at: float | None = None  # since when the oldest unanswered step runs; None between steps
+    steps_in_flight: int = 0
 
     def heard(self, now: float) -> None:
         self.last_heard = now
 
     def step_sent(self, now: float) -> None:
-        self.step_sent_at = now
+        if self.steps_in_flight == 0:
+            self.step_sent_at = now
+        self.steps_in_flight += 1
 
     def step_answered(self, now: float) -> None:
-        self.step_sent_at = None
+        """The oldest step in flight answered: the next one (the worker runs them in order) starts now."""
+        self.steps_in_flight = max(0, self.steps_in_flight - 1)
+        self.step_sent_at = now if self.steps_in_flight else None
         self.last_heard = now
 
     def death_reason(self, now: float) -> str | None:
@@ -98,8 +105,8 @@ class SchedulerServer:
             sock.setsockopt(zmq.RCVHWM, 0)
         self._worker_id: bytes | None = None  # the ZeroMQ identity that plans go to
         self._watch: WorkerWatch | None = None  # exists while a worker is accepted
-        self._pending_step: asyncio.Future[StepOutput] | None = None
-        self._pending_step_id = -1
+        # step id -> its output's future, for the plans at the worker (one, or two with async scheduling)
+        self._pending_steps: dict[int, asyncio.Future[StepOutput]] = {}
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -226,8 +233,8 @@ class SchedulerServer:
         if identity != self._worker_id or self._watch is None:  # a worker declared dead, or replaced
             log.warning("stale_step_output_ignored", step_id=msg.step_id)
             return
-        pending = self._pending_step
-        if pending is not None and msg.step_id == self._pending_step_id and not pending.done():
+        pending = self._pending_steps.get(msg.step_id)
+        if pending is not None and not pending.done():
             self._watch.step_answered(time.monotonic())
             pending.set_result(msg)
         else:
@@ -270,8 +277,9 @@ class SchedulerServer:
         if self.core is not None:
             for owner, request_id in self.core.live_requests():
                 self._send_client(owner, RequestError(request_id, ErrorKind.UNAVAILABLE, message))
-        if self._pending_step is not None and not self._pending_step.done():
-            self._pending_step.cancel()
+        for pending in self._pending_steps.values():
+            pending.cancel()
+        self._pending_steps = {}
         self.core = None
         self.ready_msg = None
         self._worker_id = None
@@ -309,26 +317,32 @@ class SchedulerServer:
     async def _run_steps(self) -> None:
         """Runs steps while there is work that can run, or until the worker goes away (a function of its
         own, so that no local keeps a dropped core and its requests alive)."""
-        outputs: list[Output] = []  # of the last step, streamed while the worker runs the next one
-        while self.core is not None and self.core.has_work:
-            core = self.core
+        depth = 2 if self.config.async_scheduling else 1  # plans at the worker before waiting for one
+        in_flight: list[asyncio.Future[StepOutput]] = []  # oldest first
+        outputs: list[Output] = []  # of the last update, streamed while the worker runs the next step
+        core = self.core
+        while core is not None and (core.has_work or in_flight):
             plan = core.schedule()
-            if not plan.scheduled_seq_ids:
+            if plan.scheduled_seq_ids:
+                assert self._worker_id is not None and self._watch is not None
+                future = self._pending_steps[plan.step_id] = asyncio.get_running_loop().create_future()
+                in_flight.append(future)
+                self._workers.send_multipart([self._worker_id, *encode(plan)], copy=False)
+                self._watch.step_sent(time.monotonic())
+            elif not in_flight:
                 break  # nothing can run until a request arrives or ends; _wake says when
-            assert self._worker_id is not None and self._watch is not None
-            self._pending_step = asyncio.get_running_loop().create_future()
-            self._pending_step_id = plan.step_id
-            self._workers.send_multipart([self._worker_id, *encode(plan)], copy=False)
-            self._watch.step_sent(time.monotonic())
             self._send_outputs(outputs)
             outputs = []
+            if len(in_flight) < depth and plan.scheduled_seq_ids:
+                continue  # room for one more plan at the worker: make it now
             try:
-                step = await self._pending_step
+                step = await in_flight.pop(0)
             except asyncio.CancelledError:
                 if self.core is core:
                     raise
                 return  # the worker died or restarted: the core went with it, a new one starts empty
-            finally:
-                self._pending_step = None
+            if self.core is not core:
+                return  # (it went between the answer and now)
+            del self._pending_steps[step.step_id]
             outputs = core.update(step)
         self._send_outputs(outputs)

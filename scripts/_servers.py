@@ -36,15 +36,18 @@ class Engine:
     env: dict[str, str] = field(default_factory=dict)  # every process's environment, PAGEDSERVE_* settings
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start(self, name: str) -> subprocess.Popen:
-        """Starts `python -m NAME` (again, after it exited: tests restart a worker), logging to NAME.log."""
+    def start(self, name: str, rank: int = 0) -> subprocess.Popen:
+        """Starts `python -m NAME` (again, after it exited: tests restart a worker), logging to KEY.log, where
+        KEY (its key in `procs`) is NAME, or NAME followed by the rank for a worker rank other than 0."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        mode = "ab" if name in self.procs else "wb"  # a restart keeps the log of the process it replaces
-        with open(self.log_dir / f"{name}.log", mode) as log:  # the child holds its own copy of the fd
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", name], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+        key = f"{name}{rank}" if rank else name
+        mode = "ab" if key in self.procs else "wb"  # a restart keeps the log of the process it replaces
+        env = self.env | {"PAGEDSERVE_RANK": str(rank)} if rank else self.env
+        with open(self.log_dir / f"{key}.log", mode) as log:  # the child holds its own copy of the fd
+            self.procs[key] = subprocess.Popen(
+                [sys.executable, "-m", name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
             )
-        return self.procs[name]
+        return self.procs[key]
 
     def logs(self, name: str, tail: int = 3000) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")[-tail:]
@@ -72,6 +75,8 @@ def start_engine(
     model_dir: Path, log_dir: Path, processes: tuple[str, ...] = ("scheduler", "worker"), **settings: object
 ) -> Engine:
     """Starts `python -m NAME` for each of `processes` with PAGEDSERVE_* settings (e.g. num_kv_blocks=64).
+    With `tensor_parallel_size=N`, "worker" starts N ranks (procs "worker", "worker1", ...) that meet at a
+    free 127.0.0.1 port.
 
     Returns at once; the caller waits for InfoReply.ready or /health (and calls `check_alive` meanwhile).
     """
@@ -83,7 +88,11 @@ def start_engine(
         PYTHONUNBUFFERED="1",
     )
     env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in settings.items()})
+    num_ranks = int(settings.get("tensor_parallel_size", 1))  # type: ignore[call-overload]
+    if num_ranks > 1:
+        env["PAGEDSERVE_DIST_INIT_METHOD"] = f"tcp://127.0.0.1:{free_port()}"
     engine = Engine(env["PAGEDSERVE_SCHEDULER_ADDRESS"], log_dir, env)
     for name in processes:
-        engine.start(name)
+        for rank in range(num_ranks if name == "worker" else 1):
+            engine.start(name, rank)
     return engine

@@ -7,7 +7,9 @@
 Every request has random token ids, a prompt length drawn uniformly from [min, max] prompt length and an
 output length drawn uniformly from [min, max] output length (fixed seed, ignore_eos, so it generates exactly
 that many). They all go through the ZeroMQ client at once. Each run in `--runs` starts a fresh scheduler and
-worker with that `--kv-policy` and the same KV budget (`--num-kv-blocks`), so the runs differ only in policy.
+worker with that `--kv-policy` and the same KV budget (`--num-kv-blocks`), so the runs differ only in policy;
+run `paged-sync` is `paged` with the scheduler's async scheduling off (each plan waits for the last step's
+tokens), the baseline that async scheduling is measured against.
 
 While a run goes, a background task reads the scheduler's metrics every `--sample-interval` seconds: KV waste
 (1 - slots used / slots allocated, averaged over samples with blocks allocated), the peak of running requests;
@@ -37,6 +39,8 @@ from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
 POLICIES = ("paged", "reserved")
+# run name -> (kv policy, async scheduling)
+RUNS = {"paged": ("paged", True), "reserved": ("reserved", True), "paged-sync": ("paged", False)}
 PEERS = ("hf-static", "hf-continuous")
 
 
@@ -62,11 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-kv-blocks", type=int, default=0, help="KV pool of every run; 0: the worker's default"
     )
     p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks, one GPU each")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
         "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
     )
-    p.add_argument("--runs", default=None, help="comma-separated kv policies to run one after another")
+    p.add_argument("--runs", default=None, help=f"comma-separated runs, one after another: {','.join(RUNS)}")
     p.add_argument("--peers", default="", help=f"comma-separated transformers baselines: {','.join(PEERS)}")
     p.add_argument("--peer-requests", type=int, default=128, help="the peers run the first N requests")
     p.add_argument("--peer-batch-size", type=int, default=32, help="hf-static's batch size")
@@ -77,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()] if args.runs else [args.kv_policy]
     args.peers = [r.strip() for r in args.peers.split(",") if r.strip()]
-    for bad in [r for r in args.runs if r not in POLICIES] + [r for r in args.peers if r not in PEERS]:
+    for bad in [r for r in args.runs if r not in RUNS] + [r for r in args.peers if r not in PEERS]:
         p.error(f"unknown run or peer {bad!r}")
     if "hf-continuous" in args.peers and args.device == "cpu":
         p.error("hf-continuous needs CUDA")
@@ -170,15 +175,18 @@ def check_outputs(name: str, workload: list[BenchRequest], results: list[Request
 
 
 async def run_engine(
-    args: argparse.Namespace, model_dir: Path, policy: str, workload: list[BenchRequest], log_dir: Path
+    args: argparse.Namespace, model_dir: Path, run: str, workload: list[BenchRequest], log_dir: Path
 ) -> dict[str, Any]:
-    """One run: start scheduler + worker with `policy`, submit the whole workload at once, measure."""
+    """One run: start scheduler + worker as `run` says, submit the whole workload at once, measure."""
+    policy, async_scheduling = RUNS[run]
     settings: dict[str, object] = {
         "kv_policy": policy,
+        "async_scheduling": async_scheduling,
         "device": args.device,
         "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "log_level": "warning",  # per-request log lines would cost the scheduler time
     }
     engine = start_engine(model_dir, log_dir, **settings)
@@ -197,18 +205,20 @@ async def run_engine(
             sampling.cancel()
             final = parse_metrics((await client.info(timeout=10.0)).metrics_text)
     except BaseException:
-        print(f"--- {policy}: scheduler log tail ---\n{engine.logs('scheduler')}", file=sys.stderr)
-        print(f"--- {policy}: worker log tail ---\n{engine.logs('worker')}", file=sys.stderr)
+        print(f"--- {run}: scheduler log tail ---\n{engine.logs('scheduler')}", file=sys.stderr)
+        print(f"--- {run}: worker log tail ---\n{engine.logs('worker')}", file=sys.stderr)
         raise
     finally:
         engine.stop()
-    check_outputs(policy, workload, results)
+    check_outputs(run, workload, results)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     output_tokens = sum(r.num_output_tokens for r in results)
     waste = sampler.mean_kv_waste()
     return {
-        "name": policy,
+        "name": run,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "kv_policy": policy,
+        "async_scheduling": async_scheduling,
         "num_kv_blocks": info.num_kv_blocks,
         "block_size": info.block_size,
         "num_requests": len(workload),

@@ -11,21 +11,23 @@ from scripts.bench_throughput import main
 
 
 @pytest.mark.e2e
-def test_bench_throughput_compares_paged_and_reserved_at_one_kv_budget(
+def test_bench_throughput_compares_paged_reserved_and_sync_scheduling_at_one_kv_budget(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench.json"
     argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--num-requests", "12"]
     argv += ["--max-prompt-len", "48", "--max-output-len", "16", "--num-kv-blocks", "24"]
-    argv += ["--runs", "paged,reserved", "--sample-interval", "0.02", "--log-dir", str(tmp_path / "logs")]
+    argv += ["--runs", "paged,reserved,paged-sync", "--sample-interval", "0.02"]
+    argv += ["--log-dir", str(tmp_path / "logs")]
     main([*argv, "--json-out", str(out)])
 
     report = json.loads(out.read_text())
     wanted = [r["output_len"] for r in report["requests"]]
     assert len(wanted) == 12 and all(16 == n for n in wanted)
-    paged, reserved = report["runs"]
-    assert (paged["kv_policy"], reserved["kv_policy"]) == ("paged", "reserved")
-    for run in (paged, reserved):
+    paged, reserved, sync = report["runs"]
+    assert (paged["kv_policy"], reserved["kv_policy"], sync["kv_policy"]) == ("paged", "reserved", "paged")
+    assert (paged["async_scheduling"], sync["async_scheduling"]) == (True, False)
+    for run in (paged, reserved, sync):
         assert run["completed"] == run["num_requests"] == 12
         assert run["output_lens"] == wanted and run["output_tokens"] == sum(wanted)
         assert run["num_kv_blocks"] == 24

@@ -94,10 +94,11 @@ def _odd_vocab_with_biases(src: Path, dst: Path, vocab_size: int) -> Path:
     return dst
 
 
-def _worker_config(model_dir: Path, **kw: Any) -> WorkerConfig:
+def _worker_config(model_dir: Path, device: str = "cpu", **kw: Any) -> WorkerConfig:
+    """float32 on the CPU, or on CUDA (the Triton kernels, CUDA graphs for decodes up to 8 sequences)."""
     return WorkerConfig(
-        model=str(model_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=NUM_KV_BLOCKS,
-        swap_space=0.05, **kw,
+        model=str(model_dir), device=device, dtype="float32", block_size=4, num_kv_blocks=NUM_KV_BLOCKS,
+        swap_space=0.05, max_num_seqs=8, **kw,
     )  # fmt: skip
 
 
@@ -151,9 +152,11 @@ def _run_engine(runner: ModelRunner, parallel: ParallelContext) -> dict[tuple[in
     return outputs
 
 
-def _rank_main(rank: int, checkpoints: dict[str, Path], init_method: str, out_dir: Path) -> None:
+def _rank_main(rank: int, checkpoints: dict[str, Path], init_method: str, out_dir: Path, device: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD_SIZE))
-    cfg = _worker_config(Path(), tensor_parallel_size=WORLD_SIZE, rank=rank, dist_init_method=init_method)
+    cfg = _worker_config(
+        Path(), device, tensor_parallel_size=WORLD_SIZE, rank=rank, dist_init_method=init_method
+    )
     cfg, parallel = init_parallel(replace(cfg, model=str(checkpoints["tiny"])))
     log = get_logger(process="worker", rank=rank)
     for name, model_dir in checkpoints.items():
@@ -171,10 +174,11 @@ def _rank_main(rank: int, checkpoints: dict[str, Path], init_method: str, out_di
     parallel.close()
 
 
-def _run_ranks(checkpoints: dict[str, Path], out_dir: Path) -> None:
+def _run_ranks(checkpoints: dict[str, Path], out_dir: Path, device: str = "cpu") -> None:
+    """Runs the two ranks (gloo on the CPU; on CUDA, NCCL with one GPU per rank) over every checkpoint."""
     context = mp.start_processes(
         _rank_main,
-        args=(checkpoints, f"tcp://127.0.0.1:{free_port()}", out_dir),
+        args=(checkpoints, f"tcp://127.0.0.1:{free_port()}", out_dir, device),
         nprocs=WORLD_SIZE,
         join=False,
         start_method="spawn",
@@ -192,13 +196,19 @@ def _run_ranks(checkpoints: dict[str, Path], out_dir: Path) -> None:
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_two_ranks_match_one_process(name: str, checkpoints, tensor_parallel_runs) -> None:
-    model_dir = checkpoints[name]
-    single = ModelRunner(_worker_config(model_dir))
+    check_two_ranks_match_one_process(checkpoints[name], tensor_parallel_runs[name], "cpu")
+
+
+def check_two_ranks_match_one_process(model_dir: Path, ranks: list[dict[str, Any]], device: str) -> None:
+    """The ranks' tokens equal one process's on `device`; their logits agree exactly with each other and
+    closely with its. (Logits are recorded where they are computed eagerly: on CUDA, the decode steps run
+    in CUDA graphs, which record nothing; their tokens are compared all the same.)"""
+    single = ModelRunner(_worker_config(model_dir, device))
     recorder = Recorder(single)
     expected_tokens = _run_engine(single, ParallelContext())
     expected = recorder.result()
 
-    rank0, rank1 = tensor_parallel_runs[name]
+    rank0, rank1 = ranks
     config = load_model_config(model_dir)
     assert rank0["num_kv_blocks"] == rank1["num_kv_blocks"] == NUM_KV_BLOCKS
     assert rank0["pool_shape"][-2] == config.num_kv_heads // WORLD_SIZE  # each rank holds its KV heads only
@@ -208,7 +218,7 @@ def test_two_ranks_match_one_process(name: str, checkpoints, tensor_parallel_run
     assert torch.equal(rank1["logits"], rank0["logits"])
     assert rank0["logits"].shape == expected["logits"].shape
     assert expected["logits"].shape[1] == config.vocab_size
-    torch.testing.assert_close(rank0["logits"], expected["logits"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rank0["logits"].cpu(), expected["logits"].cpu(), rtol=1e-4, atol=1e-4)
 
 
 def test_sizes_that_do_not_divide_are_refused_before_the_rendezvous(tiny_model_dir: Path) -> None:

@@ -26,27 +26,11 @@ pytestmark = pytest.mark.e2e
 SETTINGS = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "max_model_len": 256}
 
 
-def _start_group(model_dir: Path, log_dir: Path) -> Engine:
-    """The scheduler, then worker ranks 0 and 1 (`python -m worker --rank R`) on one worker address."""
-    worker_address = f"tcp://127.0.0.1:{free_port()}"
-    engine = start_engine(model_dir, log_dir, ("scheduler",), worker_address=worker_address, **SETTINGS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
-    env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in SETTINGS.items()})
-    env.update(
-        PAGEDSERVE_MODEL=str(model_dir),
-        PAGEDSERVE_WORKER_ADDRESS=worker_address,
-        PAGEDSERVE_TENSOR_PARALLEL_SIZE="2",
-        PAGEDSERVE_DIST_INIT_METHOD=f"tcp://127.0.0.1:{free_port()}",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    for rank in (0, 1):
-        log = open(log_dir / f"worker{rank}.log", "wb")  # noqa: SIM115 (the process owns it)
-        engine.procs[f"worker{rank}"] = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--rank", str(rank)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    return engine
+def _start_group(model_dir: Path, log_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Engine:
+    """The scheduler, then worker ranks 0 and 1 (`python -m worker` with PAGEDSERVE_RANK) on one worker
+    address."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two ranks on this machine's cores
+    return start_engine(model_dir, log_dir, tensor_parallel_size=2, **SETTINGS)
 
 
 def _wait_ready(client: EngineClient, engine: Engine, timeout: float = 120.0) -> None:
@@ -58,11 +42,13 @@ def _wait_ready(client: EngineClient, engine: Engine, timeout: float = 120.0) ->
                 return
         except TimeoutError:
             pass
-        assert time.monotonic() < deadline, engine.logs("worker0") + engine.logs("worker1")
+        assert time.monotonic() < deadline, engine.logs("worker") + engine.logs("worker1")
         time.sleep(0.2)
 
 
-def test_two_worker_ranks_serve_the_single_process_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_two_worker_ranks_serve_the_single_process_tokens(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prompts = [[3, 4, 5, 6], list(range(10, 47)), [7] * 20]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     single = ModelRunner(
@@ -70,7 +56,7 @@ def test_two_worker_ranks_serve_the_single_process_tokens(tiny_model_dir: Path, 
     )
     expected, _ = _run_engine(single, prompts, params, max_num_seqs=8, max_num_batched_tokens=256)
 
-    engine = _start_group(tiny_model_dir, tmp_path / "logs")
+    engine = _start_group(tiny_model_dir, tmp_path / "logs", monkeypatch)
     try:
         with EngineClient(engine.scheduler_address) as client:
             _wait_ready(client, engine)
@@ -80,7 +66,7 @@ def test_two_worker_ranks_serve_the_single_process_tokens(tiny_model_dir: Path, 
         assert '"following_rank_0"' in engine.logs("worker1")
 
         # Rank 0 gone: the other rank notices at once, rather than waiting for a plan forever.
-        engine.procs["worker0"].kill()
+        engine.procs["worker"].kill()
         assert engine.procs["worker1"].wait(timeout=30) == 1
         assert "lost_rank_0" in engine.logs("worker1")
     finally:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import pytest
 
-from common.messages import SamplingParams, SeqOutput, SubmitRequest
+from common.messages import SamplingParams, SeqOutput, StepOutput, SubmitRequest
 from scheduler.scheduler import Scheduler, SchedulerSettings
 from tests.scheduler.fake_worker import FakeWorker
 
@@ -31,6 +31,10 @@ class Harness:
     tokens: dict[tuple[str, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     finish: dict[tuple[str, int], str] = field(default_factory=dict)
     steps: int = 0
+    # Async scheduling as the server does it: plan N+1 is made before step N's output is applied (the fake
+    # worker runs each plan at once; its output waits in `in_flight`, as it would on the wire).
+    pipelined: bool = False
+    in_flight: deque[StepOutput] = field(default_factory=deque)
 
     def submit(self, request_id: str, prompt: list[int], owner: bytes = OWNER, **params) -> str | None:
         error = self.scheduler.add_request(owner, SubmitRequest(request_id, prompt, SamplingParams(**params)))
@@ -47,12 +51,22 @@ class Harness:
     def step(self) -> None:
         plan = self.scheduler.schedule()
         self.scheduler.check_invariants()
-        self.record(self.scheduler.update(self.worker.execute(plan)))
+        if not self.pipelined:
+            self.record(self.scheduler.update(self.worker.execute(plan)))
+        else:
+            if plan.scheduled_seq_ids:  # an empty plan is not sent
+                self.in_flight.append(self.worker.execute(plan))
+            if len(self.in_flight) > 1 or (self.in_flight and not plan.scheduled_seq_ids):
+                self.record(self.scheduler.update(self.in_flight.popleft()))
         self.scheduler.check_invariants()
         self.steps += 1
 
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_work or bool(self.in_flight)
+
     def run(self, max_steps: int = 10_000) -> None:
-        while self.scheduler.has_work:
+        while self.busy:
             assert self.steps < max_steps, "the scheduler made no progress"
             self.step()
 
@@ -65,6 +79,7 @@ def make_harness(
     eos_token_ids: tuple[int, ...] = (),
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 64,
+    pipelined: bool = False,
     **policies,
 ) -> Harness:
     settings = SchedulerSettings(
@@ -78,7 +93,7 @@ def make_harness(
         **policies,
     )
     worker = FakeWorker(num_blocks, block_size, vocab_size, policies.get("num_cpu_blocks", 0))
-    return Harness(Scheduler(settings, clock=FakeClock()), worker)
+    return Harness(Scheduler(settings, clock=FakeClock()), worker, pipelined=pipelined)
 
 
 @pytest.fixture

@@ -56,6 +56,8 @@ def _requests():
         (14, {}),
         (14, dict(preemption_mode="swap", num_cpu_blocks=64)),
         (14, dict(enable_prefix_caching=False)),
+        (512, dict(pipelined=True)),
+        (14, dict(enable_prefix_caching=False, pipelined=True)),  # beams preempted with reports in flight
     ],
 )
 def test_paged_beam_search_equals_a_plain_search(num_blocks, policies):

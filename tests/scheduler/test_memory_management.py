@@ -245,6 +245,8 @@ def _random_arrivals(rng: random.Random) -> list:
         prompt = rng.choice(prefixes) + _prompt(rng, rng.randint(1, 10)) if rng.random() < 0.6 else []
         prompt = prompt or _prompt(rng, rng.randint(1, 24))
         params = dict(max_tokens=rng.randint(1, 24), n=rng.choice([1, 1, 2, 4]), seed=rng.randrange(99))
+        if rng.random() < 0.5:  # ends early now and then (4% a token): a pipelined plan computed one too many
+            params["stop_token_ids"] = tuple(rng.sample(range(1000), 40))
         arrivals.append((rng.randint(0, 30), f"r{i}", prompt, params, rng.random() < 0.15))
     return arrivals
 
@@ -256,7 +258,7 @@ def _run_arrivals(arrivals: list, num_blocks: int, aborts: bool, **policies):
     pending = sorted(arrivals, key=lambda a: a[0])
     to_abort: dict[int, list[str]] = {}
     step = 0
-    while pending or h.scheduler.has_work:
+    while pending or h.busy:
         while pending and pending[0][0] <= step:
             _, rid, prompt, params, abort = pending.pop(0)
             assert h.submit(rid, prompt, **params) is None
@@ -264,7 +266,7 @@ def _run_arrivals(arrivals: list, num_blocks: int, aborts: bool, **policies):
                 to_abort.setdefault(step + 3, []).append(rid)
         for rid in to_abort.pop(step, []):
             h.record(h.scheduler.abort(OWNER, rid))
-        if h.scheduler.has_work:
+        if h.busy:
             h.step()
         step += 1
         assert step < 5000
@@ -274,8 +276,9 @@ def _run_arrivals(arrivals: list, num_blocks: int, aborts: bool, **policies):
 
 @pytest.mark.parametrize("trial", range(6))
 def test_differential_fuzz_caching_swap_and_pool_size_change_nothing(trial):
-    """Random streams (arrivals, shared prefixes, n, aborts): every configuration yields the same tokens as a
-    roomy pool without caching; aborted requests yield a prefix of them."""
+    """Random streams (arrivals, shared prefixes, n, stop tokens, aborts): every configuration, pipelined
+    (async scheduling) or not, yields the same tokens as a roomy pool without caching; aborted requests
+    yield a prefix of them."""
     rng = random.Random(1000 + trial)
     arrivals = _random_arrivals(rng)
     reference = _run_arrivals(arrivals, 1024, aborts=False, enable_prefix_caching=False)
@@ -286,6 +289,11 @@ def test_differential_fuzz_caching_swap_and_pool_size_change_nothing(trial):
         dict(num_blocks=24, enable_prefix_caching=False),
         dict(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64),
         dict(num_blocks=24, preemption_mode="auto", num_cpu_blocks=8),
+        # async scheduling: plans made before the previous step's tokens are in
+        dict(num_blocks=1024, enable_prefix_caching=True, pipelined=True),
+        dict(num_blocks=24, enable_prefix_caching=True, pipelined=True),
+        dict(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64, pipelined=True),
+        dict(num_blocks=24, preemption_mode="auto", num_cpu_blocks=8, pipelined=True),
     ]
     for config in configs:
         h = _run_arrivals(arrivals, aborts=True, **config)

@@ -256,3 +256,68 @@ def test_gpu_time_is_summed_and_decode_steps_are_timed_update_to_update():
     assert m.decode_gpu_seconds_total == 0.25 + 0.125
     assert m.decode_step_seconds_total == pytest.approx(update_times[2] - update_times[0])
     assert "pagedserve_decode_step_seconds_total " in scheduler.metrics_text()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# async scheduling: each plan is made before the previous step's tokens are applied
+
+
+def _total_scheduled(h) -> int:
+    return sum(sum(plan.num_scheduled_tokens) for plan in h.worker.plans)
+
+
+def test_pipelined_plans_decode_tokens_still_in_flight_and_compute_nothing_extra_at_max_tokens():
+    serial, piped = make_harness(), make_harness(pipelined=True)
+    for h in (serial, piped):
+        for i, (length, max_tokens) in enumerate([(5, 6), (11, 3), (2, 9)]):
+            h.submit(f"r{i}", list(range(1, length + 1)), max_tokens=max_tokens, seed=i)
+    piped.step()  # the prefills: their first tokens are still in flight
+    assert not piped.tokens and len(piped.in_flight) == 1
+    piped.step()  # so the plan decodes them before they arrive; then the first step's tokens come in
+    plan = piped.worker.plans[1]
+    assert plan.num_scheduled_tokens == [1, 1, 1] and not plan.new_seqs
+    assert all(len(tokens) == 1 for tokens in piped.tokens.values())
+    serial.run()
+    piped.run()
+    assert piped.tokens == serial.tokens and piped.finish == serial.finish
+    # A sequence is not scheduled past the token that ends it by length: no plan computes a wasted token.
+    assert _total_scheduled(piped) == _total_scheduled(serial)
+    assert len(piped.worker.plans) == len(serial.worker.plans) == 9
+    assert piped.scheduler.block_manager.num_free_blocks == 64 and not piped.scheduler._seqs
+
+
+def test_pipelined_stop_token_costs_one_ignored_token_and_frees_everything():
+    serial, piped = make_harness(), make_harness(pipelined=True)
+    prompt = [7, 8, 9]
+    serial.submit("probe", prompt, max_tokens=8, seed=5)
+    serial.run()
+    stop = serial.tokens[("probe", 0)][2]  # the third token will end the sequence
+    serial, piped = make_harness(), make_harness(pipelined=True)
+    for h in (serial, piped):
+        h.submit("s", prompt, max_tokens=8, seed=5, stop_token_ids=[stop])
+        h.submit("long", [1, 2, 3, 4], max_tokens=8, seed=6)
+        h.run()
+    assert piped.tokens == serial.tokens and piped.finish[("s", 0)] == FinishReason.STOP
+    assert len(piped.tokens[("s", 0)]) == 3
+    # The plan sent before the stop token arrived computed one token of "s" whose output was ignored.
+    assert _total_scheduled(piped) == _total_scheduled(serial) + 1
+    assert piped.scheduler.block_manager.num_free_blocks == 64 and not piped.scheduler._seqs
+    # the worker was told to free "s"; the last frees ride on the next plan that runs
+    assert set(piped.worker.seqs) == set(piped.scheduler._freed_seq_ids) == {1}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pipelined_preemption_keeps_the_token_in_flight(mode):
+    """A sequence preempted while its token is in flight keeps that token (no resampling, no gap)."""
+    policies = dict(num_blocks=10, block_size=4, max_num_batched_tokens=64, preemption_mode=mode)
+    if mode == "swap":
+        policies["num_cpu_blocks"] = 32
+    serial, piped = make_harness(**policies), make_harness(pipelined=True, **policies)
+    for h in (serial, piped):
+        for i in range(4):
+            h.submit(f"r{i}", [i + 1] * 6, max_tokens=10, seed=i)
+        h.run()
+    assert piped.scheduler.metrics.preemptions_total > 0
+    assert piped.tokens == serial.tokens and set(piped.finish.values()) == {FinishReason.LENGTH}
+    assert piped.scheduler.block_manager.num_free_blocks == 10
+    assert set(piped.worker.seqs) <= set(piped.scheduler._freed_seq_ids)  # freed with the next plan

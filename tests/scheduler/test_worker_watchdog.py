@@ -68,6 +68,19 @@ def test_an_unanswered_step_is_a_hang_even_while_heartbeats_arrive():
     assert watch.death_reason(7.0) is None
 
 
+def test_with_two_steps_in_flight_the_second_is_timed_from_the_first_answer():
+    watch = WorkerWatch(heartbeat_timeout_s=100.0, step_timeout_s=5.0, last_heard=0.0)
+    watch.step_sent(1.0)
+    watch.step_sent(1.5)  # async scheduling: queued behind the first at the worker
+    assert watch.death_reason(5.9) is None
+    watch.step_answered(5.9)  # the second one starts now
+    assert watch.death_reason(10.8) is None
+    reason = watch.death_reason(11.0)
+    assert reason is not None and "did not finish a step" in reason
+    watch.step_answered(11.0)
+    assert watch.step_sent_at is None and watch.death_reason(50.0) is None
+
+
 def test_heartbeat_thread_beats_with_its_worker_id_until_stopped():
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -161,6 +174,12 @@ async def _serve_like_a_worker(worker: Peer, worker_id: str, beat_s: float = 0.0
         await worker.send(fake.execute(msg))
 
 
+async def _until_shutdown(worker: Peer) -> AsyncIterator[Message]:
+    """The messages the worker gets before a Shutdown, which must come."""
+    while not isinstance(msg := await worker.recv(), Shutdown):
+        yield msg
+
+
 async def _generate(client: Client, request_id: str) -> list[int]:
     await client.send(SubmitRequest(request_id, [1, 2, 3], PARAMS))
     tokens: list[int] = []
@@ -223,7 +242,10 @@ def test_silent_worker_fails_its_requests_then_a_new_worker_is_accepted():
             error = await client.recv()
             assert isinstance(error, RequestError) and error.request_id == "in-flight"
             assert error.kind == ErrorKind.UNAVAILABLE and "stopped responding" in error.message
-            assert isinstance(await worker.recv(), Shutdown)  # should it come back, it must stop
+            # Should it come back, it must stop: after the plans queued for it (async scheduling sends the
+            # next plan before the answer to the first), it is told to shut down.
+            queued = [msg async for msg in _until_shutdown(worker)]
+            assert all(isinstance(msg, StepPlan) for msg in queued) and len(queued) <= 1
             await _assert_refused_while_no_worker(client)
             gc.collect()
             assert old_core() is None, "the dead worker's requests and KV bookkeeping are still held"
