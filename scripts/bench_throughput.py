@@ -11,10 +11,12 @@ worker with that `--kv-policy` and the same KV budget (`--num-kv-blocks`), so th
 run `paged-sync` is `paged` with the scheduler's async scheduling off (each plan waits for the last step's
 tokens), the baseline that async scheduling is measured against.
 
-While a run goes, a background task reads the scheduler's metrics every `--sample-interval` seconds: KV waste
-(1 - slots used / slots allocated, averaged over samples with blocks allocated), the peak of running requests;
-preemptions are read at the end. `--peers hf-static,hf-continuous` also runs transformers (static batching
-with left padding; its paged continuous batching, CUDA only) on the first `--peer-requests` requests.
+Each run first serves `--num-warmup` requests, unmeasured (counters are read before and after the
+measurement). While a run goes, a background task reads the scheduler's metrics every `--sample-interval`
+seconds: KV waste (1 - slots used / slots allocated, averaged over samples with blocks allocated), the peak
+of running requests; preemptions are read at the end. `--peers hf-static,hf-continuous` also runs
+transformers (static batching with left padding; its paged continuous batching, CUDA only) on the first
+`--peer-requests` requests.
 The table goes to stdout; `--json-out` also writes everything as JSON.
 """
 
@@ -62,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-output-len", type=int, default=16)
     p.add_argument("--max-output-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the sampling")
+    p.add_argument(
+        "--num-warmup",
+        type=int,
+        default=32,
+        help="requests run before the measurement, in each run (Triton compiles its kernels for the shapes "
+        "it meets first; the compile would otherwise land in the first run's time)",
+    )
     p.add_argument(
         "--num-kv-blocks", type=int, default=0, help="KV pool of every run; 0: the worker's default"
     )
@@ -158,6 +167,19 @@ async def wait_ready(client: AsyncEngineClient, engine: Engine, timeout_s: float
         await asyncio.sleep(0.2)
 
 
+async def _warm_up(client: AsyncEngineClient, args: argparse.Namespace, vocab_size: int) -> None:
+    """`--num-warmup` requests of the workload's prompt lengths (other token ids), a few tokens each."""
+    rng = random.Random(args.seed + 1)
+    handles = []
+    for _ in range(args.num_warmup):
+        prompt = [
+            rng.randrange(vocab_size) for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))
+        ]
+        params = SamplingParams(max_tokens=min(8, args.max_output_len), ignore_eos=True)
+        handles.append(await client.submit_one(prompt, params))
+    await asyncio.gather(*(h.result() for h in handles))
+
+
 def check_outputs(name: str, workload: list[BenchRequest], results: list[RequestResult]) -> None:
     """Raises RuntimeError unless every request came back with exactly its output length."""
     wrong = [
@@ -193,6 +215,8 @@ async def run_engine(
     try:
         async with AsyncEngineClient(engine.scheduler_address, detokenize=False) as client:
             info = await wait_ready(client, engine, args.ready_timeout)
+            await _warm_up(client, args, info.vocab_size)
+            before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
             sampler = MetricsSampler(client, args.sample_interval)
             sampling = asyncio.create_task(sampler.run())
             start = time.perf_counter()
@@ -203,7 +227,8 @@ async def run_engine(
             results = list(await asyncio.gather(*(h.result() for h in handles)))
             wall_s = time.perf_counter() - start
             sampling.cancel()
-            final = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+            after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+            final = {name: value - before.get(name, 0.0) for name, value in after.items()}  # counters
     except BaseException:
         print(f"--- {run}: scheduler log tail ---\n{engine.logs('scheduler')}", file=sys.stderr)
         print(f"--- {run}: worker log tail ---\n{engine.logs('worker')}", file=sys.stderr)

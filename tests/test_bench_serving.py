@@ -41,7 +41,7 @@ def test_rates_must_be_positive() -> None:
 def _serve(model_dir: Path, tmp_path: Path, *options: str) -> dict:
     out = tmp_path / "serving.json"
     argv = ["--model", str(model_dir), "--device", "cpu", "--max-prompt-len", "64", "--num-kv-blocks", "128"]
-    argv += ["--sample-interval", "0.05", "--log-dir", str(tmp_path / "logs"), "--json-out", str(out)]
+    argv += ["--sample-interval", "0.02", "--log-dir", str(tmp_path / "logs"), "--json-out", str(out)]
     main([*argv, *options])
     return json.loads(out.read_text())
 
@@ -91,7 +91,8 @@ def test_bench_serving_streams_every_token_at_each_rate(
 @pytest.mark.e2e
 def test_bench_serving_counts_text_chunks_without_logprobs(tiny_model_dir: Path, tmp_path: Path) -> None:
     # The tiny model's tokenizer covers its vocabulary, so auto leaves logprobs off.
-    options = ["--num-requests", "4", "--rates", "inf", "--min-output-len", "4", "--max-output-len", "12"]
+    # Long enough outputs that the metrics sampler sees the requests running (4 tokens ran in 50 ms).
+    options = ["--num-requests", "4", "--rates", "inf", "--min-output-len", "24", "--max-output-len", "48"]
     options += ["--num-warmup", "0"]
     report = _serve(tiny_model_dir, tmp_path, *options)
 
