@@ -99,3 +99,13 @@ def test_padding_rows_leave_the_cache_untouched(tiny_model_dir) -> None:
     changed = (runner.kv.device_pool != before).flatten(3).any(-1)  # [L, 2, num_blocks]
     # The KV of tokens 0 .. len + 2 of each sequence: 1 + 1 + 2 blocks, and no write from the padding row.
     assert int(changed.any(0).any(0).sum()) == 4
+
+
+def test_the_torch_reference_backend_runs_eagerly_on_cuda(tiny_model_dir) -> None:
+    """It reads sequence lengths on the host, which no graph can hold: no graphs, and decodes still run."""
+    cfg = WorkerConfig(
+        model=str(tiny_model_dir), device="cuda", dtype="float32", num_kv_blocks=32, max_num_seqs=4
+    )
+    runner = ModelRunner(cfg, attention_backend="torch")
+    assert runner.graphs is None
+    assert [len(t) for t in _generate(runner, [[1, 2, 3], [4, 5, 6, 7]], [5, 3])] == [5, 3]

@@ -124,7 +124,7 @@ class Recorder:
         runner.model.compute_logits = recording_logits
 
     def result(self, **extra: Any) -> dict[str, Any]:
-        return {"outputs": self.outputs, "logits": torch.cat(self.logits), **extra}
+        return {"outputs": self.outputs, "logits": torch.cat(self.logits).cpu(), **extra}
 
 
 def _run_engine(runner: ModelRunner, parallel: ParallelContext) -> dict[tuple[int, int], list[int]]:
@@ -160,7 +160,9 @@ def _rank_main(rank: int, checkpoints: dict[str, Path], init_method: str, out_di
     cfg, parallel = init_parallel(replace(cfg, model=str(checkpoints["tiny"])))
     log = get_logger(process="worker", rank=rank)
     for name, model_dir in checkpoints.items():
-        runner = ModelRunner(replace(cfg, model=str(model_dir)), parallel=parallel)
+        runner = ModelRunner(
+            replace(cfg, model=str(model_dir)), cfg.resolved_attention_backend, parallel=parallel
+        )
         recorder = Recorder(runner)
         pools = {"num_kv_blocks": runner.num_kv_blocks, "pool_shape": tuple(runner.kv.device_pool.shape)}
         if rank == 0:
@@ -171,6 +173,7 @@ def _rank_main(rank: int, checkpoints: dict[str, Path], init_method: str, out_di
             assert server._follow(runner, parallel, log) == 0
             result = recorder.result(**pools)
         torch.save(result, out_dir / f"{name}-rank{rank}.pt")
+        runner.close()
     parallel.close()
 
 
@@ -203,7 +206,8 @@ def check_two_ranks_match_one_process(model_dir: Path, ranks: list[dict[str, Any
     """The ranks' tokens equal one process's on `device`; their logits agree exactly with each other and
     closely with its. (Logits are recorded where they are computed eagerly: on CUDA, the decode steps run
     in CUDA graphs, which record nothing; their tokens are compared all the same.)"""
-    single = ModelRunner(_worker_config(model_dir, device))
+    cfg = _worker_config(model_dir, device)
+    single = ModelRunner(cfg, cfg.resolved_attention_backend)
     recorder = Recorder(single)
     expected_tokens = _run_engine(single, ParallelContext())
     expected = recorder.result()
@@ -218,7 +222,7 @@ def check_two_ranks_match_one_process(model_dir: Path, ranks: list[dict[str, Any
     assert torch.equal(rank1["logits"], rank0["logits"])
     assert rank0["logits"].shape == expected["logits"].shape
     assert expected["logits"].shape[1] == config.vocab_size
-    torch.testing.assert_close(rank0["logits"].cpu(), expected["logits"].cpu(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rank0["logits"], expected["logits"], rtol=1e-4, atol=1e-4)
 
 
 def test_sizes_that_do_not_divide_are_refused_before_the_rendezvous(tiny_model_dir: Path) -> None:

@@ -33,6 +33,7 @@ class AttentionBackend(ABC):
     """Stores a layer's new keys/values in its paged cache and attends from the queries through it."""
 
     name: str
+    graph_safe: bool = False  # no host syncs in forward: a decode step can be captured in a CUDA graph
 
     @abstractmethod
     def forward(

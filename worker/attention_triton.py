@@ -22,6 +22,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    graph_safe = True
 
     def forward(
         self,

@@ -7,6 +7,7 @@ counts; the runner only reads and writes where they point.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -103,7 +104,8 @@ class ModelRunner:
         self.seqs: dict[int, SeqState] = {}
         self.tables = BlockTableArray(-(-self.max_model_len // self.block_size))
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not cfg.enforce_eager:
+        # The torch reference reads lengths on the host (a sync a graph cannot hold): it runs eagerly.
+        if self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_safe:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv.layers,
@@ -151,6 +153,14 @@ class ModelRunner:
         del pool, hidden, logits
         torch.cuda.empty_cache()
         return peak - pool_bytes
+
+    def close(self) -> None:
+        """Releases the CUDA graphs. Before a tensor-parallel group is destroyed this is required: NCCL
+        does not destroy a communicator that a live graph captured (destroy_process_group hangs)."""
+        if self.graphs is not None:
+            self.graphs = None
+            gc.collect()
+            torch.cuda.synchronize(self.device)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -72,6 +72,7 @@ def serve(cfg: WorkerConfig) -> int:
         try:
             return _follow(runner, parallel, log)
         finally:
+            runner.close()
             parallel.close()
 
     # Installed after loading: until then the default handlers end the process at once, which is right.
@@ -101,6 +102,7 @@ def serve(cfg: WorkerConfig) -> int:
     try:
         return _loop(sock, runner, stop, log, parallel)
     finally:
+        runner.close()
         parallel.close()
         heartbeat.stop()
         sock.close()
