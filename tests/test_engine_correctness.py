@@ -21,7 +21,18 @@ from worker.model_runner import ModelRunner
 MAX_TOKENS = 24
 
 
-def _run_engine(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams, **settings_kw):
+def _run_engine(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    pipelined: bool = False,
+    **settings_kw,
+):
+    """Runs the prompts to the end; returns {(prompt index, sample index): tokens} and the scheduler.
+
+    `pipelined` runs the steps as the server and the worker do: the scheduler makes plan N+1 before step
+    N's tokens are in, and the runner launches step N+1 before it finishes step N, so the tokens of step N
+    reach step N+1 on the device."""
     settings = SchedulerSettings(
         num_kv_blocks=runner.num_kv_blocks,
         block_size=runner.block_size,
@@ -35,11 +46,19 @@ def _run_engine(runner: ModelRunner, prompts: list[list[int]], params: SamplingP
         assert scheduler.add_request(b"test", SubmitRequest(f"r{i}", prompt, params)) is None
     outputs: dict[tuple[int, int], list[int]] = {}
     steps = 0
-    while scheduler.has_work:
+    while scheduler.has_work or runner.in_flight:
         plan = scheduler.schedule()
         scheduler.check_invariants()
-        for _, out in scheduler.update(runner.execute(plan)):
-            outputs.setdefault((int(out.request_id[1:]), out.index), []).extend(out.token_ids)
+        if not pipelined:
+            done = [runner.execute(plan)]
+        else:
+            if plan.scheduled_seq_ids:
+                runner.launch(plan)
+            last = not plan.scheduled_seq_ids
+            done = [runner.finish() for _ in range(len(runner.in_flight) - (0 if last else 1))]
+        for step in done:
+            for _, out in scheduler.update(step):
+                outputs.setdefault((int(out.request_id[1:]), out.index), []).extend(out.token_ids)
         steps += 1
         assert steps < 5000
     assert scheduler.block_manager.num_free_blocks == runner.num_kv_blocks
@@ -85,8 +104,9 @@ def transformers_generate(model, prompts: list[list[int]], max_new_tokens: int) 
         ("auto", 40, dict(preemption_mode="auto")),
     ],
 )
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 def test_greedy_matches_transformers_through_continuous_batching(
-    tiny_model_dir, transformers_greedy, name, num_kv_blocks, policies
+    tiny_model_dir, transformers_greedy, name, num_kv_blocks, policies, pipelined
 ):
     config = WorkerConfig(
         model=str(tiny_model_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=num_kv_blocks,
@@ -101,8 +121,10 @@ def test_greedy_matches_transformers_through_continuous_batching(
         max_num_seqs=8,
         max_num_batched_tokens=48,  # also splits the longer prompts into chunks
         num_cpu_blocks=runner.num_cpu_blocks,
+        pipelined=pipelined,
         **policies,
     )
+    assert (runner.num_tokens_fed > 0) == pipelined  # the decodes read their tokens on the device
     m = scheduler.metrics
     if name == "roomy":
         assert m.preemptions_total == 0
@@ -121,25 +143,30 @@ def test_seeded_sampling_is_reproducible_and_survives_preemption(tiny_model_dir)
     prompts = [[rng.randrange(1000) for _ in range(n)] for n in (5, 12, 30, 33)]
     params = SamplingParams(n=3, max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
 
-    def run(num_kv_blocks: int):
+    def run(num_kv_blocks: int, pipelined: bool = False):
         runner = ModelRunner(
             WorkerConfig(
                 model=str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks
             )
         )
-        return _run_engine(runner, prompts, params, max_num_seqs=16, max_num_batched_tokens=64)
+        return _run_engine(runner, prompts, params, pipelined, max_num_seqs=16, max_num_batched_tokens=64)
 
     roomy, _ = run(64)
     cramped, scheduler = run(5)
     assert scheduler.metrics.preemptions_total > 0
     assert cramped == roomy
+    # Launched before the previous step finished: the same draws (seed and position), forks included.
+    cramped_pipelined, scheduler = run(5, pipelined=True)
+    assert scheduler.metrics.preemptions_total > 0
+    assert cramped_pipelined == roomy
     assert all(len(tokens) == 16 for tokens in roomy.values())
     for i in range(len(prompts)):  # the n samples of a prompt are independent draws
         assert len({tuple(roomy[(i, j)]) for j in range(3)}) > 1
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 @pytest.mark.parametrize("num_kv_blocks", [200, 16])
-def test_beam_search_matches_transformers(tiny_model_dir, num_kv_blocks):
+def test_beam_search_matches_transformers(tiny_model_dir, num_kv_blocks, pipelined):
     """Beams forked with shared blocks, copied on write, pruned and (with 16 blocks) preempted find what
     transformers' own beam search finds (EOS off, so both run to max_new_tokens)."""
     width, n, max_tokens = 3, 2, 8
@@ -170,7 +197,9 @@ def test_beam_search_matches_transformers(tiny_model_dir, num_kv_blocks):
         )
     )
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0, beam_width=width, ignore_eos=True)
-    ours, scheduler = _run_engine(runner, prompts, params, max_num_seqs=16, max_num_batched_tokens=64)
+    ours, scheduler = _run_engine(
+        runner, prompts, params, pipelined, max_num_seqs=16, max_num_batched_tokens=64
+    )
     if num_kv_blocks == 16:
         assert scheduler.metrics.preemptions_total > 0
     for i, beams in enumerate(expected):

@@ -44,8 +44,10 @@ def _transformers_greedy(model_dir, prompts, dtype):
     return expected
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_triton_engine_float32_matches_transformers_exactly(tiny_model_dir, preemption_mode):
+def test_triton_engine_float32_matches_transformers_exactly(tiny_model_dir, preemption_mode, pipelined):
+    """Pipelined: each step launched behind the previous one (CUDA graphs, tokens fed on the device)."""
     config = WorkerConfig(
         model=str(tiny_model_dir), device="cuda", dtype="float32", num_kv_blocks=24, swap_space=0.05
     )
@@ -54,9 +56,11 @@ def test_triton_engine_float32_matches_transformers_exactly(tiny_model_dir, pree
     ours, scheduler = _run_engine(
         runner, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
         max_num_seqs=8, max_num_batched_tokens=128, num_cpu_blocks=runner.num_cpu_blocks,
-        preemption_mode=preemption_mode,
+        preemption_mode=preemption_mode, pipelined=pipelined,
     )  # fmt: skip
     assert scheduler.metrics.preemptions_total > 0 and scheduler.metrics.prefix_cache_hits_total > 0
+    assert (runner.num_tokens_fed > 0) == pipelined
+    assert runner.graphs is not None and runner.graphs.num_replays > 0
     expected = _transformers_greedy(tiny_model_dir, prompts, torch.float32)
     for i, tokens in enumerate(expected):
         assert ours[(i, 0)] == tokens, f"prompt {i}"

@@ -108,10 +108,10 @@ class Recorder:
     def __init__(self, runner: ModelRunner) -> None:
         self.outputs: list[tuple[int, list[int], list[int]]] = []
         self.logits: list[torch.Tensor] = []
-        execute, compute_logits = runner.execute, runner.model.compute_logits
+        finish, compute_logits = runner.finish, runner.model.compute_logits
 
-        def recording_execute(plan: Any) -> StepOutput:
-            out = execute(plan)
+        def recording_finish() -> StepOutput:  # every step ends here, through execute() or the worker loop
+            out = finish()
             self.outputs.append((out.step_id, list(out.seq_ids), list(out.token_ids)))
             return out
 
@@ -120,7 +120,7 @@ class Recorder:
             self.logits.append(logits.clone())
             return logits
 
-        runner.execute = recording_execute
+        runner.finish = recording_finish
         runner.model.compute_logits = recording_logits
 
     def result(self, **extra: Any) -> dict[str, Any]:

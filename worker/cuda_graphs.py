@@ -68,10 +68,6 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, **i32)  # [N]
         self.query_start_loc = torch.arange(n + 1, **i32)  # [N + 1], fixed: one token per sequence
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)  # [N, max_blocks_per_seq]
-        # One pinned host buffer per step, copied to the device in a single transfer:
-        # token ids, positions, slots (int64 each), then seq_lens (int32 pairs) are packed as int64 rows.
-        self._host = torch.zeros(4 * n, dtype=torch.int64, pin_memory=True)
-        self._host_tables = torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.capture_time_s = 0.0
@@ -122,12 +118,19 @@ class DecodeGraphs:
                 lo = mid + 1
         return self.sizes[lo]
 
-    def run(self, inputs: HostInputs) -> torch.Tensor:  # [B, V] logits of the batch's B sequences
-        """Copies a decode batch into the static buffers and replays its graph."""
+    def run(
+        self, inputs: HostInputs, feed: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:  # [B, V] logits of the batch's B sequences
+        """Copies a decode batch into the static buffers (and `feed`'s tokens, already on the device, to
+        their indices) and replays its graph."""
         batch = len(inputs.seq_lens)
         size = self.padded_size(batch)
         assert size is not None and inputs.decode_only
-        host = self._host.numpy()
+        # One pinned host buffer per step, copied to the device in a single transfer: token ids, positions,
+        # slots, then seq_lens, as int64 rows. A fresh one from torch's pinned-memory cache, which reuses it
+        # only once the copy is done: the next step is prepared while this one may still wait to run.
+        staging = torch.empty(4 * size, dtype=torch.int64, pin_memory=True)
+        host = staging.numpy()
         host[:batch] = inputs.token_ids
         host[size : size + batch] = inputs.positions
         host[2 * size : 2 * size + batch] = inputs.slot_mapping
@@ -137,15 +140,17 @@ class DecodeGraphs:
             host[size + batch : 2 * size] = 0
             host[2 * size + batch : 3 * size] = -1
             host[3 * size + batch : 4 * size] = 1
-        staged = self._host[: 4 * size].to(self.token_ids.device, non_blocking=True)
+        staged = staging.to(self.token_ids.device, non_blocking=True)
         self.token_ids[:size].copy_(staged[:size])
+        if feed is not None:
+            self.token_ids[feed[0]] = feed[1]
         self.positions[:size].copy_(staged[size : 2 * size])
         self.slot_mapping[:size].copy_(staged[2 * size : 3 * size])
         self.seq_lens[:size].copy_(staged[3 * size :])
         # Only the columns this batch uses; the rest of each row is never read (seq_lens bounds the reads).
         # A padding row keeps whatever valid block ids it last held and reads one token of them.
         width = inputs.block_tables.shape[1]
-        tables = self._host_tables[: batch * width].view(batch, width)
+        tables = torch.empty((batch, width), dtype=torch.int32, pin_memory=True)
         tables.numpy()[:] = inputs.block_tables
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
         self._graphs[size].replay()

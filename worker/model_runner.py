@@ -3,12 +3,20 @@
 The runner owns the model, the KV pools (worker/kv_cache.py) and, per sequence, the tokens, block table and
 computed-token count that the scheduler mirrors. Block ids come from the scheduler, which owns their ref
 counts; the runner only reads and writes where they point.
+
+A step is launched (`launch`: the plan applied, the forward and the sampling queued on the device, the
+sampled tokens' copy to the host started) and later finished (`finish`: wait for the tokens, append them,
+answer). The worker launches step N+1 before it finishes step N when plan N+1 is already there, so the GPU
+goes from one step to the next without waiting for the host. A token that step N samples and step N+1
+computes is then read by step N+1 on the device, straight from step N's sampler output: the host counts it
+as pending in the sequence until step N finishes.
 """
 
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -22,7 +30,7 @@ from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, d
 from worker.loader import ModelConfig, load_model_config, load_weights
 from worker.model import LlamaModel
 from worker.parallel import ParallelContext
-from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors
+from worker.sampler import SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
 
 
 class PlanError(ValueError):
@@ -43,6 +51,7 @@ class SeqState:
     num_logprobs: int
     beam: bool = False  # report candidates, append nothing: the scheduler chooses the beam's tokens
     row: int = -1  # this sequence's row in the runner's BlockTableArray, a mirror of block_table
+    pending: int = 0  # tokens sampled by a launched step that has not finished: not in token_ids yet
 
     @classmethod
     def from_new(cls, s: NewSequence) -> SeqState:
@@ -67,6 +76,28 @@ def resolve_max_model_len(cfg: WorkerConfig, model_cfg: ModelConfig) -> int:
             f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings {limit}"
         )
     return cfg.max_model_len or limit
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose results the host has not read yet."""
+
+    step_id: int
+    seq_ids: list[int]  # the sequences that sample, in output order
+    samplers: list[SeqState]
+    tokens: torch.Tensor | None  # [S] the sampled tokens on the device (None when nothing samples)
+    copy: SamplerCopy | None  # their way to the host
+    started: torch.cuda.Event | None  # CUDA: brackets the step's GPU work
+    ended: torch.cuda.Event | None
+    rows: dict[int, int] = field(default_factory=dict)  # seq id -> its row of `tokens`, filled when needed
+
+    def done(self) -> bool:
+        return self.ended is None or self.ended.query()
+
+    def row_of(self, seq_id: int) -> int:
+        if not self.rows:
+            self.rows = {seq_id: j for j, seq_id in enumerate(self.seq_ids)}
+        return self.rows[seq_id]
 
 
 class ModelRunner:
@@ -115,6 +146,8 @@ class ModelRunner:
                 device=self.device,
             )
         self.last_step_gpu_s = 0.0  # GPU time of the last step with a forward (CUDA; 0 elsewhere)
+        self.in_flight: deque[LaunchedStep] = deque()  # launched, not finished; oldest first
+        self.num_tokens_fed = 0  # tokens a step read from the previous step's sampler output on the device
 
     @torch.inference_mode()
     def _profile_peak_memory(self, cfg: WorkerConfig) -> int:
@@ -271,11 +304,13 @@ class ModelRunner:
         for seq_id, n in zip(plan.scheduled_seq_ids, plan.num_scheduled_tokens, strict=True):
             seq = self._seq(plan, seq_id)
             end = seq.num_computed_tokens + n
-            if n < 1 or end > len(seq.token_ids):
+            if n < 1 or end > len(seq.token_ids) + seq.pending:
                 raise PlanError(
                     f"step {plan.step_id}: sequence {seq_id} scheduled {n} tokens from "
-                    f"{seq.num_computed_tokens} but knows {len(seq.token_ids)}"
+                    f"{seq.num_computed_tokens} but knows {len(seq.token_ids) + seq.pending}"
                 )
+            if seq.pending and n != 1:
+                raise PlanError(f"step {plan.step_id}: sequence {seq_id} has a token pending, computes {n}")
             if end > self.max_model_len:
                 raise PlanError(f"step {plan.step_id}: sequence {seq_id} reaches {end} > max_model_len")
             if len(seq.block_table) * self.block_size < end:
@@ -304,14 +339,15 @@ class ModelRunner:
 
     def _host_inputs(self, seqs: list[SeqState], num_tokens: list[int]) -> HostInputs:
         """The batch's inputs on the host: one pass over the sequences for their rows, starts and tokens,
-        array operations for the rest."""
+        array operations for the rest. A pending token (one token, at the end of its sequence's chunk) is a
+        0 here: `_pending_feed` says where the device puts the real one."""
         starts = [s.num_computed_tokens for s in seqs]
         if max(num_tokens) == 1:
-            token_ids = [s.token_ids[c] for s, c in zip(seqs, starts, strict=True)]
+            token_ids = [s.token_ids[c] if not s.pending else 0 for s, c in zip(seqs, starts, strict=True)]
         else:
             token_ids = []
             for seq, c, n in zip(seqs, starts, num_tokens, strict=True):
-                token_ids += seq.token_ids[c : c + n]
+                token_ids += seq.token_ids[c : c + n] if not seq.pending else [0]
         return build_inputs(
             self.tables,
             np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs)),
@@ -321,12 +357,34 @@ class ModelRunner:
             self.block_size,
         )
 
+    def _pending_feed(
+        self, seq_ids: list[int], seqs: list[SeqState], inputs: HostInputs
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the batch's pending tokens: (their flat input indices, the previous step's sampled tokens at
+        them) on the device, or None when the batch has none."""
+        fed = [b for b, s in enumerate(seqs) if s.pending]
+        if not fed:
+            return None
+        previous = self.in_flight[-1]  # the only step a token can be pending from (see the worker loop)
+        indices = np.empty((2, len(fed)), dtype=np.int64)
+        indices[0] = inputs.query_start_loc[fed]
+        indices[1] = [previous.row_of(seq_ids[b]) for b in fed]
+        assert previous.tokens is not None
+        on_device = self._put(indices)
+        self.num_tokens_fed += len(fed)
+        return on_device[0], previous.tokens[on_device[1]]
+
+    def _put(self, a: np.ndarray) -> torch.Tensor:
+        """`a` on the runner's device; on CUDA through pinned memory, so that the copy queues on the stream
+        without waiting for the work before it."""
+        t = torch.from_numpy(a)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
     def _to_device(self, inputs: HostInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids [T], positions [T] and attention metadata on the runner's device."""
-        dev = self.device
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
+        put = self._put
 
         meta = AttentionMetadata(
             slot_mapping=put(inputs.slot_mapping),
@@ -338,24 +396,27 @@ class ModelRunner:
         )
         return put(inputs.token_ids), put(inputs.positions), meta
 
-    def _forward(self, inputs: HostInputs, sampling: list[int]) -> torch.Tensor | None:
-        """Runs the batch; returns the logits rows of the sequences at `sampling` (batch indices), or None
-        when none samples. A decode batch that a captured graph holds replays it."""
+    def _forward(
+        self, inputs: HostInputs, sampling: list[int], feed: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor | None:
+        """Runs the batch, its pending tokens put in from `feed`; returns the logits rows of the sequences at
+        `sampling` (batch indices), or None when none samples. A decode batch that a captured graph holds
+        replays it."""
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
-            logits = self.graphs.run(inputs)  # [B, V]
+            logits = self.graphs.run(inputs, feed)  # [B, V]
             if len(sampling) == batch:
                 return logits
-            return logits[torch.tensor(sampling, device=self.device)] if sampling else None
+            return logits[self._put(np.array(sampling, dtype=np.int64))] if sampling else None
         token_ids, positions, meta = self._to_device(inputs)
+        if feed is not None:
+            token_ids[feed[0]] = feed[1]
         hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
         if not sampling:
             return None
         # The last scheduled token of each sampling sequence is the row that predicts its next token.
-        last_rows = torch.from_numpy(inputs.query_start_loc[1:][sampling] - 1).to(
-            self.device, non_blocking=True
-        )
-        return self.model.compute_logits(hidden[last_rows.long()])  # [S, V]
+        last_rows = self._put((inputs.query_start_loc[1:][sampling] - 1).astype(np.int64))
+        return self.model.compute_logits(hidden[last_rows])  # [S, V]
 
     def _create_children(self, plan: StepPlan, seq_ids: list[int], samplers: list[SeqState]) -> list[int]:
         """Step 6: each fork's child starts as its parent after the forward (tokens, computed count, a block
@@ -381,51 +442,79 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Applies `plan` in the StepPlan order and returns the sampled tokens: the scheduled sequences that
         reached all their known tokens, in batch order, then the fork children, in plan order. Raises
-        PlanError on a plan that contradicts the worker's state."""
+        PlanError on a plan that contradicts the worker's state. (`launch` then `finish`.)"""
+        if self.in_flight:
+            raise RuntimeError("execute() with steps in flight: finish them first")
+        self.launch(plan)
+        return self.finish()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> None:
+        """Applies `plan` and queues its step on the device, behind the step in flight if there is one (at
+        most one: finish the older ones first). Raises PlanError on a plan that contradicts the worker's
+        state."""
+        if len(self.in_flight) > 1:
+            raise RuntimeError("launch() with two steps in flight: finish the oldest first")
         self._apply_changes(plan)
         seqs = self._check_scheduled(plan)
         num_tokens = list(plan.num_scheduled_tokens)
         sampling = [
             b
             for b, (s, n) in enumerate(zip(seqs, num_tokens, strict=True))
-            if s.num_computed_tokens + n == len(s.token_ids)
+            if s.num_computed_tokens + n == len(s.token_ids) + s.pending
         ]
         self._check_forks(plan, {plan.scheduled_seq_ids[b] for b in sampling})
         if not seqs:
-            return StepOutput(plan.step_id, [], [], [])
+            self.in_flight.append(LaunchedStep(plan.step_id, [], [], None, None, None, None))
+            return
         inputs = self._host_inputs(seqs, num_tokens)
-        timing = self.device.type == "cuda"
-        if timing:
+        feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
+        started = ended = None
+        if self.device.type == "cuda":
             started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record()
-        logits = self._forward(inputs, sampling)
+        logits = self._forward(inputs, sampling, feed)
         for seq, n in zip(seqs, num_tokens, strict=True):
             seq.num_computed_tokens += n
         if logits is None:
-            if timing:
+            if ended is not None:
                 ended.record()
-                ended.synchronize()
-                self.last_step_gpu_s = started.elapsed_time(ended) / 1e3
-            return StepOutput(plan.step_id, [], [], [], self.last_step_gpu_s)
+            self.in_flight.append(LaunchedStep(plan.step_id, [], [], None, None, started, ended))
+            return
 
         seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
         samplers = [seqs[b] for b in sampling]
         if plan.forks:
             parent_rows = self._create_children(plan, seq_ids, samplers)
-            logits = logits[torch.tensor(list(range(len(sampling))) + parent_rows, device=logits.device)]
-        rows = [
-            SamplingRow(s.temperature, s.top_k, s.top_p, s.seed, len(s.token_ids), s.num_logprobs)
+            rows = list(range(len(sampling))) + parent_rows
+            logits = logits[self._put(np.array(rows, dtype=np.int64))]
+        params = [
+            SamplingRow(s.temperature, s.top_k, s.top_p, s.seed, len(s.token_ids) + s.pending, s.num_logprobs)
             for s in samplers
         ]
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
-        copy = sample_tensors(logits, SamplingTensors.from_rows(rows, self.device)).start_copy()
-        if timing:
+        out = sample_tensors(logits, SamplingTensors.from_rows(params, self.device))
+        copy = out.start_copy()
+        if ended is not None:
             ended.record()
-        new_tokens, logprobs = copy.wait()
-        if timing:
-            ended.synchronize()
-            self.last_step_gpu_s = started.elapsed_time(ended) / 1e3
-        for seq, token in zip(samplers, new_tokens, strict=True):
+        for seq in samplers:
+            if not seq.beam:
+                seq.pending += 1
+        self.in_flight.append(LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, started, ended))
+
+    def finish(self) -> StepOutput:
+        """Waits for the oldest step in flight, appends its tokens and returns its output."""
+        step = self.in_flight.popleft()
+        new_tokens: list[int] = []
+        logprobs: list = []
+        if step.copy is not None:
+            new_tokens, logprobs = step.copy.wait()
+        if step.ended is not None and step.started is not None:
+            step.ended.synchronize()
+            self.last_step_gpu_s = step.started.elapsed_time(step.ended) / 1e3
+        for seq, token in zip(step.samplers, new_tokens, strict=True):
             if not seq.beam:
                 seq.token_ids.append(token)
-        return StepOutput(plan.step_id, seq_ids, new_tokens, logprobs, self.last_step_gpu_s)
+                seq.pending -= 1
+        gpu_s = self.last_step_gpu_s if step.started is not None else 0.0
+        return StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s)

@@ -24,6 +24,7 @@ from worker.model_runner import ModelRunner
 from worker.parallel import ParallelContext, init_parallel
 
 POLL_MS = 100  # how often the receive loop looks at the stop flag
+STEP_POLL_MS = 1  # while a step runs: how often the loop looks whether it is done (a plan wakes it at once)
 
 
 class _StopFlag:
@@ -109,9 +110,26 @@ def serve(cfg: WorkerConfig) -> int:
         ctx.term()
 
 
+def _next_plan_or_done(sock: zmq.Socket, runner: ModelRunner) -> bool:
+    """While a step runs: True as soon as a message waits (the next plan, to be queued behind the step), or
+    False once the step is done and nothing waits (then it is answered)."""
+    while True:
+        if sock.poll(0):
+            return True
+        if runner.in_flight[0].done():
+            return False
+        sock.poll(STEP_POLL_MS)
+
+
 def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any, parallel: ParallelContext) -> int:
+    """Receives plans and answers them. A plan that arrives while the previous step still runs is launched
+    behind it before that step is answered, so the GPU has the next step queued when it finishes one."""
     while stop.signum is None:
-        if not sock.poll(POLL_MS):
+        if runner.in_flight:
+            if not _next_plan_or_done(sock, runner):
+                sock.send_multipart(encode(runner.finish()))
+                continue
+        elif not sock.poll(POLL_MS):
             parallel.keep_followers_alive()
             continue
         frames = sock.recv_multipart()
@@ -125,21 +143,29 @@ def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any, para
         if isinstance(msg, StepPlan):
             parallel.forward_to_followers(frames)  # every rank runs every step; rank 0 alone answers
             try:
-                out = runner.execute(msg)
+                runner.launch(msg)
+                while len(runner.in_flight) > 1:  # the step before it: answered once done
+                    sock.send_multipart(encode(runner.finish()))
             except Exception:
                 # The worker's state no longer matches the scheduler's: exit loudly rather than guess.
                 log.exception("step_failed", step_id=msg.step_id)
                 return 1
-            sock.send_multipart(encode(out))
         elif isinstance(msg, Shutdown):
             parallel.forward_to_followers(frames)
             log.info("shutdown", reason=msg.reason)
+            _drain(runner)
             return 0
         else:
             log.error("unexpected_message", type=type(msg).__name__)
     log.info("stopped_by_signal", signal=signal.Signals(stop.signum).name)
     parallel.stop_followers("rank 0 stopped by a signal")
     return 0
+
+
+def _drain(runner: ModelRunner) -> None:
+    """Finishes the steps still in flight (their answers are not wanted any more)."""
+    while runner.in_flight:
+        runner.finish()
 
 
 def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any) -> int:
@@ -161,10 +187,13 @@ def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any) -> int:
         msg = decode(frames)
         if isinstance(msg, StepPlan):
             try:
-                runner.execute(msg)
+                runner.launch(msg)  # behind the step before it, as rank 0 does
+                while len(runner.in_flight) > 1:
+                    runner.finish()
             except Exception:
                 log.exception("step_failed", step_id=msg.step_id)
                 return 1
         elif isinstance(msg, Shutdown):
             log.info("shutdown", reason=msg.reason)
+            _drain(runner)
             return 0
