@@ -460,6 +460,9 @@ class StepOutput:
     token_ids: list[int]  # one per sequence in seq_ids
     logprobs: list[TokenLogprobs | None]  # one per sequence; None where it asked for none
     gpu_time_s: float = 0.0  # the step's time on the GPU (CUDA events around it; 0 off CUDA)
+    # The GPU's idle time from the end of the worker's previous step to this step's start, on the GPU's
+    # own clock (0 for the first step, and off CUDA)
+    gpu_idle_before_s: float = 0.0
 
     def to_wire(self) -> list[Any]:
         return [
@@ -468,12 +471,13 @@ class StepOutput:
             self.token_ids,
             [None if lp is None else lp.to_wire() for lp in self.logprobs],
             self.gpu_time_s,
+            self.gpu_idle_before_s,
         ]
 
     @classmethod
     def from_wire(cls, f: list[Any]) -> StepOutput:
         logprobs = [None if lp is None else TokenLogprobs.from_wire(lp) for lp in f[3]]
-        return cls(f[0], f[1], f[2], logprobs, f[4])
+        return cls(f[0], f[1], f[2], logprobs, f[4], f[5])
 
 
 @dataclass

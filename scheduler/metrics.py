@@ -52,7 +52,9 @@ class SchedulerMetrics:
     swap_ins_total: int = 0
     gpu_seconds_total: float = 0.0  # the worker's GPU time over every step
     decode_gpu_seconds_total: float = 0.0  # over decode-only steps
-    decode_step_seconds_total: float = 0.0  # wall time of decode-only steps, update to update
+    decode_step_seconds_total: float = (
+        0.0  # decode-only steps on the GPU's clock: idle time before + GPU time
+    )
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
 
@@ -84,7 +86,7 @@ class SchedulerMetrics:
             ),
             "pagedserve_decode_step_seconds_total": (
                 self.decode_step_seconds_total,
-                "Wall time of decode-only steps, from one step's tokens to the next's",
+                "Time of decode-only steps on the GPU's clock, from the end of the step before to their end",
             ),
         }
         for name, (value, help_text) in counters.items():

@@ -130,7 +130,6 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         self._next_step_id = 0
         self._eos = frozenset(settings.eos_token_ids)
         self._decode_only_steps: set[int] = set()  # plans in flight whose every chunk is one token
-        self._last_update_time: float | None = None
 
     # ----------------------------------------------------------------------------------------------------
     # requests in and out
@@ -612,16 +611,16 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         return outputs
 
     def _observe_step_time(self, step: StepOutput, now: float) -> None:
-        """GPU time of every step; for decode-only steps also their wall time, from the previous update to
-        this one (a decode-only step always follows another step, so no idle time falls in between)."""
+        """GPU time of every step; for decode-only steps also their span on the GPU's clock, from the end
+        of the step before to their own end (a decode-only step always follows another step at once, so
+        the GPU's idle time before it is what the host made it wait). On the GPU's clock rather than from
+        update to update, since the worker queues a step before it answers the one before."""
         m = self.metrics
         m.gpu_seconds_total += step.gpu_time_s
         if step.step_id in self._decode_only_steps:
             self._decode_only_steps.discard(step.step_id)
-            if self._last_update_time is not None:
-                m.decode_gpu_seconds_total += step.gpu_time_s
-                m.decode_step_seconds_total += now - self._last_update_time
-        self._last_update_time = now
+            m.decode_gpu_seconds_total += step.gpu_time_s
+            m.decode_step_seconds_total += step.gpu_time_s + step.gpu_idle_before_s
 
     def _observe_token(self, seq: Sequence, now: float) -> None:
         if seq.first_token_time is None:

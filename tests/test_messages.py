@@ -68,7 +68,7 @@ EXAMPLES = [
         clones=[(2, 15)],
         appended_tokens=[(2, 301), (15, 302)],
     ),
-    StepOutput(7, [9, 2], [100, 200], [None, TokenLogprobs(-2.0)], 0.0042),
+    StepOutput(7, [9, 2], [100, 200], [None, TokenLogprobs(-2.0)], 0.0042, 0.0005),
     Shutdown("bye"),
 ]
 

@@ -89,6 +89,7 @@ class LaunchedStep:
     copy: SamplerCopy | None  # their way to the host
     started: torch.cuda.Event | None  # CUDA: brackets the step's GPU work
     ended: torch.cuda.Event | None
+    previous_ended: torch.cuda.Event | None = None  # the end of the step before it on the GPU
     rows: dict[int, int] = field(default_factory=dict)  # seq id -> its row of `tokens`, filled when needed
 
     def done(self) -> bool:
@@ -147,6 +148,7 @@ class ModelRunner:
             )
         self.last_step_gpu_s = 0.0  # GPU time of the last step with a forward (CUDA; 0 elsewhere)
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not finished; oldest first
+        self._last_ended: torch.cuda.Event | None = None  # the end of the last launched step on the GPU
         self.num_tokens_fed = 0  # tokens a step read from the previous step's sampler output on the device
 
     @torch.inference_mode()
@@ -479,7 +481,10 @@ class ModelRunner:
         if logits is None:
             if ended is not None:
                 ended.record()
-            self.in_flight.append(LaunchedStep(plan.step_id, [], [], None, None, started, ended))
+            self.in_flight.append(
+                LaunchedStep(plan.step_id, [], [], None, None, started, ended, self._last_ended)
+            )
+            self._last_ended = ended
             return
 
         seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
@@ -500,7 +505,10 @@ class ModelRunner:
         for seq in samplers:
             if not seq.beam:
                 seq.pending += 1
-        self.in_flight.append(LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, started, ended))
+        self.in_flight.append(
+            LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, started, ended, self._last_ended)
+        )
+        self._last_ended = ended
 
     def finish(self) -> StepOutput:
         """Waits for the oldest step in flight, appends its tokens and returns its output."""
@@ -509,12 +517,15 @@ class ModelRunner:
         logprobs: list = []
         if step.copy is not None:
             new_tokens, logprobs = step.copy.wait()
+        idle_s = 0.0
         if step.ended is not None and step.started is not None:
             step.ended.synchronize()
             self.last_step_gpu_s = step.started.elapsed_time(step.ended) / 1e3
+            if step.previous_ended is not None:
+                idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
         for seq, token in zip(step.samplers, new_tokens, strict=True):
             if not seq.beam:
                 seq.token_ids.append(token)
                 seq.pending -= 1
         gpu_s = self.last_step_gpu_s if step.started is not None else 0.0
-        return StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s)
+        return StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s)
