@@ -49,19 +49,27 @@ def _bars(ax: Any, labels: list[str], values: list[float], title: str, fmt: str 
     ax.grid(axis="y", alpha=0.3)
 
 
+def _numbered(runs: list[dict]) -> dict[str, float]:
+    """Output tokens/s by bar name: the run's name, and "name #2", "name #3" for its repeats in one file."""
+    bars: dict[str, float] = {}
+    for run in runs:
+        name, k = run["name"], 1
+        while name in bars:
+            k += 1
+            name = f"{run['name']} #{k}"
+        bars[name] = run["output_tokens_per_s"]
+    return bars
+
+
 def plot_throughput(reports: list[Report], path: Path) -> Path:
     """One group of bars per file, one bar (and legend entry) per run or peer name."""
     plt = _pyplot()
-    names = list(dict.fromkeys(run["name"] for _, r in reports for run in r["runs"] + r.get("peers", [])))
+    bars_of = [_numbered(r["runs"] + r.get("peers", [])) for _, r in reports]
+    names = list(dict.fromkeys(name for bars in bars_of for name in bars))
     width = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.0 + len(reports) * (0.6 * len(names) + 0.8)), 5.0))
     for j, name in enumerate(names):
-        points = [
-            (i, run["output_tokens_per_s"])
-            for i, (_, r) in enumerate(reports)
-            for run in r["runs"] + r.get("peers", [])
-            if run["name"] == name
-        ]
+        points = [(i, bars[name]) for i, bars in enumerate(bars_of) if name in bars]
         xs = [i + (j - (len(names) - 1) / 2) * width for i, _ in points]
         bars = ax.bar(xs, [v for _, v in points], width, label=name, color=f"C{j % 10}")
         ax.bar_label(bars, labels=[f"{v:,.0f}" for _, v in points], fontsize=8)

@@ -56,3 +56,11 @@ def test_kind_of_refuses_json_of_something_else() -> None:
     assert kind_of({"benchmark": "serving", "runs": []}) == "serving"
     with pytest.raises(ValueError):
         kind_of({"hello": 1})
+
+
+def test_a_run_repeated_in_one_file_gets_its_own_bar() -> None:
+    from scripts.plot_benchmarks import _numbered
+
+    runs = [{"name": "paged", "output_tokens_per_s": 2.0}, {"name": "sync", "output_tokens_per_s": 1.0}]
+    runs += [{"name": "paged", "output_tokens_per_s": 3.0}, {"name": "paged", "output_tokens_per_s": 4.0}]
+    assert _numbered(runs) == {"paged": 2.0, "sync": 1.0, "paged #2": 3.0, "paged #3": 4.0}
