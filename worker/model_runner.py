@@ -193,9 +193,9 @@ class ModelRunner:
         """Releases the CUDA graphs. Before a tensor-parallel group is destroyed this is required: NCCL
         does not destroy a communicator that a live graph captured (destroy_process_group hangs)."""
         if self.graphs is not None:
+            torch.cuda.synchronize(self.device)  # no graph is still running when it goes
             self.graphs = None
             gc.collect()
-            torch.cuda.synchronize(self.device)
 
     @property
     def num_kv_blocks(self) -> int:
