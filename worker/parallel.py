@@ -20,6 +20,7 @@ the layer helpers are the plain torch calls.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import time
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 KEEPALIVE_S = 60.0  # rank 0 sends an empty message when idle this long, well inside the group's timeout
 GROUP_TIMEOUT = timedelta(minutes=30)  # a collective (or a wait for rank 0's next message) longer fails
+CLOSE_TIMEOUT = timedelta(seconds=10)  # how long a clean exit waits for the other ranks to leave as well
 _SHARDED_SIZES = ("num_heads", "num_kv_heads", "intermediate_size")
 _HONCHO_INDEX = re.compile(r"\.(\d+)$")
 
@@ -166,9 +168,21 @@ class ParallelContext:
         raw = data.numpy().tobytes()
         return [raw[:1], raw[1:]]
 
-    def close(self) -> None:
-        if self.world_size > 1:
-            dist.destroy_process_group()
+    def close(self, wait_for_others: bool = True) -> None:
+        """Leaves the group. With `wait_for_others` (a clean exit), first waits, CLOSE_TIMEOUT at most, until
+        every rank is leaving too, so that no rank tears its connections down while another still talks on
+        them. Then drops this context's references to the groups, so that they are destroyed now and not
+        during the interpreter's exit, where gloo's threads can abort the process."""
+        if self.world_size == 1 or self.control_group is None:
+            return
+        if wait_for_others:
+            try:
+                dist.monitored_barrier(group=self.control_group, timeout=CLOSE_TIMEOUT)
+            except RuntimeError:
+                pass  # a rank is gone or stuck: leave all the same
+        dist.destroy_process_group()
+        self.group = self.control_group = None
+        gc.collect()
 
 
 def init_parallel(cfg: WorkerConfig) -> tuple[WorkerConfig, ParallelContext]:

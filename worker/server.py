@@ -70,11 +70,13 @@ def serve(cfg: WorkerConfig) -> int:
             max_model_len=runner.max_model_len,
         )
     if not parallel.is_driver:
+        code = 1
         try:
-            return _follow(runner, parallel, log)
+            code = _follow(runner, parallel, log)
+            return code
         finally:
             runner.close()
-            parallel.close()
+            parallel.close(wait_for_others=code == 0)
 
     # Installed after loading: until then the default handlers end the process at once, which is right.
     stop = _StopFlag()
@@ -100,11 +102,13 @@ def serve(cfg: WorkerConfig) -> int:
     log.info(
         "worker_ready", address=cfg.worker_address, model_name=ready.model_name, worker_id=ready.worker_id
     )
+    code = 1
     try:
-        return _loop(sock, runner, stop, log, parallel)
+        code = _loop(sock, runner, stop, log, parallel)
+        return code
     finally:
         runner.close()
-        parallel.close()
+        parallel.close(wait_for_others=code == 0)
         heartbeat.stop()
         sock.close()
         ctx.term()
