@@ -467,7 +467,7 @@ class ModelRunner:
         ]
         self._check_forks(plan, {plan.scheduled_seq_ids[b] for b in sampling})
         if not seqs:
-            self.in_flight.append(LaunchedStep(plan.step_id, [], [], None, None, None, None))
+            self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return
         inputs = self._host_inputs(seqs, num_tokens)
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
@@ -481,10 +481,7 @@ class ModelRunner:
         if logits is None:
             if ended is not None:
                 ended.record()
-            self.in_flight.append(
-                LaunchedStep(plan.step_id, [], [], None, None, started, ended, self._last_ended)
-            )
-            self._last_ended = ended
+            self._queue(LaunchedStep(plan.step_id, [], [], None, None, started, ended))
             return
 
         seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
@@ -505,10 +502,14 @@ class ModelRunner:
         for seq in samplers:
             if not seq.beam:
                 seq.pending += 1
-        self.in_flight.append(
-            LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, started, ended, self._last_ended)
-        )
-        self._last_ended = ended
+        self._queue(LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, started, ended))
+
+    def _queue(self, step: LaunchedStep) -> None:
+        """Puts a launched step in flight; one with events is timed against the last one before it."""
+        if step.ended is not None:
+            step.previous_ended = self._last_ended
+            self._last_ended = step.ended
+        self.in_flight.append(step)
 
     def finish(self) -> StepOutput:
         """Waits for the oldest step in flight, appends its tokens and returns its output."""
@@ -517,15 +518,14 @@ class ModelRunner:
         logprobs: list = []
         if step.copy is not None:
             new_tokens, logprobs = step.copy.wait()
-        idle_s = 0.0
+        gpu_s = idle_s = 0.0
         if step.ended is not None and step.started is not None:
             step.ended.synchronize()
-            self.last_step_gpu_s = step.started.elapsed_time(step.ended) / 1e3
+            gpu_s = self.last_step_gpu_s = step.started.elapsed_time(step.ended) / 1e3
             if step.previous_ended is not None:
                 idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
         for seq, token in zip(step.samplers, new_tokens, strict=True):
             if not seq.beam:
                 seq.token_ids.append(token)
                 seq.pending -= 1
-        gpu_s = self.last_step_gpu_s if step.started is not None else 0.0
         return StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s)
