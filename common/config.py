@@ -45,7 +45,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompts that start alike
     preemption_mode: str = "auto"  # recompute | swap | auto (per victim, whichever is cheaper)
     scheduling_policy: str = "fcfs"  # fcfs | priority (the request's priority, lower first, then arrival)
-    kv_policy: str = "paged"  # paged: blocks on demand; reserved: prompt + max_tokens up front (a baseline)
+    # paged: blocks on demand. Baselines that claim a request's room up front, as pre-paging servers did:
+    # reserved (prompt + max_tokens), reserved-max (max_model_len, whatever the request asks for).
+    kv_policy: str = "paged"
     async_scheduling: bool = True  # plan step N+1 while the worker runs step N (no GPU idle between steps)
     heartbeat_timeout_s: float = 10.0  # a worker silent this long (no heartbeat, no output) is declared dead
     step_timeout_s: float = 600.0  # a step not answered this long declares the worker group hung
@@ -55,7 +57,7 @@ class SchedulerConfig:
         choices = {
             "preemption_mode": ("recompute", "swap", "auto"),
             "scheduling_policy": ("fcfs", "priority"),
-            "kv_policy": ("paged", "reserved"),
+            "kv_policy": ("paged", "reserved", "reserved-max"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -74,7 +74,7 @@ class SchedulerSettings:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # recompute | swap | auto
     scheduling_policy: str = "fcfs"  # fcfs | priority
-    kv_policy: str = "paged"  # paged | reserved
+    kv_policy: str = "paged"  # paged | reserved | reserved-max
 
     @property
     def watermark_blocks(self) -> int:
@@ -83,7 +83,8 @@ class SchedulerSettings:
 
     @property
     def reserved(self) -> bool:
-        return self.kv_policy == "reserved"
+        """A baseline policy that claims each sequence's whole room at admission."""
+        return self.kv_policy != "paged"
 
 
 @dataclass
@@ -190,6 +191,8 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
                 f"this model's maximum context length is {self.settings.max_model_len} tokens, but "
                 f"{total} were requested ({len(prompt)} in the prompt, {msg.params.max_tokens} to generate)"
             )
+        if self.settings.kv_policy == "reserved-max":
+            total = self.settings.max_model_len  # what each of its sequences will claim
         if self.block_manager.blocks_for(total) > self.settings.num_kv_blocks:
             return (
                 f"{total} tokens need {self.block_manager.blocks_for(total)} KV blocks, "
@@ -449,9 +452,12 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             self._rebalance_beam_seats(seq.request)
 
     def _reserve_tokens(self, seq: Sequence) -> int:
-        """Reserved policy: room for the whole possible length, claimed at admission."""
+        """Reserved policies: room for the whole possible length, claimed at admission; reserved-max claims
+        max_model_len for every sequence, as a server that knows nothing of the request's length."""
         if not self.settings.reserved:
             return 0
+        if self.settings.kv_policy == "reserved-max":
+            return self.settings.max_model_len
         possible = seq.num_prompt_tokens + seq.request.params.max_tokens
         return min(possible, self.settings.max_model_len)
 

@@ -7,7 +7,9 @@
 Every request has random token ids, a prompt length drawn uniformly from [min, max] prompt length and an
 output length drawn uniformly from [min, max] output length (fixed seed, ignore_eos, so it generates exactly
 that many). They all go through the ZeroMQ client at once. Each run in `--runs` starts a fresh scheduler and
-worker with that `--kv-policy` and the same KV budget (`--num-kv-blocks`), so the runs differ only in policy;
+worker with that `--kv-policy` and the same KV budget (`--num-kv-blocks`), so the runs differ only in policy
+(`reserved` claims prompt + max_tokens per request at admission, `reserved-max` claims `--max-model-len`, as
+a server that reserves the longest possible sequence for every request);
 run `paged-sync` is `paged` with the scheduler's async scheduling off (each plan waits for the last step's
 tokens), the baseline that async scheduling is measured against.
 
@@ -40,9 +42,9 @@ from common.messages import InfoReply, SamplingParams  # noqa: E402
 from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
-POLICIES = ("paged", "reserved")
+POLICIES = ("paged", "reserved", "reserved-max")
 # run name -> (kv policy, async scheduling)
-RUNS = {"paged": ("paged", True), "reserved": ("reserved", True), "paged-sync": ("paged", False)}
+RUNS = {**{policy: (policy, True) for policy in POLICIES}, "paged-sync": ("paged", False)}
 PEERS = ("hf-static", "hf-continuous")
 
 
@@ -75,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-kv-blocks", type=int, default=0, help="KV pool of every run; 0: the worker's default"
     )
     p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="every run's max_model_len (what reserved-max claims per request); 0: the model's own limit",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks, one GPU each")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
@@ -208,6 +216,7 @@ async def run_engine(
         "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
         "tensor_parallel_size": args.tensor_parallel_size,
         "log_level": "warning",  # per-request log lines would cost the scheduler time
     }
@@ -245,6 +254,7 @@ async def run_engine(
         "kv_policy": policy,
         "async_scheduling": async_scheduling,
         "num_kv_blocks": info.num_kv_blocks,
+        "max_model_len": info.max_model_len,
         "block_size": info.block_size,
         "num_requests": len(workload),
         "completed": len(results),

@@ -17,23 +17,26 @@ def test_bench_throughput_compares_paged_reserved_and_sync_scheduling_at_one_kv_
     out = tmp_path / "bench.json"
     argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--num-requests", "12"]
     argv += ["--max-prompt-len", "48", "--max-output-len", "16", "--num-kv-blocks", "24"]
-    argv += ["--runs", "paged,reserved,paged-sync", "--sample-interval", "0.02"]
+    argv += ["--max-model-len", "128", "--runs", "paged,reserved,paged-sync,reserved-max"]
+    argv += ["--sample-interval", "0.02"]
     argv += ["--log-dir", str(tmp_path / "logs")]
     main([*argv, "--json-out", str(out)])
 
     report = json.loads(out.read_text())
     wanted = [r["output_len"] for r in report["requests"]]
     assert len(wanted) == 12 and all(16 == n for n in wanted)
-    paged, reserved, sync = report["runs"]
-    assert (paged["kv_policy"], reserved["kv_policy"], sync["kv_policy"]) == ("paged", "reserved", "paged")
+    paged, reserved, sync, reserved_max = report["runs"]
+    policies = [run["kv_policy"] for run in report["runs"]]
+    assert policies == ["paged", "reserved", "paged", "reserved-max"]
     assert (paged["async_scheduling"], sync["async_scheduling"]) == (True, False)
-    for run in (paged, reserved, sync):
+    for run in report["runs"]:
         assert run["completed"] == run["num_requests"] == 12
         assert run["output_lens"] == wanted and run["output_tokens"] == sum(wanted)
-        assert run["num_kv_blocks"] == 24
+        assert run["num_kv_blocks"] == 24 and run["max_model_len"] == 128
         assert run["output_tokens_per_s"] > 0 and run["total_tokens_per_s"] > 0 and run["requests_per_s"] > 0
         assert isinstance(run["preemptions"], int) and run["preemptions"] >= 0
         assert 1 <= run["peak_running"] <= 12
-    assert paged["mean_kv_waste"] < reserved["mean_kv_waste"]
+    assert paged["mean_kv_waste"] < reserved["mean_kv_waste"] < reserved_max["mean_kv_waste"]
+    assert reserved_max["peak_running"] <= 3  # 128 tokens = 8 of the 24 blocks claimed per request
     printed = capsys.readouterr().out
     assert "out tok/s" in printed and "reserved" in printed

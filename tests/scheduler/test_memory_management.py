@@ -214,6 +214,28 @@ def test_reserved_policy_claims_the_whole_length_at_admission():
     _assert_nothing_left(h)
 
 
+def test_reserved_max_policy_claims_max_model_len_for_every_sequence():
+    h = make_harness(num_blocks=40, block_size=4, kv_policy="reserved-max", max_model_len=64)
+    for i in range(3):
+        assert h.submit(f"r{i}", [1 + i] * 5, max_tokens=6) is None
+    h.step()
+    # 16 blocks each whatever the request asks for: two fit in 40 blocks, the third waits for one to end
+    tables = {s: len(h.scheduler.block_manager.block_table(s)) for s in (0, 1)}
+    assert tables == {0: 16, 1: 16}
+    assert {s.seq_id for s in h.worker.plans[0].new_seqs} == {0, 1}
+    usage = h.scheduler.kv_usage()
+    assert usage.slots_allocated == 32 * 4 and usage.slots_used == 2 * 5
+    h.run()
+    assert all(len(h.tokens[(f"r{i}", 0)]) == 6 for i in range(3))
+    assert max(len(p.new_seqs) for p in h.worker.plans[1:]) == 1  # r2 started alone, after one finished
+    _assert_nothing_left(h)
+
+
+def test_reserved_max_policy_refuses_what_the_pool_cannot_hold_at_max_model_len():
+    h = make_harness(num_blocks=12, block_size=4, kv_policy="reserved-max", max_model_len=64)
+    assert "whole pool" in h.submit("r", [1] * 5, max_tokens=6)  # 11 tokens, but it would claim 16 blocks
+
+
 def test_kv_accounting_metrics():
     h = make_harness(num_blocks=64, block_size=4)
     h.submit("a", [1] * 6, max_tokens=5, n=2)
