@@ -433,7 +433,9 @@ def paged_attention(
 
     if num_splits > 1:
         partial_dtype = query.dtype if SPLIT_PARTIALS_IN_QUERY_DTYPE else torch.float32
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=query.device, dtype=partial_dtype)
+        part_acc = torch.empty(
+            num_tokens, num_heads, num_splits, head_dim, device=query.device, dtype=partial_dtype
+        )
         part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, device=query.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out  # unused

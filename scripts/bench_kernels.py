@@ -15,6 +15,7 @@ CPU under TRITON_INTERPRET=1 to check the script itself.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -432,13 +433,13 @@ def decode_variants(device: torch.device, copy_bw: float, smoke: bool) -> list[d
     for pdl in (False, True):
         for bf16_parts in (False, True):
             for stages in (3, 2):
-                cfg = AttentionConfig(DECODE_CONFIG.block_m, DECODE_CONFIG.tile_n, DECODE_CONFIG.num_warps, stages)
+                cfg = dataclasses.replace(DECODE_CONFIG, num_stages=stages)
                 ta.DECODE_PDL, ta.SPLIT_PARTIALS_IN_QUERY_DTYPE = pdl and not smoke, bf16_parts
                 try:
                     for b, ctx in shapes:
                         r = _attempt(f"{b}x{ctx}", bench_decode, b, ctx, device, config=cfg)
-                        row = {"batch": b, "ctx": ctx, "pdl": pdl, "bf16_partials": bf16_parts, "stages": stages,
-                               "us": r.get("us", float("nan")),
+                        row = {"batch": b, "ctx": ctx, "pdl": pdl, "bf16_partials": bf16_parts,
+                               "stages": stages, "us": r.get("us", float("nan")),
                                "frac": r.get("tb_s", float("nan")) * 1e12 / copy_bw}  # fmt: skip
                         out.append(row)
                         print(f"pdl={pdl:d} bf16={bf16_parts:d} stages={stages} {b}x{ctx}: "
