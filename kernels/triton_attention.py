@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class AttentionConfig:
 
 
 # Tiles and split counts picked from sweeps on an H100 and an H200 (docs/kernels.md).
-DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=3)
+DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2)
 PREFILL_CONFIG = AttentionConfig(block_m=128, tile_n=32, num_warps=4, num_stages=3)
 # Split-KV: about this many decode programs per multiprocessor, each split holding at least
 # _MIN_SPLIT_TOKENS; batches of up to twice that many programs still split in two, which shortens the last
@@ -47,11 +46,6 @@ _SPLIT_PROGRAMS_PER_SM = 4
 FUSE_DECODE_COMBINE = True
 _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 32  # H100, batch 1 x 8k: 32 splits beat 64 (docs/kernels.md)
-# Split partial outputs in the query's dtype (half the bytes the combining program reads) instead of fp32.
-SPLIT_PARTIALS_IN_QUERY_DTYPE = True
-# Decode launches as a programmatic dependent launch on Hopper and later (None: where the GPU supports it),
-# so its launch and first loads overlap the previous kernel's tail.
-DECODE_PDL: bool | None = None
 
 
 @triton.jit
@@ -120,7 +114,7 @@ def _attend_tiles(
 @triton.jit
 def _combine_group(
     out_ptr,  # [T, Hq, HEAD_DIM]
-    part_acc_ptr,  # [T, Hq, SPLITS, HEAD_DIM] normalized partial outputs (fp32 or the query's dtype)
+    part_acc_ptr,  # [T, Hq, SPLITS, HEAD_DIM] fp32
     part_ml_ptr,  # [T, Hq, SPLITS, 2] fp32
     row,  # the decode token (= sequence) whose GROUP heads are combined
     first_head,  # kv_head * GROUP
@@ -155,10 +149,10 @@ def _combine_group(
         m_new = tl.maximum(m_run, tl.max(m, 1))
         # Empty splits (and padding) have m = -inf and weigh 0; shift by 0 while every one so far is empty.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(m - m_shift[:, None]) * l_s  # the partials are normalized: weigh each by its sum
+        w = tl.exp2(m - m_shift[:, None])
         alpha = tl.exp2(m_run - m_shift)
-        l_run = l_run * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, None] + tl.sum(a.to(tl.float32) * w[:, :, None], 1)
+        l_run = l_run * alpha + tl.sum(l_s * w, 1)
+        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 1)
         m_run = m_new
     out = acc / l_run[:, None]
     out_offs = row.to(tl.int64) * stride_ot + (first_head + offs_g)[:, None] * stride_oh + offs_d[None, :]
@@ -168,7 +162,7 @@ def _combine_group(
 @triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, HEAD_DIM], written unless SPLIT_KV
-    part_acc_ptr,  # [T, Hq, num_splits, HEAD_DIM] normalized partial outputs (SPLIT_KV), fp32 or query dtype
+    part_acc_ptr,  # [T, Hq, num_splits, HEAD_DIM] fp32 unnormalized partial outputs (SPLIT_KV)
     part_ml_ptr,  # [T, Hq, num_splits, 2] fp32 partial max score (log2 units) and sum of exponentials
     counter_ptr,  # [B * Hkv] int32, zero between calls: splits done per (sequence, KV head) (FUSED_SPLITS)
     query_ptr,  # [T, Hq, HEAD_DIM]
@@ -200,7 +194,6 @@ def _paged_attention_kernel(
     FUSED_SPLITS: tl.constexpr = 0,  # > 0 (= num_splits, DECODE_ONLY): the last split combines in place
     GROUP_PAD: tl.constexpr = 1,  # next power of 2 of GROUP (FUSED_SPLITS)
     COMBINE_CHUNK: tl.constexpr = 1,  # splits merged per step by _combine_group (FUSED_SPLITS)
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (Hopper and later)
 ):
     if DECODE_ONLY:
         pid_q = tl.program_id(0)
@@ -237,12 +230,6 @@ def _paged_attention_kernel(
             return  # a gap between two sequences' programs
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_start = seq_len - q_len  # context position of the chunk's first token
-    if PDL:
-        # Started while the previous kernel finishes: what came before it (the step's metadata copies) is
-        # done, but its own writes (K/V into the cache, the query) are visible only after this wait. Let the
-        # next kernel start its own prologue as soon as every program here has started.
-        gdc_launch_dependents()
-        gdc_wait()
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -287,12 +274,7 @@ def _paged_attention_kernel(
 
     if SPLIT_KV:
         part = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M]
-        o_part = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # an empty split stores 0 and weighs 0
-        tl.store(
-            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-            o_part.to(part_acc_ptr.dtype.element_ty),
-            mask=row_ok[:, None],
-        )
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
         if FUSED_SPLITS > 0:
@@ -318,7 +300,7 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(
     out_ptr,  # [T, Hq, HEAD_DIM]
-    part_acc_ptr,  # [T, Hq, num_splits, HEAD_DIM] normalized partial outputs
+    part_acc_ptr,  # [T, Hq, num_splits, HEAD_DIM] fp32
     part_ml_ptr,  # [T, Hq, num_splits, 2] fp32
     num_splits,
     stride_ot,
@@ -338,8 +320,8 @@ def _combine_splits_kernel(
         part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0
     )
     # Split 0 always holds tokens, so m_max is finite; empty splits (m = -inf) get weight 0.
-    w = tl.exp2(m - tl.max(m, 0)) * l_s
-    out = tl.sum(acc.to(tl.float32) * w[:, None], 0) / tl.sum(w, 0)
+    w = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -363,11 +345,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the CPU interpreter: a few splits, so the automatic choice is exercised there too
-
-
-@functools.cache
-def _supports_pdl(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def choose_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
@@ -432,9 +409,8 @@ def paged_attention(
         num_q_programs = num_tokens // block_q + num_seqs
 
     if num_splits > 1:
-        partial_dtype = query.dtype if SPLIT_PARTIALS_IN_QUERY_DTYPE else torch.float32
         part_acc = torch.empty(
-            num_tokens, num_heads, num_splits, head_dim, device=query.device, dtype=partial_dtype
+            num_tokens, num_heads, num_splits, head_dim, device=query.device, dtype=torch.float32
         )
         part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, device=query.device, dtype=torch.float32)
     else:
@@ -444,7 +420,6 @@ def paged_attention(
     group_pad = triton.next_power_of_2(group)
     # Splits merged per step by the last split: about 8k fp32 partial-output elements in registers at a time.
     combine_chunk = max(2, min(triton.next_power_of_2(num_splits), 8192 // (group_pad * head_dim)))
-    pdl = decode_only and (_supports_pdl(query.device) if DECODE_PDL is None else DECODE_PDL)
     grid = (num_q_programs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, counters, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -455,8 +430,8 @@ def paged_attention(
         TILE_N=cfg.tile_n, SPLIT_KV=num_splits > 1, DECODE_ONLY=decode_only,
         IEEE_DOT=query.dtype == torch.float32,
         FUSED_SPLITS=num_splits if fused else 0, GROUP_PAD=group_pad if fused else 1,
-        COMBINE_CHUNK=combine_chunk if fused else 1, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        COMBINE_CHUNK=combine_chunk if fused else 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1 and not fused:
         _combine_splits_kernel[(num_tokens, num_heads)](

@@ -15,7 +15,6 @@ CPU under TRITON_INTERPRET=1 to check the script itself.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -354,7 +353,6 @@ def main() -> None:
         batches, contexts = ([1, 8, 64, 256], [512, 2048, 8192]) if not args.smoke else ([1, 2], [64])
         res["decode"] = decode_table(batches, contexts, device, copy_bw)
         res["combine_splits"] = combine_splits(device, copy_bw, args.smoke)
-        res["decode_variants"] = decode_variants(device, copy_bw, args.smoke)
         if not args.smoke:
             res["probes"] = _attempt("probes", probes, device)
         if args.out:
@@ -421,31 +419,6 @@ def combine_splits(device: torch.device, copy_bw: float, smoke: bool) -> dict:
                 f"{b}x{ctx} splits {s}: fused {100 * row['fused_frac']:.0f}% ({row['fused_us']:.1f} us), "
                 f"separate {100 * row['separate_frac']:.0f}% ({row['separate_us']:.1f} us)", flush=True,
             )  # fmt: skip
-    return out
-
-
-def decode_variants(device: torch.device, copy_bw: float, smoke: bool) -> list[dict]:
-    """% of copy (us) of the small-batch decode shapes under each combination of the decode launch options:
-    programmatic dependent launch, split partials in bf16 or fp32, 3 or 2 pipeline stages."""
-    shapes = [(1, 8192), (1, 2048), (8, 2048), (8, 8192), (64, 2048), (256, 2048)] if not smoke else [(1, 64)]
-    out = []
-    print("\n# decode variants: pdl / partials / stages -> % copy (us)")
-    for pdl in (False, True):
-        for bf16_parts in (False, True):
-            for stages in (3, 2):
-                cfg = dataclasses.replace(DECODE_CONFIG, num_stages=stages)
-                ta.DECODE_PDL, ta.SPLIT_PARTIALS_IN_QUERY_DTYPE = pdl and not smoke, bf16_parts
-                try:
-                    for b, ctx in shapes:
-                        r = _attempt(f"{b}x{ctx}", bench_decode, b, ctx, device, config=cfg)
-                        row = {"batch": b, "ctx": ctx, "pdl": pdl, "bf16_partials": bf16_parts,
-                               "stages": stages, "us": r.get("us", float("nan")),
-                               "frac": r.get("tb_s", float("nan")) * 1e12 / copy_bw}  # fmt: skip
-                        out.append(row)
-                        print(f"pdl={pdl:d} bf16={bf16_parts:d} stages={stages} {b}x{ctx}: "
-                              f"{100 * row['frac']:.1f}% ({row['us']:.2f} us)", flush=True)  # fmt: skip
-                finally:
-                    ta.DECODE_PDL, ta.SPLIT_PARTIALS_IN_QUERY_DTYPE = None, True
     return out
 
 

@@ -4,11 +4,13 @@ reference: the correctness report of a GPU (or CPU) run.
     python scripts/check_correctness.py --model /tmp/m1b --device cuda [--num-prompts 32] [--max-tokens 64]
         [--json-out FILE]
 
-Random prompts of uniform lengths (`--min-prompt-len`..`--max-prompt-len`) run through the scheduler core and
-the worker's ModelRunner (every prompt batched together, CUDA graphs and the Triton kernels on CUDA) in
+Prompts of uniform lengths (`--min-prompt-len`..`--max-prompt-len`; random token ids, or sentences of the
+checkpoint's synthetic language when `scripts/train_synthetic.py` trained it) run through the scheduler core
+and the worker's ModelRunner (every prompt batched together, CUDA graphs and the Triton kernels on CUDA) in
 `--dtype` (bf16 on CUDA), greedy, up to `--max-tokens` tokens each (both stop at the model's EOS).
 transformers' `generate` runs each prompt alone in the same dtype. Reported:
-- the fraction of sequences identical for all `--max-tokens` tokens, and for those that differ, where they
+- the fraction of sequences identical for all `--max-tokens` tokens (and, as the noise floor, how many of
+  transformers' own `--dtype` outputs match its float32 greedy outputs), and for those that differ, where they
   first differ and the float32 reference's logprob gap between the two tokens there (a near-tie, where bf16
   rounding in either implementation may pick either token, has a small gap);
 - the largest absolute difference between the engine's logits (one prefill of prompt + its generated tokens,
@@ -33,6 +35,7 @@ import torch  # noqa: E402
 from common.config import WorkerConfig  # noqa: E402
 from common.messages import SamplingParams, SubmitRequest  # noqa: E402
 from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
+from scripts.train_synthetic import SyntheticLanguage  # noqa: E402
 from worker.inputs import BlockTableArray, build_inputs  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 
@@ -116,16 +119,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     backend = "triton" if args.device.startswith("cuda") else "torch"
     runner = ModelRunner(config, attention_backend=backend)
-    vocab = runner.vocab_size
-    prompts = [
-        [rng.randrange(vocab) for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))]
-        for _ in range(args.num_prompts)
-    ]
+    lengths = [rng.randint(args.min_prompt_len, args.max_prompt_len) for _ in range(args.num_prompts)]
+    language = SyntheticLanguage.load(args.model)
+    if language is None:  # random weights: random token ids
+        prompts = [[rng.randrange(runner.vocab_size) for _ in range(n)] for n in lengths]
+    else:  # trained by scripts/train_synthetic.py: prompts in its language
+        sampled = language.sample(np.random.default_rng(args.seed), args.num_prompts, max(lengths))
+        prompts = [row[:n].tolist() for row, n in zip(sampled, lengths, strict=True)]
     ours = engine_greedy(runner, prompts, args.max_tokens)
 
     same_dtype = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     theirs = [reference_greedy(same_dtype, p, args.max_tokens, args.device) for p in prompts]
     fp32 = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
+    # The noise floor: how often transformers in --dtype itself matches its own float32 greedy output.
+    exact_greedy = [reference_greedy(fp32, p, args.max_tokens, args.device) for p in prompts]
 
     divergences = []
     max_diff_engine = max_diff_same_dtype = 0.0
@@ -145,21 +152,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             divergences.append({"prompt": i, "first_difference": k, "float32_logprob_gap": round(gap, 5)})
 
     identical = args.num_prompts - len(divergences)
+    floor = sum(a == b for a, b in zip(theirs, exact_greedy, strict=True))
+    engine_exact = sum(a == b for a, b in zip(ours, exact_greedy, strict=True))
     report = {
         "model": str(Path(args.model).resolve().name),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": args.dtype,
+        "prompts": "random token ids" if language is None else "synthetic language (trained checkpoint)",
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "identical": identical,
         "identical_fraction": round(identical / args.num_prompts, 4),
+        "transformers_dtype_identical_to_float32": floor,
+        "engine_identical_to_transformers_float32": engine_exact,
         "divergences": divergences,
         "max_logit_diff_engine_vs_float32": round(max_diff_engine, 5),
         "max_logit_diff_transformers_same_dtype_vs_float32": round(max_diff_same_dtype, 5),
     }
     print(
         f"{report['model']} {args.dtype} on {report['device']}: {identical}/{args.num_prompts} sequences "
-        f"identical to transformers for {args.max_tokens} tokens"
+        f"identical to transformers for {args.max_tokens} tokens ({report['prompts']}); against transformers "
+        f"float32: engine {engine_exact}, transformers {args.dtype} {floor}"
     )
     for d in divergences:
         gap = d.get("float32_logprob_gap")

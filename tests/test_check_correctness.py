@@ -15,4 +15,10 @@ def test_float32_engine_is_identical_to_transformers_on_the_cpu(tiny_model_dir: 
     assert report == json.loads(out.read_text())
     assert report["dtype"] == "float32" and report["num_prompts"] == 5
     assert report["identical"] == 5 and report["divergences"] == []
+    assert report["prompts"] == "random token ids"
+    assert (
+        report["transformers_dtype_identical_to_float32"]
+        == report["engine_identical_to_transformers_float32"]
+        == 5
+    )
     assert report["max_logit_diff_engine_vs_float32"] < 1e-3  # float32 against float32: rounding only
