@@ -301,7 +301,10 @@ def run_peer(
     generated_tokens = 0  # static batching also computes the padding past each request's own length
     wrong_lengths = 0
     start = time.perf_counter()
-    with torch.inference_mode():
+    # Not for hf-continuous: its generation thread updates, outside inference mode, tensors it made on this
+    # one, which torch refuses ("Inplace update to inference tensor outside InferenceMode"), and every
+    # request comes back failed with no tokens.
+    with torch.inference_mode(peer == "hf-static"):
         if peer == "hf-static":
             for b in range(0, len(workload), args.peer_batch_size):
                 batch = workload[b : b + args.peer_batch_size]
@@ -383,6 +386,8 @@ def _run_hf_continuous(args: argparse.Namespace, model: Any, workload: list[Benc
             )
         while len(lengths) < len(workload):
             result = manager.get_result(timeout=1)
+            if result is not None and result.error is not None:
+                raise RuntimeError(f"hf-continuous: request {result.request_id} failed: {result.error}")
             if result is not None and result.is_finished():
                 lengths[result.request_id] = len(result.generated_tokens)
             elif result is None and not manager.is_running():
