@@ -110,10 +110,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_workload(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
-    rng = random.Random(args.seed)
+def make_workload(
+    args: argparse.Namespace, vocab_size: int, num_requests: int | None = None, seed: int | None = None
+) -> list[BenchRequest]:
+    """`--num-requests` requests of the flags' length ranges, drawn from `--seed` (or as many / as seeded)."""
+    rng = random.Random(args.seed if seed is None else seed)
     workload = []
-    for _ in range(args.num_requests):
+    for _ in range(args.num_requests if num_requests is None else num_requests):
         prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
         output_len = rng.randint(args.min_output_len, args.max_output_len)
         workload.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
@@ -176,15 +179,10 @@ async def wait_ready(client: AsyncEngineClient, engine: Engine, timeout_s: float
 
 
 async def _warm_up(client: AsyncEngineClient, args: argparse.Namespace, vocab_size: int) -> None:
-    """`--num-warmup` requests of the workload's prompt lengths (other token ids), a few tokens each."""
-    rng = random.Random(args.seed + 1)
-    handles = []
-    for _ in range(args.num_warmup):
-        prompt = [
-            rng.randrange(vocab_size) for _ in range(rng.randint(args.min_prompt_len, args.max_prompt_len))
-        ]
-        params = SamplingParams(max_tokens=min(8, args.max_output_len), ignore_eos=True)
-        handles.append(await client.submit_one(prompt, params))
+    """`--num-warmup` requests of the workload's prompt lengths (another seed), a few tokens each."""
+    params = SamplingParams(max_tokens=min(8, args.max_output_len), ignore_eos=True)
+    warm = make_workload(args, vocab_size, args.num_warmup, args.seed + 1)
+    handles = [await client.submit_one(r.prompt_token_ids, params) for r in warm]
     await asyncio.gather(*(h.result() for h in handles))
 
 

@@ -152,7 +152,9 @@ def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any, para
                     sock.send_multipart(encode(runner.finish()))
             except Exception:
                 # The worker's state no longer matches the scheduler's: exit loudly rather than guess.
-                log.exception("step_failed", step_id=msg.step_id)
+                # Launching msg or finishing the step before it: name every step involved.
+                steps_in_flight = [step.step_id for step in runner.in_flight]
+                log.exception("step_failed", step_id=msg.step_id, steps_in_flight=steps_in_flight)
                 return 1
         elif isinstance(msg, Shutdown):
             parallel.forward_to_followers(frames)
@@ -195,7 +197,9 @@ def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any) -> int:
                 while len(runner.in_flight) > 1:
                     runner.finish()
             except Exception:
-                log.exception("step_failed", step_id=msg.step_id)
+                # Launching msg or finishing the step before it: name every step involved.
+                steps_in_flight = [step.step_id for step in runner.in_flight]
+                log.exception("step_failed", step_id=msg.step_id, steps_in_flight=steps_in_flight)
                 return 1
         elif isinstance(msg, Shutdown):
             log.info("shutdown", reason=msg.reason)
