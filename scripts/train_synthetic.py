@@ -87,10 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace) -> dict:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    saved_dtype = AutoConfig.from_pretrained(args.model).dtype  # loading in float32 rewrites the config's
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
-    saved_dtype = model.config.dtype
     special = {t for t in (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id)}
     special = {t for v in special for t in (v if isinstance(v, list) else [v]) if t is not None}
     language = SyntheticLanguage.make(model.config.vocab_size, special, args.seed)

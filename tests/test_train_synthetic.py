@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from scripts.check_correctness import main as check_correctness
 from scripts.train_synthetic import LANGUAGE_FILE, SyntheticLanguage
@@ -30,7 +32,10 @@ def test_training_writes_the_language_and_check_correctness_uses_it(
 ) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
+    AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).save_pretrained(model)
     report = train(["--model", str(model), "--device", "cpu", "--steps", "3", "--batch-size", "2"])
+    assert AutoConfig.from_pretrained(model).dtype == torch.bfloat16  # trained in float32, saved as it was
+    assert AutoModelForCausalLM.from_pretrained(model).dtype == torch.bfloat16
     saved = json.loads((model / LANGUAGE_FILE).read_text())
     assert saved == report and saved["train"]["steps"] == 3
     assert 0.0 <= saved["train"]["greedy_rule_accuracy"] <= 1.0 and np.isfinite(saved["train"]["final_loss"])
