@@ -87,12 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     saved_dtype = AutoConfig.from_pretrained(args.model).dtype  # loading in float32 rewrites the config's
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
-    special = {t for t in (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id)}
-    special = {t for v in special for t in (v if isinstance(v, list) else [v]) if t is not None}
+    ids: list[object] = [model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id]
+    if (Path(args.model) / "generation_config.json").exists():  # generate (and the engine) stop at these too
+        ids.append(GenerationConfig.from_pretrained(args.model).eos_token_id)
+    special = {t for v in ids for t in (v if isinstance(v, list) else [v]) if t is not None}
     language = SyntheticLanguage.make(model.config.vocab_size, special, args.seed)
     rng = np.random.default_rng(args.seed + 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
