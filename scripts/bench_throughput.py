@@ -17,8 +17,8 @@ Each run first serves `--num-warmup` requests, unmeasured (counters are read bef
 measurement). While a run goes, a background task reads the scheduler's metrics every `--sample-interval`
 seconds: KV waste (1 - slots used / slots allocated, averaged over samples with blocks allocated), the peak
 of running requests; preemptions are read at the end. `--peers hf-static,hf-continuous` also runs
-transformers (static batching with left padding; its paged continuous batching, CUDA only) on the first
-`--peer-requests` requests.
+transformers (static batching with left padding; its paged continuous batching, which on the CPU needs
+psutil) on the first `--peer-requests` requests.
 The table goes to stdout; `--json-out` also writes everything as JSON.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import random
 import sys
@@ -46,6 +47,7 @@ POLICIES = ("paged", "reserved", "reserved-max")
 # run name -> (kv policy, async scheduling)
 RUNS = {**{policy: (policy, True) for policy in POLICIES}, "paged-sync": ("paged", False)}
 PEERS = ("hf-static", "hf-continuous")
+_NEEDS_PSUTIL = "hf-continuous on the CPU needs psutil: transformers checks the free memory through it"
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.peers = [r.strip() for r in args.peers.split(",") if r.strip()]
     for bad in [r for r in args.runs if r not in RUNS] + [r for r in args.peers if r not in PEERS]:
         p.error(f"unknown run or peer {bad!r}")
-    if "hf-continuous" in args.peers and args.device == "cpu":
-        p.error("hf-continuous needs CUDA")
+    if "hf-continuous" in args.peers and args.device == "cpu" and importlib.util.find_spec("psutil") is None:
+        p.error(_NEEDS_PSUTIL)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
     if not 1 <= args.min_output_len <= args.max_output_len:
@@ -290,8 +292,8 @@ def run_peer(
     from transformers import AutoModelForCausalLM
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if peer == "hf-continuous" and device == "cpu":
-        raise SystemExit("hf-continuous needs CUDA: transformers sizes its paged cache from GPU memory")
+    if peer == "hf-continuous" and device == "cpu" and importlib.util.find_spec("psutil") is None:
+        raise SystemExit(_NEEDS_PSUTIL)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     pad_id = 0

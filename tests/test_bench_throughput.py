@@ -40,3 +40,27 @@ def test_bench_throughput_compares_paged_reserved_and_sync_scheduling_at_one_kv_
     assert reserved_max["peak_running"] <= 3  # 128 tokens = 8 of the 24 blocks claimed per request
     printed = capsys.readouterr().out
     assert "out tok/s" in printed and "reserved" in printed
+
+
+@pytest.mark.e2e
+def test_bench_throughput_runs_both_transformers_peers_on_the_cpu(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--num-requests", "6", "--num-warmup", "2"]
+    argv += ["--min-prompt-len", "4", "--max-prompt-len", "24"]
+    argv += ["--min-output-len", "4", "--max-output-len", "12"]
+    argv += ["--num-kv-blocks", "32", "--peers", "hf-static,hf-continuous", "--peer-requests", "4"]
+    argv += ["--peer-batch-size", "2", "--log-dir", str(tmp_path / "logs"), "--json-out", str(out)]
+    main(argv)
+
+    report = json.loads(out.read_text())
+    wanted = [r["output_len"] for r in report["requests"]][:4]
+    assert len(set(wanted)) > 1  # uneven lengths: static batching pads, continuous batching must not
+    static, continuous = report["peers"]
+    assert (static["name"], continuous["name"]) == ("hf-static", "hf-continuous")
+    for peer in (static, continuous):
+        assert peer["num_requests"] == peer["completed"] == 4 and peer["wrong_lengths"] == 0
+        assert peer["output_tokens"] == sum(wanted) and peer["output_tokens_per_s"] > 0
+    assert continuous["generated_tokens"] == sum(wanted)  # each request exactly its own length
+    assert static["generated_tokens"] > sum(wanted)  # padded to each batch's longest
