@@ -48,6 +48,7 @@ from scripts.bench_throughput import (  # noqa: E402
     DEFAULT_MODEL,
     BenchRequest,
     MetricsSampler,
+    format_table,
     make_workload,
     parse_metrics,
     resolve_model,
@@ -357,13 +358,6 @@ async def run_rates(
     finally:
         engine.stop()
     return rows, {"kv_blocks_total": info.num_kv_blocks, "block_size": info.block_size}
-
-
-def format_table(columns: list[str], rows: list[list[str]]) -> str:
-    """Right-aligned columns under their headers."""
-    cells = [columns, *rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
 def _ms(value: float | None) -> str:

@@ -42,10 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 from common.client import AsyncEngineClient  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
 from scripts._servers import start_engine  # noqa: E402
-from scripts.bench_serving import arrival_offsets, format_table, parse_rates, stats_ms  # noqa: E402
+from scripts.bench_serving import arrival_offsets, parse_rates, stats_ms  # noqa: E402
 from scripts.bench_throughput import (  # noqa: E402
     DEFAULT_MODEL,
     MetricsSampler,
+    format_table,
     parse_metrics,
     resolve_model,
     wait_ready,

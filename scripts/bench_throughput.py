@@ -403,21 +403,17 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
+def format_table(columns: list[str], rows: list[list[str]]) -> str:
+    """Right-aligned columns under their headers (every benchmark script's table)."""
+    cells = [columns, *rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    columns = [
-        ("run", "name"),
-        ("requests", "completed"),
-        ("wall s", "wall_s"),
-        ("req/s", "requests_per_s"),
-        ("out tok/s", "output_tokens_per_s"),
-        ("total tok/s", "total_tokens_per_s"),
-        ("KV waste", "mean_kv_waste"),
-        ("peak running", "peak_running"),
-        ("preemptions", "preemptions"),
-        ("GPU busy", "gpu_busy"),
-        ("decode GPU busy", "decode_gpu_busy"),
-    ]
-    cells = [[h for h, _ in columns]]
+    columns = ["run", "requests", "wall s", "req/s", "out tok/s", "total tok/s", "KV waste", "peak running"]
+    columns += ["preemptions", "GPU busy", "decode GPU busy"]
+    cells = []
     for row in rows:
         waste = row.get("mean_kv_waste")
         cells.append(
@@ -435,9 +431,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 _percent(row.get("decode_gpu_busy")),
             ]
         )
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    print(format_table(columns, cells))
 
 
 def resolve_model(model: str | None) -> Path:
