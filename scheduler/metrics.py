@@ -52,9 +52,8 @@ class SchedulerMetrics:
     swap_ins_total: int = 0
     gpu_seconds_total: float = 0.0  # the worker's GPU time over every step
     decode_gpu_seconds_total: float = 0.0  # over decode-only steps
-    decode_step_seconds_total: float = (
-        0.0  # decode-only steps on the GPU's clock: idle time before + GPU time
-    )
+    # decode-only steps on the GPU's clock: the GPU's idle time before each + its GPU time
+    decode_step_seconds_total: float = 0.0
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
 

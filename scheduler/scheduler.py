@@ -86,6 +86,13 @@ class SchedulerSettings:
         """A baseline policy that claims each sequence's whole room at admission."""
         return self.kv_policy != "paged"
 
+    def room(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The KV slots a sequence of such a request may come to hold; what the reserved policies claim at
+        admission (reserved-max: max_model_len, as a server that knows nothing of the request's length)."""
+        if self.kv_policy == "reserved-max":
+            return self.max_model_len
+        return min(num_prompt_tokens + max_tokens, self.max_model_len)
+
 
 @dataclass
 class _Step:
@@ -191,11 +198,10 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
                 f"this model's maximum context length is {self.settings.max_model_len} tokens, but "
                 f"{total} were requested ({len(prompt)} in the prompt, {msg.params.max_tokens} to generate)"
             )
-        if self.settings.kv_policy == "reserved-max":
-            total = self.settings.max_model_len  # what each of its sequences will claim
-        if self.block_manager.blocks_for(total) > self.settings.num_kv_blocks:
+        room = self.settings.room(len(prompt), msg.params.max_tokens)
+        if self.block_manager.blocks_for(room) > self.settings.num_kv_blocks:
             return (
-                f"{total} tokens need {self.block_manager.blocks_for(total)} KV blocks, "
+                f"{room} tokens need {self.block_manager.blocks_for(room)} KV blocks, "
                 f"more than the whole pool of {self.settings.num_kv_blocks}"
             )
         return None
@@ -452,14 +458,10 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             self._rebalance_beam_seats(seq.request)
 
     def _reserve_tokens(self, seq: Sequence) -> int:
-        """Reserved policies: room for the whole possible length, claimed at admission; reserved-max claims
-        max_model_len for every sequence, as a server that knows nothing of the request's length."""
+        """Reserved policies: the sequence's whole room, claimed at admission; 0 when paged."""
         if not self.settings.reserved:
             return 0
-        if self.settings.kv_policy == "reserved-max":
-            return self.settings.max_model_len
-        possible = seq.num_prompt_tokens + seq.request.params.max_tokens
-        return min(possible, self.settings.max_model_len)
+        return self.settings.room(seq.num_prompt_tokens, seq.request.params.max_tokens)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> Allocation | None:
         reserve = self._reserve_tokens(seq)
