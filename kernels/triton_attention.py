@@ -112,6 +112,69 @@ def _attend_tiles(
 
 
 @triton.jit
+def _attend_decode_tile(
+    acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
+    l_i,  # [BLOCK_M] fp32 running sum of exponentials
+    m_i,  # [BLOCK_M] fp32 running max score, log2 units
+    q,  # [BLOCK_M, HEAD_DIM] the query heads of one KV group, one token
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,  # [max_blocks] int32, this sequence's block table row
+    t,  # the tile
+    kv_head,
+    seq_len,  # tokens of context; the decode token is the last, so it sees all of them
+    qk_scale,
+    max_blocks,  # entries in a block-table row
+    num_blocks,  # blocks in the cache
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPECULATIVE: tl.constexpr,  # load without waiting for seq_len: indices clamped in bounds, V zeroed after
+    IEEE_DOT: tl.constexpr,
+):
+    """One K/V tile of a decode token's context. K/V are read by this program only, so they are loaded
+    evict-first (they would only push the split partials and block tables out of the L2)."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = t * TILE_N + offs_n
+    in_ctx = pos < seq_len
+    if SPECULATIVE:
+        # Past the context a block-table row holds anything: clamp the entry and the block id.
+        block = tl.load(table_ptr + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1))
+        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
+    else:
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+    kv_offs = (block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch)[:, None] + offs_d[
+        None, :
+    ]
+    if SPECULATIVE:
+        k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
+        v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
+        v = tl.where(in_ctx[:, None], v, 0.0)  # other sequences' slots, or never written: NaN * 0 is NaN
+    else:
+        k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
+    if IEEE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(in_ctx[None, :], s * qk_scale, float("-inf"))  # [BLOCK_M, TILE_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split with no context yet: exp2 gives 0
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, l_i, m_new
+
+
+@triton.jit
 def _combine_group(
     out_ptr,  # [T, Hq, HEAD_DIM]
     part_acc_ptr,  # [T, Hq, SPLITS, HEAD_DIM] fp32
@@ -174,6 +237,8 @@ def _paged_attention_kernel(
     num_seqs,
     num_splits,
     qk_scale,
+    max_blocks,  # block_tables.shape[1]
+    num_blocks,  # k_cache.shape[0]
     stride_qt,
     stride_qh,
     stride_ot,
@@ -247,30 +312,49 @@ def _paged_attention_kernel(
     first_pos = ctx_start + q_block * BLOCK_Q  # smallest query position among the rows
     kv_len = ctx_start + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # the last row sees this many tokens
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    if SPLIT_KV:
-        per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_tiles
-    # Tiles ending at or before first_pos are visible to every row: no mask needed there.
-    full_hi = tl.maximum(tile_lo, tl.minimum(tile_hi, (first_pos + 1) // TILE_N))
-
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
-        tile_lo, full_hi, stride_cb, stride_ct, stride_ch,
-        HEAD_DIM, BLOCK_SIZE, TILE_N, False, IEEE_DOT,
-    )  # fmt: skip
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
-        full_hi, tile_hi, stride_cb, stride_ct, stride_ch,
-        HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT,
-    )  # fmt: skip
+    if DECODE_ONLY:
+        # The tiles go round-robin to the splits (split s reads tiles s, s + num_splits, ...), so the first
+        # tile of every program is known before seq_len is: it loads speculatively, in parallel with seq_len
+        # (one dependent load less before the K/V bytes stream); positions past the context are masked.
+        if FUSED_SPLITS > 0:
+            step = FUSED_SPLITS
+        else:
+            step = num_splits
+        acc, l_i, m_i = _attend_decode_tile(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, split, kv_head, kv_len, qk_scale,
+            max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE, TILE_N, True,
+            IEEE_DOT,
+        )  # fmt: skip
+        for t in range(split + step, num_tiles, step):
+            acc, l_i, m_i = _attend_decode_tile(
+                acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, t, kv_head, kv_len, qk_scale,
+                max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE, TILE_N, False,
+                IEEE_DOT,
+            )  # fmt: skip
+    else:
+        if SPLIT_KV:
+            per_split = tl.cdiv(num_tiles, num_splits)
+            tile_lo = split * per_split
+            tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+        else:
+            tile_lo = 0
+            tile_hi = num_tiles
+        # Tiles ending at or before first_pos are visible to every row: no mask needed there.
+        full_hi = tl.maximum(tile_lo, tl.minimum(tile_hi, (first_pos + 1) // TILE_N))
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
+            tile_lo, full_hi, stride_cb, stride_ct, stride_ch,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, False, IEEE_DOT,
+        )  # fmt: skip
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
+            full_hi, tile_hi, stride_cb, stride_ct, stride_ch,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT,
+        )  # fmt: skip
 
     if SPLIT_KV:
         part = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M]
@@ -392,6 +476,7 @@ def paged_attention(
         return out
 
     decode_only = max_query_len == 1 and num_tokens == num_seqs
+    assert not decode_only or block_tables.shape[1] > 0, "decode needs a block-table entry per sequence"
     if decode_only:
         cfg = config or DECODE_CONFIG
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
@@ -423,7 +508,7 @@ def paged_attention(
     grid = (num_q_programs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, counters, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        num_seqs, num_splits, scale * 1.4426950408889634,
+        num_seqs, num_splits, scale * 1.4426950408889634, block_tables.shape[1], k_cache.shape[0],
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,

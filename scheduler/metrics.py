@@ -50,6 +50,8 @@ class SchedulerMetrics:
     prefix_cache_hits_total: int = 0  # of which found
     swap_outs_total: int = 0
     swap_ins_total: int = 0
+    steps_total: int = 0  # steps the worker finished
+    decode_steps_total: int = 0  # of which every sequence decoded one token (CUDA graphs run these)
     gpu_seconds_total: float = 0.0  # the worker's GPU time over every step
     decode_gpu_seconds_total: float = 0.0  # over decode-only steps
     # decode-only steps on the GPU's clock: the GPU's idle time before each + its GPU time
@@ -78,6 +80,8 @@ class SchedulerMetrics:
             ),
             "pagedserve_swap_outs_total": (self.swap_outs_total, "Sequences swapped out to the CPU pool"),
             "pagedserve_swap_ins_total": (self.swap_ins_total, "Sequences swapped back in"),
+            "pagedserve_steps_total": (self.steps_total, "Steps the worker finished"),
+            "pagedserve_decode_steps_total": (self.decode_steps_total, "Of which decode-only steps"),
             "pagedserve_gpu_seconds_total": (self.gpu_seconds_total, "Worker GPU time over all steps"),
             "pagedserve_decode_gpu_seconds_total": (
                 self.decode_gpu_seconds_total,

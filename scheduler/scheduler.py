@@ -624,9 +624,11 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         the GPU's idle time before it is what the host made it wait). On the GPU's clock rather than from
         update to update, since the worker queues a step before it answers the one before."""
         m = self.metrics
+        m.steps_total += 1
         m.gpu_seconds_total += step.gpu_time_s
         if step.step_id in self._decode_only_steps:
             self._decode_only_steps.discard(step.step_id)
+            m.decode_steps_total += 1
             m.decode_gpu_seconds_total += step.gpu_time_s
             m.decode_step_seconds_total += step.gpu_time_s + step.gpu_idle_before_s
 

@@ -93,7 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", default=None, help=f"comma-separated runs, one after another: {','.join(RUNS)}")
     p.add_argument("--peers", default="", help=f"comma-separated transformers baselines: {','.join(PEERS)}")
     p.add_argument("--peer-requests", type=int, default=128, help="the peers run the first N requests")
-    p.add_argument("--peer-batch-size", type=int, default=32, help="hf-static's batch size")
+    p.add_argument(
+        "--peer-batch-size",
+        default="32",
+        help="hf-static's batch size; a comma-separated list runs it once per size (32,128: the best of two)",
+    )
     p.add_argument("--sample-interval", type=float, default=1.0, help="seconds between metrics samples")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
     p.add_argument("--log-dir", default=None, help="scheduler/worker logs go here; default: a temp dir")
@@ -101,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()] if args.runs else [args.kv_policy]
     args.peers = [r.strip() for r in args.peers.split(",") if r.strip()]
+    try:
+        args.peer_batch_sizes = [int(n) for n in args.peer_batch_size.split(",") if n.strip()]
+    except ValueError:
+        p.error(f"--peer-batch-size: integers, comma-separated, not {args.peer_batch_size!r}")
+    if not args.peer_batch_sizes or min(args.peer_batch_sizes) < 1:
+        p.error("--peer-batch-size: at least one size, each >= 1")
     for bad in [r for r in args.runs if r not in RUNS] + [r for r in args.peers if r not in PEERS]:
         p.error(f"unknown run or peer {bad!r}")
     if "hf-continuous" in args.peers and args.device == "cpu" and importlib.util.find_spec("psutil") is None:
@@ -276,8 +286,17 @@ async def run_engine(
             final.get("pagedserve_decode_gpu_seconds_total"),
             final.get("pagedserve_decode_step_seconds_total"),
         ),
+        # Decode-only steps run as CUDA graphs on a GPU; the others (prefill, mixed) run eagerly.
+        "steps": int(final.get("pagedserve_steps_total", 0)),
+        "decode_steps": int(final.get("pagedserve_decode_steps_total", 0)),
+        "gpu_s": _rounded(final.get("pagedserve_gpu_seconds_total")),
+        "decode_gpu_s": _rounded(final.get("pagedserve_decode_gpu_seconds_total")),
         "num_samples": len(sampler.samples),
     }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
 
 
 def _ratio(part: float | None, whole: float | None) -> float | None:
@@ -285,9 +304,14 @@ def _ratio(part: float | None, whole: float | None) -> float | None:
 
 
 def run_peer(
-    args: argparse.Namespace, model_dir: Path, peer: str, workload: list[BenchRequest]
+    args: argparse.Namespace,
+    model_dir: Path,
+    peer: str,
+    workload: list[BenchRequest],
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
-    """A transformers baseline on `workload`: greedy, exactly each request's output length."""
+    """A transformers baseline on `workload`: greedy, exactly each request's output length (hf-static in
+    batches of `batch_size`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -306,8 +330,9 @@ def run_peer(
     # request comes back failed with no tokens.
     with torch.inference_mode(peer == "hf-static"):
         if peer == "hf-static":
-            for b in range(0, len(workload), args.peer_batch_size):
-                batch = workload[b : b + args.peer_batch_size]
+            assert batch_size is not None, "hf-static needs a batch size"
+            for b in range(0, len(workload), batch_size):
+                batch = workload[b : b + batch_size]
                 width = max(len(r.prompt_token_ids) for r in batch)
                 ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
                 mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -345,6 +370,7 @@ def run_peer(
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     return {
         "name": peer,
+        "batch_size": batch_size,
         "num_requests": len(workload),
         "completed": len(workload),
         "prompt_tokens": prompt_tokens,
@@ -412,13 +438,15 @@ def format_table(columns: list[str], rows: list[list[str]]) -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     columns = ["run", "requests", "wall s", "req/s", "out tok/s", "total tok/s", "KV waste", "peak running"]
-    columns += ["preemptions", "GPU busy", "decode GPU busy"]
+    columns += ["preemptions", "GPU busy", "decode GPU busy", "steps (decode)", "GPU s decode / other"]
     cells = []
     for row in rows:
         waste = row.get("mean_kv_waste")
+        steps, gpu_s, decode_gpu_s = row.get("steps"), row.get("gpu_s"), row.get("decode_gpu_s")
+        name = row["name"] if row.get("batch_size") is None else f"{row['name']} (batch {row['batch_size']})"
         cells.append(
             [
-                row["name"],
+                name,
                 str(row["completed"]),
                 f"{row['wall_s']:.2f}",
                 f"{row['requests_per_s']:.2f}",
@@ -429,6 +457,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 _cell(row.get("preemptions")),
                 _percent(row.get("gpu_busy")),
                 _percent(row.get("decode_gpu_busy")),
+                "-" if steps is None else f"{steps} ({row['decode_steps']})",
+                "-" if not gpu_s else f"{decode_gpu_s or 0:.2f} / {gpu_s - (decode_gpu_s or 0):.2f}",
             ]
         )
     print(format_table(columns, cells))
@@ -449,7 +479,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = make_workload(args, vocab_size)
     log_root = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     runs = [asyncio.run(run_engine(args, model_dir, p, workload, log_root / p)) for p in args.runs]
-    peers = [run_peer(args, model_dir, peer, workload[: args.peer_requests]) for peer in args.peers]
+    peer_workload = workload[: args.peer_requests]
+    peers = [
+        run_peer(args, model_dir, peer, peer_workload, size)
+        for peer in args.peers
+        for size in (args.peer_batch_sizes if peer == "hf-static" else [None])
+    ]
     print(
         f"{len(workload)} requests, prompts {args.min_prompt_len}-{args.max_prompt_len}, "
         f"outputs {args.min_output_len}-{args.max_output_len}, KV blocks {runs[0]['num_kv_blocks']} "

@@ -36,6 +36,8 @@ def test_bench_throughput_compares_paged_reserved_and_sync_scheduling_at_one_kv_
         assert run["output_tokens_per_s"] > 0 and run["total_tokens_per_s"] > 0 and run["requests_per_s"] > 0
         assert isinstance(run["preemptions"], int) and run["preemptions"] >= 0
         assert 1 <= run["peak_running"] <= 12
+        # every request takes 16 steps; the first step prefills, so not every step is decode-only
+        assert 16 <= run["steps"] and 0 < run["decode_steps"] < run["steps"]
     assert paged["mean_kv_waste"] < reserved["mean_kv_waste"] < reserved_max["mean_kv_waste"]
     assert reserved_max["peak_running"] <= 3  # 128 tokens = 8 of the 24 blocks claimed per request
     printed = capsys.readouterr().out
@@ -51,16 +53,19 @@ def test_bench_throughput_runs_both_transformers_peers_on_the_cpu(
     argv += ["--min-prompt-len", "4", "--max-prompt-len", "24"]
     argv += ["--min-output-len", "4", "--max-output-len", "12"]
     argv += ["--num-kv-blocks", "32", "--peers", "hf-static,hf-continuous", "--peer-requests", "4"]
-    argv += ["--peer-batch-size", "2", "--log-dir", str(tmp_path / "logs"), "--json-out", str(out)]
+    argv += ["--peer-batch-size", "2,4", "--log-dir", str(tmp_path / "logs"), "--json-out", str(out)]
     main(argv)
 
     report = json.loads(out.read_text())
     wanted = [r["output_len"] for r in report["requests"]][:4]
     assert len(set(wanted)) > 1  # uneven lengths: static batching pads, continuous batching must not
-    static, continuous = report["peers"]
-    assert (static["name"], continuous["name"]) == ("hf-static", "hf-continuous")
-    for peer in (static, continuous):
+    static2, static4, continuous = report["peers"]
+    names = [(p["name"], p["batch_size"]) for p in report["peers"]]
+    assert names == [("hf-static", 2), ("hf-static", 4), ("hf-continuous", None)]
+    for peer in (static2, static4, continuous):
         assert peer["num_requests"] == peer["completed"] == 4 and peer["wrong_lengths"] == 0
         assert peer["output_tokens"] == sum(wanted) and peer["output_tokens_per_s"] > 0
     assert continuous["generated_tokens"] == sum(wanted)  # each request exactly its own length
-    assert static["generated_tokens"] > sum(wanted)  # padded to each batch's longest
+    # padded to each batch's longest: two batches of 2, then one batch of 4
+    assert static2["generated_tokens"] == 2 * max(wanted[:2]) + 2 * max(wanted[2:])
+    assert static4["generated_tokens"] == 4 * max(wanted)

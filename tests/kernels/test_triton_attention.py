@@ -88,6 +88,36 @@ def test_decode_fused_combine_with_empty_splits(device: torch.device) -> None:
     _run_and_check(batch, num_splits=16, config=SMALL_TILES)
 
 
+@pytest.mark.parametrize(("num_splits", "config"), [(1, None), (3, None), (8, SMALL_TILES)])
+def test_decode_ignores_what_lies_outside_the_contexts(
+    device: torch.device, num_splits: int, config: AttentionConfig | None
+) -> None:
+    # Each decode program loads its first tile before it knows the sequence length: block-table entries
+    # past a sequence's blocks (here -1 and far out of range) and every cache slot outside the contexts
+    # (here NaN, as never-written memory may hold) are read but must not reach the output.
+    clean = make_paged_batch([1, 40, 17, 130], [1, 1, 1, 1], 8, 2, 64, 16, device=device, seed=5)
+    block_size = clean.k_cache.shape[1]
+    outside = torch.ones(clean.k_cache.shape[:2], dtype=torch.bool, device=device)  # [num_blocks, block_size]
+    tables = clean.block_tables.clone()
+    for b, n in enumerate(clean.seq_lens.tolist()):
+        used = -(-n // block_size)
+        pos = torch.arange(n, device=device)
+        outside[tables[b, pos // block_size].long(), pos % block_size] = False
+        tables[b, used:] = torch.tensor([-1, 10**6], dtype=torch.int32).repeat(tables.shape[1])[
+            : tables.shape[1] - used
+        ]
+    poisoned = PagedBatch(**{**vars(clean), "block_tables": tables})
+    poisoned.k_cache = clean.k_cache.masked_fill(outside[:, :, None, None], float("nan"))
+    poisoned.v_cache = clean.v_cache.masked_fill(outside[:, :, None, None], float("nan"))
+    assert outside.any()
+    out = torch.full_like(clean.query, float("nan"))
+    paged_attention(
+        **poisoned.attention_args(), max_query_len=1, max_seq_len=clean.max_seq_len, out=out,
+        num_splits=num_splits, config=config,
+    )  # fmt: skip
+    assert_close_per_sequence(out, _reference(clean), clean.query_start_loc, clean.query.dtype)
+
+
 def test_choose_num_splits_only_when_the_batch_leaves_the_gpu_idle() -> None:
     cuda_like = torch.device("cpu")
     assert choose_num_splits(cuda_like, 1, 8, 8192) > 1

@@ -252,6 +252,7 @@ def test_gpu_time_is_summed_and_decode_steps_are_timed_on_the_gpu_clock():
         out = StepOutput(plan.step_id, list(plan.scheduled_seq_ids), [7], [None], gpu_time_s, idle_s)
         scheduler.update(out)
     m = scheduler.metrics
+    assert (m.steps_total, m.decode_steps_total) == (3, 2)
     assert m.gpu_seconds_total == sum(gpu_times)
     assert m.decode_gpu_seconds_total == 0.25 + 0.125
     assert m.decode_step_seconds_total == 0.25 + 0.0625 + 0.125 + 0.03125
