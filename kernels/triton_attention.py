@@ -222,7 +222,9 @@ def _combine_group(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
-@triton.jit
+# Arguments that change from call to call: not specialized (on divisibility by 16, or == 1), which would
+# compile new variants in the middle of a serving run.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "max_blocks", "stride_bt", "first_program"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, HEAD_DIM], written unless SPLIT_KV
     part_acc_ptr,  # [T, Hq, num_splits, HEAD_DIM] fp32 unnormalized partial outputs (SPLIT_KV)
@@ -239,6 +241,7 @@ def _paged_attention_kernel(
     qk_scale,
     max_blocks,  # block_tables.shape[1]
     num_blocks,  # k_cache.shape[0]
+    first_program,  # not DECODE_ONLY: program index of the first sequence's first query block
     stride_qt,
     stride_qh,
     stride_ot,
@@ -264,7 +267,7 @@ def _paged_attention_kernel(
         pid_q = tl.program_id(0)
     else:
         # Later query blocks of a sequence see more context: start them first, so short ones fill the tail.
-        pid_q = tl.num_programs(0) - 1 - tl.program_id(0)
+        pid_q = first_program + tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
@@ -455,12 +458,17 @@ def paged_attention(
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D], written in full; allocated when None
+    num_decode_seqs: int = 0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal paged attention of each sequence's query chunk to its cached context.
 
     `max_query_len` and `max_seq_len` are host-side bounds (no device sync, so the call can be captured in
     a CUDA graph): max_query_len == 1 selects the decode path, where `num_splits` (chosen automatically
-    when None) splits each sequence's context over several programs.
+    when None) splits each sequence's context over several programs. In a mixed batch whose first
+    `num_decode_seqs` sequences have one query token each (the scheduler puts decodes first), those go down
+    the decode path and the rest down the unified one, whose tiles of up to 128 query rows would otherwise
+    carry one decode token's 1-8 rows through its whole context (docs/kernels.md has the measurement).
+    `num_splits` then applies to the rest.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -476,6 +484,13 @@ def paged_attention(
         return out
 
     decode_only = max_query_len == 1 and num_tokens == num_seqs
+    first_seq = 0  # the unified path's first sequence
+    if not decode_only and 0 < num_decode_seqs < num_seqs:
+        first_seq = num_decode_seqs  # = its tokens: one each
+        paged_attention(
+            query[:first_seq], k_cache, v_cache, block_tables[:first_seq], seq_lens[:first_seq],
+            query_start_loc[: first_seq + 1], scale, 1, max_seq_len, out=out[:first_seq],
+        )  # fmt: skip
     assert not decode_only or block_tables.shape[1] > 0, "decode needs a block-table entry per sequence"
     if decode_only:
         cfg = config or DECODE_CONFIG
@@ -484,6 +499,7 @@ def paged_attention(
         if num_splits is None:
             num_splits = choose_num_splits(query.device, num_seqs, num_kv_heads, max_seq_len)
         num_q_programs = num_seqs
+        first_program = 0
     else:
         cfg = config or PREFILL_CONFIG
         # Short chunks (a mixed batch of decodes and small chunks) get fewer, mostly useful rows.
@@ -491,7 +507,9 @@ def paged_attention(
         block_m = max(block_m, triton.next_power_of_2(group))
         block_q = block_m // group
         num_splits = num_splits or 1
-        num_q_programs = num_tokens // block_q + num_seqs
+        # Sequence b's programs start at query_start_loc[b] // block_q + b (b counted from first_seq).
+        first_program = first_seq // block_q
+        num_q_programs = num_tokens // block_q + num_seqs - first_seq - first_program
 
     if num_splits > 1:
         part_acc = torch.empty(
@@ -505,11 +523,13 @@ def paged_attention(
     group_pad = triton.next_power_of_2(group)
     # Splits merged per step by the last split: about 8k fp32 partial-output elements in registers at a time.
     combine_chunk = max(2, min(triton.next_power_of_2(num_splits), 8192 // (group_pad * head_dim)))
+    # From first_seq on (rows of the query and output stay absolute, through query_start_loc).
+    tables, lens, starts = block_tables[first_seq:], seq_lens[first_seq:], query_start_loc[first_seq:]
     grid = (num_q_programs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        out, part_acc, part_ml, counters, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        num_seqs, num_splits, scale * 1.4426950408889634, block_tables.shape[1], k_cache.shape[0],
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        out, part_acc, part_ml, counters, query, k_cache, v_cache, tables, lens, starts,
+        num_seqs - first_seq, num_splits, scale * 1.4426950408889634, tables.shape[1], k_cache.shape[0],
+        first_program, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         TILE_N=cfg.tile_n, SPLIT_KV=num_splits > 1, DECODE_ONLY=decode_only,
@@ -519,8 +539,9 @@ def paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1 and not fused:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_ml, num_splits, out.stride(0), out.stride(1),
+        _combine_splits_kernel[(num_tokens - first_seq, num_heads)](
+            out[first_seq:], part_acc[first_seq:], part_ml[first_seq:], num_splits,
+            out.stride(0), out.stride(1),
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
             num_warps=4,
         )  # fmt: skip

@@ -52,6 +52,10 @@ def test_build_inputs_matches_token_by_token_reference(seed: int, decode_only: b
     assert got.query_start_loc.tolist() == np.concatenate([[0], np.cumsum(num_tokens)]).tolist()
     assert got.max_query_len == max(num_tokens) and got.max_seq_len == max(got.seq_lens)
     assert got.decode_only == decode_only
+    leading = 0
+    while leading < len(num_tokens) and num_tokens[leading] == 1:
+        leading += 1
+    assert got.num_decode_seqs == leading
     for b, table in enumerate(tables):
         assert got.block_tables[b, : len(table)].tolist() == table
     assert got.block_tables.shape == (len(tables), -(-got.max_seq_len // BLOCK_SIZE))

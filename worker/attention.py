@@ -27,6 +27,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: where each sequence's tokens start in the batch
     max_query_len: int  # longest chunk in the batch
     max_seq_len: int  # longest context in the batch
+    num_decode_seqs: int = 0  # the batch's first sequences with one query token each (decodes come first)
 
 
 class AttentionBackend(ABC):

@@ -18,7 +18,8 @@ class TritonBackend(AttentionBackend):
     The kernel picks its path from host-side metadata, with no device sync (so a step can be captured in a
     CUDA graph): a batch whose chunks are all one token (`max_query_len == 1`) takes the decode path, which
     splits long contexts over several programs when the batch alone would leave the GPU idle; any other
-    batch (prefills, chunked prefills, decodes mixed in) takes the unified path in one launch.
+    batch (prefills, chunked prefills) takes the unified path; a mixed batch sends its leading decodes down
+    the decode path and the rest down the unified one (two launches).
     """
 
     name = "triton"
@@ -45,4 +46,5 @@ class TritonBackend(AttentionBackend):
             scale,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            num_decode_seqs=meta.num_decode_seqs,
         )

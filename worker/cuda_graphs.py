@@ -82,6 +82,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: size + 1],
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            num_decode_seqs=size,
         )
 
     def _forward(self, size: int) -> torch.Tensor:  # [size, V]

@@ -79,6 +79,7 @@ class HostInputs:
     query_start_loc: np.ndarray  # [B + 1] int32
     max_query_len: int
     max_seq_len: int
+    num_decode_seqs: int  # leading sequences with one token each: the decodes, which plans put first
 
     @property
     def decode_only(self) -> bool:
@@ -105,7 +106,9 @@ def build_inputs(
     if num_scheduled == len(rows):  # every chunk is one token: the common decode step
         seq_index = np.arange(len(rows))
         positions = starts.astype(np.int64)
+        num_decode_seqs = len(rows)
     else:
+        num_decode_seqs = int(np.argmax(num_tokens != 1))
         seq_index = np.repeat(np.arange(len(rows)), num_tokens)  # [T]
         # Token j of sequence b sits at position starts[b] + (j - query_start_loc[b]).
         positions = np.arange(num_scheduled, dtype=np.int64) + (starts - query_start_loc[:-1])[seq_index]
@@ -120,4 +123,5 @@ def build_inputs(
         query_start_loc=query_start_loc,
         max_query_len=int(num_tokens.max()),
         max_seq_len=max_seq_len,
+        num_decode_seqs=num_decode_seqs,
     )

@@ -395,6 +395,7 @@ class ModelRunner:
             query_start_loc=put(inputs.query_start_loc),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
+            num_decode_seqs=inputs.num_decode_seqs,
         )
         return put(inputs.token_ids), put(inputs.positions), meta
 

@@ -149,22 +149,43 @@ def test_prefill_half_precision_head_128_with_split_kv(device: torch.device) -> 
     _run_and_check(batch, num_splits=2, config=SMALL_TILES)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "config", "num_splits"),
+    [(8, None, None), (16, None, 2), (8, SMALL_TILES, None), (4, SMALL_TILES, 3)],
+)
+def test_mixed_batch_sends_its_leading_decodes_down_the_decode_path(
+    device: torch.device, num_heads: int, config: AttentionConfig | None, num_splits: int | None
+) -> None:
+    # 11 decodes first (as plans order them), then chunks of 1-3 tokens (so the unified path's query
+    # blocks are small and its programs start past the decodes: first_program > 0), a 1-token chunk among
+    # them that stays on the unified path, and a longer prompt.
+    seq_lens = [40, 1, 17, 90, 33, 2, 64, 16, 70, 5, 120] + [3, 50, 1, 37, 24]
+    q_lens = [1] * 11 + [3, 2, 1, 2, 24]
+    batch = make_paged_batch(seq_lens, q_lens, num_heads, 2, 64, 16, device=device, seed=num_heads)
+    _run_and_check(batch, config=config, num_splits=num_splits, num_decode_seqs=11)
+    short = make_paged_batch(seq_lens[:14], q_lens[:14], num_heads, 2, 64, 16, device=device, seed=1)
+    _run_and_check(short, config=config, num_splits=num_splits, num_decode_seqs=11)
+
+
 @st.composite
-def _batches(draw: st.DrawFn) -> tuple[list[int], list[int], int, int]:
+def _batches(draw: st.DrawFn) -> tuple[list[int], list[int], int, int, int]:
+    num_decodes = draw(st.integers(0, 4))
     num_seqs = draw(st.integers(1, 5))
-    seq_lens = draw(st.lists(st.integers(1, 90), min_size=num_seqs, max_size=num_seqs))
-    q_lens = [draw(st.integers(1, n)) for n in seq_lens]
+    seq_lens = draw(
+        st.lists(st.integers(1, 90), min_size=num_decodes + num_seqs, max_size=num_decodes + num_seqs)
+    )
+    q_lens = [1] * num_decodes + [draw(st.integers(1, n)) for n in seq_lens[num_decodes:]]
     group = draw(st.sampled_from([1, 2, 4, 8]))
     block_size = draw(st.sampled_from([16, 32]))
-    return seq_lens, q_lens, group, block_size
+    return seq_lens, q_lens, group, block_size, num_decodes
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_batches(), seed=st.integers(0, 2**31 - 1))
 def test_random_batches_match_reference(device: torch.device, case: tuple, seed: int) -> None:
-    seq_lens, q_lens, group, block_size = case
+    seq_lens, q_lens, group, block_size, num_decodes = case
     batch = make_paged_batch(seq_lens, q_lens, 2 * group, 2, 64, block_size, device=device, seed=seed)
-    _run_and_check(batch, config=SMALL_TILES)
+    _run_and_check(batch, config=SMALL_TILES, num_decode_seqs=num_decodes)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from worker.attention import AttentionMetadata, TorchReferenceBackend, get_atten
 
 
 def _meta(batch: PagedBatch) -> AttentionMetadata:
+    q_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+    leading = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))  # as worker/inputs.py counts
     return AttentionMetadata(
         slot_mapping=batch.slot_mapping,
         block_tables=batch.block_tables,
@@ -18,6 +20,7 @@ def _meta(batch: PagedBatch) -> AttentionMetadata:
         query_start_loc=batch.query_start_loc,
         max_query_len=batch.max_query_len,
         max_seq_len=batch.max_seq_len,
+        num_decode_seqs=leading,
     )
 
 
@@ -42,16 +45,18 @@ def _check_backend(batch: PagedBatch) -> None:
     assert_close_per_sequence(out, expected, batch.query_start_loc, batch.query.dtype)
 
 
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "decodes-first"])
 def test_triton_backend_matches_reference_backend(device: torch.device, kind: str) -> None:
     seq_lens = [5, 40, 1, 300, 17]
-    q_lens = [1] * 5 if kind == "decode" else [5, 1, 1, 20, 17]
+    q_lens = {"decode": [1] * 5, "mixed": [5, 1, 1, 20, 17], "decodes-first": [1, 1, 1, 20, 17]}[kind]
     _check_backend(make_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, device=device, seed=4))
 
 
 @gpu
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "decodes-first"])
 def test_gpu_triton_backend_full_shapes(kind: str) -> None:
     seq_lens = [1500, 9, 4000, 1, 777, 2048]
-    q_lens = [1] * 6 if kind == "decode" else [1, 9, 1, 1, 500, 2048]
+    q_lens = {"decode": [1] * 6, "mixed": [1, 9, 1, 1, 500, 2048], "decodes-first": [1, 1, 1, 1, 500, 2048]}[
+        kind
+    ]
     _check_backend(make_paged_batch(seq_lens, q_lens, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=4))
