@@ -11,7 +11,8 @@ one KV head: BLOCK_M = BLOCK_Q * GROUP rows. Each K/V tile is loaded once for th
 for `tl.dot`); prefill uses up to 128 rows. For few sequences with long contexts the KV range is split
 over several programs ("flash decoding"). In decode batches the last split program of each (sequence, KV
 head) to finish, found through an atomic counter, combines the partial results in the same launch; prefill
-and mixed batches with splits (only when asked for) combine them in a second kernel.
+and mixed batches with splits (only when asked for) combine them in a second kernel. A mixed batch's
+leading decodes (given as `num_decode_seqs`) take the decode path, in a launch of their own.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2
 PREFILL_CONFIG = AttentionConfig(block_m=128, tile_n=32, num_warps=4, num_stages=3)
 # Split-KV: about this many decode programs per multiprocessor, each split holding at least
 # _MIN_SPLIT_TOKENS; batches of up to twice that many programs still split in two, which shortens the last
-# wave. Split counts are powers of 2, so that the splits divide the tiles evenly.
+# wave. Split counts are powers of 2 (with the tiles dealt round-robin any count balances, but 33 and 48
+# splits measured no better than 32 at batch 1 x 8k).
 _SPLIT_PROGRAMS_PER_SM = 4
 # Decode batches combine the splits inside the attention kernel (the last split to finish reduces); False
 # falls back to the separate combine kernel (kept for prefill splits, and for benchmarking the two).
