@@ -81,6 +81,9 @@ class WorkerConfig:
     max_model_len: int = 0  # longest prompt + output; 0: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps
+    # Triton kernels for RMSNorm (+ residual add), RoPE and SiLU-and-mul instead of 2-9 PyTorch ops each
+    # (kernels/fused_ops.py); needs Triton (CUDA, or the CPU under TRITON_INTERPRET=1)
+    fused_ops: bool = False
     max_num_seqs: int = 512  # cuda: the largest decode batch a CUDA graph is captured for
     max_num_batched_tokens: int = 8192  # cuda: the memory profile's step size
     tensor_parallel_size: int = 1  # workers in the tensor-parallel group

@@ -50,6 +50,7 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
         max_model_len=max_len if args.device == "cpu" else 0,
         max_num_seqs=args.batch,
         enforce_eager=mode == "eager",
+        fused_ops=args.fused_ops,
     )
     started = time.monotonic()
     runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend)
@@ -104,6 +105,7 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
     sched = statistics.median(scheds)
     return {
         "mode": mode,
+        "fused_ops": args.fused_ops,
         "batch": args.batch,
         "context": args.context,
         "startup_s": round(startup_s, 2),
@@ -126,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--modes", default="graphs,eager", help="graphs,eager (graphs needs CUDA)")
+    p.add_argument(
+        "--fused-ops", action="store_true", help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul"
+    )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]

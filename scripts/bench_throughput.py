@@ -11,7 +11,8 @@ worker with that `--kv-policy` and the same KV budget (`--num-kv-blocks`), so th
 (`reserved` claims prompt + max_tokens per request at admission, `reserved-max` claims `--max-model-len`, as
 a server that reserves the longest possible sequence for every request);
 run `paged-sync` is `paged` with the scheduler's async scheduling off (each plan waits for the last step's
-tokens), the baseline that async scheduling is measured against.
+tokens), the baseline that async scheduling is measured against; run `paged-fused` is `paged` with the
+worker's `--fused-ops` (Triton RMSNorm, RoPE and SiLU-and-mul kernels).
 
 Each run first serves `--num-warmup` requests, unmeasured (counters are read before and after the
 measurement). While a run goes, a background task reads the scheduler's metrics every `--sample-interval`
@@ -44,8 +45,12 @@ from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
 POLICIES = ("paged", "reserved", "reserved-max")
-# run name -> (kv policy, async scheduling)
-RUNS = {**{policy: (policy, True) for policy in POLICIES}, "paged-sync": ("paged", False)}
+# run name -> (kv policy, async scheduling, fused elementwise kernels in the model)
+RUNS = {
+    **{policy: (policy, True, False) for policy in POLICIES},
+    "paged-sync": ("paged", False, False),
+    "paged-fused": ("paged", True, True),
+}
 PEERS = ("hf-static", "hf-continuous")
 _NEEDS_PSUTIL = "hf-continuous on the CPU needs psutil: transformers checks the free memory through it"
 
@@ -218,10 +223,11 @@ async def run_engine(
     args: argparse.Namespace, model_dir: Path, run: str, workload: list[BenchRequest], log_dir: Path
 ) -> dict[str, Any]:
     """One run: start scheduler + worker as `run` says, submit the whole workload at once, measure."""
-    policy, async_scheduling = RUNS[run]
+    policy, async_scheduling, fused_ops = RUNS[run]
     settings: dict[str, object] = {
         "kv_policy": policy,
         "async_scheduling": async_scheduling,
+        "fused_ops": fused_ops,
         "device": args.device,
         "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs,
@@ -263,6 +269,7 @@ async def run_engine(
         "tensor_parallel_size": args.tensor_parallel_size,
         "kv_policy": policy,
         "async_scheduling": async_scheduling,
+        "fused_ops": fused_ops,
         "num_kv_blocks": info.num_kv_blocks,
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,

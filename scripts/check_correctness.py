@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fused-ops", action="store_true", help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul"
+    )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if args.dtype == "auto":
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = WorkerConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts,
         gpu_memory_utilization=0.5, max_model_len=args.max_prompt_len + args.max_tokens,
+        fused_ops=args.fused_ops,
     )  # fmt: skip
     backend = "triton" if args.device.startswith("cuda") else "torch"
     runner = ModelRunner(config, attention_backend=backend)
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": str(Path(args.model).resolve().name),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": args.dtype,
+        "fused_ops": args.fused_ops,
         "prompts": "random token ids" if language is None else "synthetic language (trained checkpoint)",
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,

@@ -17,16 +17,9 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 48
 
 
-def make_runner(model_dir: Path, num_kv_blocks: int = NUM_BLOCKS) -> ModelRunner:
-    return ModelRunner(
-        WorkerConfig(
-            model=str(model_dir),
-            device="cpu",
-            dtype="float32",
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=num_kv_blocks,
-        )
-    )
+def make_runner(model_dir: Path, num_kv_blocks: int = NUM_BLOCKS, **config_kw) -> ModelRunner:
+    config = dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks)
+    return ModelRunner(WorkerConfig(model=str(model_dir), **{**config, **config_kw}))
 
 
 class Driver:
@@ -101,10 +94,13 @@ def _assert_logits_match_hf(
     driver: Driver, hf_model: LlamaForCausalLM, seq_tokens: dict[int, list[int]]
 ) -> None:
     with torch.no_grad():
-        hf_logits = {s: hf_model(torch.tensor([t])).logits[0] for s, t in seq_tokens.items()}  # [L, V]
+        hf_logits = {
+            s: hf_model(torch.tensor([t], device=hf_model.device)).logits[0].cpu()
+            for s, t in seq_tokens.items()
+        }  # [L, V]
     assert driver.records
     for seq_id, index, row in driver.records:
-        diff = (row - hf_logits[seq_id][index]).abs().max().item()
+        diff = (row.cpu() - hf_logits[seq_id][index]).abs().max().item()
         assert diff < 1e-3, f"sequence {seq_id} token {index}: max abs logits diff {diff}"
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import reference_ops
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.loader import ModelConfig, RopeScaling
 from worker.parallel import (
@@ -32,17 +33,30 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 whatever the model dtype."""
+    """Root-mean-square layer norm, computed in float32 whatever the model dtype; `fused`: one Triton kernel
+    (kernels/fused_ops.py) instead of the PyTorch ops."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, fused: bool) -> None:
         super().__init__()
         self.weight = _param(size, dtype=dtype, device=device)
         self.eps = eps
+        self._norm = _fused_ops().rms_norm if fused else reference_ops.rms_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        return self._norm(x, self.weight, self.eps)[0]
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm of x + residual, and x + residual (the new residual; the fused kernel writes it into
+        `residual` in place)."""
+        out, residual = self._norm(x, self.weight, self.eps, residual)
+        assert residual is not None
+        return out, residual
+
+
+def _fused_ops():  # noqa: ANN202 - the module, imported on demand: the worker runs without Triton on the CPU
+    from kernels import fused_ops
+
+    return fused_ops
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:  # [D/2] float32
@@ -66,20 +80,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with cos/sin precomputed for every position below `max_len`."""
+    """RoPE with cos/sin precomputed for every position below `max_len` (`fused`: one Triton kernel per
+    tensor, rotating in place)."""
 
-    def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> None:
         super().__init__()
+        self._rope = _fused_ops().rope_ if fused else reference_ops.rope
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, D]
         self.register_buffer("cos", emb.cos().to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(device=device, dtype=dtype), persistent=False)
-
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
 
     def forward(
         self,
@@ -87,9 +100,7 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, Hq, D]
         key: torch.Tensor,  # [T, Hkv, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions][:, None, :]  # [T, 1, D]
-        sin = self.sin[positions][:, None, :]
-        return query * cos + self._rotate_half(query) * sin, key * cos + self._rotate_half(key) * sin
+        return self._rope(positions, query, key, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
@@ -103,6 +114,7 @@ class LlamaAttention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         parallel: ParallelContext,
+        fused: bool,
     ) -> None:
         super().__init__()
         self.config = config
@@ -119,8 +131,8 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:  # Qwen3: one norm over head_dim, shared by every head of q (and of k)
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device, fused)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device, fused)
         self.scale = config.head_dim**-0.5
 
     def forward(
@@ -150,10 +162,16 @@ class LlamaMLP(nn.Module):
     down_proj's partial outputs are summed over the ranks)."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, parallel: ParallelContext
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext,
+        fused: bool,
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self._silu_and_mul = _fused_ops().silu_and_mul if fused else reference_ops.silu_and_mul
         kw = {"dtype": dtype, "device": device}
         inter = config.intermediate_size
         self.gate_up_proj = nn.Module()
@@ -164,13 +182,14 @@ class LlamaMLP(nn.Module):
         self.down_proj.bias = _param(config.hidden_size, **kw) if config.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)
-        x = F.silu(gate) * up
+        x = self._silu_and_mul(F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
         return row_parallel_linear(x, self.down_proj.weight, self.down_proj.bias, self.parallel)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks, each with a residual connection."""
+    """Pre-norm attention and MLP blocks, each with a residual connection. The residual stream is carried
+    beside the block's output and added by the next norm (one fused launch): a layer takes and returns
+    (output, residual), whose sum is the usual hidden state."""
 
     def __init__(
         self,
@@ -179,23 +198,33 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         parallel: ParallelContext,
+        fused: bool,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, backend, dtype, device, parallel)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device, parallel)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, fused)
+        self.self_attn = LlamaAttention(config, backend, dtype, device, parallel, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, fused)
+        self.mlp = LlamaMLP(config, dtype, device, parallel, fused)
 
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,  # [T, H]
+        hidden: torch.Tensor,  # [T, H]: the previous layer's output, or the embeddings
+        residual: torch.Tensor | None,  # [T, H]: the residual stream before that output; None: first layer
         kv_cache: KVCache,
         meta: AttentionMetadata,
         rope: RotaryEmbedding,
-    ) -> torch.Tensor:  # [T, H]
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta, rope)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add(hidden, residual)
+        normed, residual = self.post_attention_layernorm.add(
+            self.self_attn(positions, normed, kv_cache, meta, rope), residual
+        )
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -213,6 +242,7 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         parallel: ParallelContext | None = None,
+        fused_ops: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -222,16 +252,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(layer_config, backend, dtype, device, self.parallel)
+            LlamaDecoderLayer(layer_config, backend, dtype, device, self.parallel, fused_ops)
             for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused_ops)
         self.lm_head = nn.Module()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         else:
             self.lm_head.weight = _param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
-        self.rotary_emb = RotaryEmbedding(config, max_model_len, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config, max_model_len, dtype, device, fused_ops)
 
     def forward(
         self,
@@ -241,9 +271,12 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],  # one per layer
     ) -> torch.Tensor:  # [T, H], after the final norm
         hidden = vocab_parallel_embedding(token_ids, self.embed_tokens.weight, self.parallel)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta, self.rotary_emb)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.rotary_emb)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V], on every rank
         return vocab_parallel_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.parallel)

@@ -116,7 +116,13 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(cfg, self.model_config)
         backend = get_attention_backend(attention_backend)
         self.model = LlamaModel(
-            self.model_config, self.max_model_len, backend, self.dtype, self.device, self.parallel
+            self.model_config,
+            self.max_model_len,
+            backend,
+            self.dtype,
+            self.device,
+            self.parallel,
+            fused_ops=cfg.fused_ops,
         )
         load_weights(self.model, self.model_config, cfg.model, self.parallel)
         self.model.eval()

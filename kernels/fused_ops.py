@@ -1,0 +1,170 @@
+"""Triton kernels for the model's elementwise chains: RMSNorm (with the residual add before it), RoPE and
+SiLU-and-mul, each one launch where PyTorch runs 2-9 kernels.
+
+Each rounds where the PyTorch ops in worker/model.py round (every op's result goes back to the model dtype,
+RMSNorm's statistics stay in float32), so the results match them to the last bit but for float32
+reductions in another order. Their references are those PyTorch ops, in kernels/reference_ops.py (what the
+model runs when the kernels are off).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,  # [R, N]
+    x_ptr,  # [R, N]
+    residual_ptr,  # [R, N], read and overwritten with x + residual (HAS_RESIDUAL)
+    weight_ptr,  # [N]
+    eps,
+    N,
+    stride_o,
+    stride_x,
+    stride_r,
+    BLOCK: tl.constexpr,  # next power of 2 of N
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        x = x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0).to(
+            tl.float32
+        )
+        x = x.to(residual_ptr.dtype.element_ty)  # the sum, rounded as the model dtype's add rounds it
+        tl.store(residual_ptr + row * stride_r + offs, x, mask=ok)
+    x32 = x.to(tl.float32)
+    normed = x32 * (1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps))
+    w = tl.load(weight_ptr + offs, mask=ok, other=0.0)
+    y = w.to(tl.float32) * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,  # [T, H, D], rotated in place
+    positions_ptr,  # [T]
+    cos_ptr,  # [max_len, D]
+    sin_ptr,  # [max_len, D]
+    num_heads,
+    stride_t,
+    stride_h,
+    stride_cos,
+    HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr,  # heads per program, a power of 2
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    half = tl.arange(0, HEAD_DIM // 2)
+    ok = (h < num_heads)[:, None]
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    c = tl.load(cos_ptr + pos * stride_cos + half).to(tl.float32)[None, :]  # the halves of cos are equal
+    s1 = tl.load(sin_ptr + pos * stride_cos + half).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + pos * stride_cos + HEAD_DIM // 2 + half).to(tl.float32)[None, :]
+    ptr1 = x_ptr + t * stride_t + h[:, None] * stride_h + half[None, :]
+    ptr2 = ptr1 + HEAD_DIM // 2
+    x1 = tl.load(ptr1, mask=ok, other=0.0)
+    x2 = tl.load(ptr2, mask=ok, other=0.0)
+    dt = x1.dtype
+    # x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype as PyTorch does.
+    a1 = (x1.to(tl.float32) * c).to(dt).to(tl.float32)
+    b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+    a2 = (x2.to(tl.float32) * c).to(dt).to(tl.float32)
+    b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
+    tl.store(ptr1, (a1 + b1).to(dt), mask=ok)
+    tl.store(ptr2, (a2 + b2).to(dt), mask=ok)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    out_ptr,  # [T, I]
+    gate_up_ptr,  # [T, 2I]: gate, then up
+    inter,
+    stride_o,
+    stride_g,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < inter
+    g = tl.load(gate_up_ptr + t * stride_g + offs, mask=ok, other=0.0)
+    u = tl.load(gate_up_ptr + t * stride_g + inter + offs, mask=ok, other=0.0)
+    g32 = g.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)  # silu, rounded as F.silu's result is
+    tl.store(
+        out_ptr + t * stride_o + offs,
+        (act.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
+        mask=ok,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`reference_ops.rms_norm` in one launch, over the last dimension of `x` (any leading shape whose rows
+    are evenly strided). With `residual`, it is overwritten in place with x + residual and returned."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    assert rows.stride(-1) == 1 and weight.shape == (n,)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    res = rows
+    if residual is not None:
+        assert residual.shape == x.shape and residual.is_contiguous()
+        res = residual.view(-1, n)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            out, rows, res, weight, eps, n, out.stride(0), rows.stride(0), res.stride(0),
+            BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+            num_warps=min(8, max(1, triton.next_power_of_2(n) // 256)),
+        )  # fmt: skip
+    return out.view(x.shape), residual
+
+
+def _rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    num_tokens, num_heads, head_dim = x.shape
+    assert x.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    heads = min(triton.next_power_of_2(num_heads), max(1, 2048 // head_dim))
+    _rope_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
+        x, positions, cos, sin, num_heads, x.stride(0), x.stride(1), cos.stride(0),
+        HEAD_DIM=head_dim, HEADS=heads, num_warps=4,
+    )  # fmt: skip
+
+
+def rope_(
+    positions: torch.Tensor,  # [T]
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [max_len, D]
+    sin: torch.Tensor,  # [max_len, D]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference_ops.rope`, rotating `query` and `key` in place (views of the fused QKV output are fine)."""
+    if query.shape[0]:
+        _rope_(query, positions, cos, sin)
+        _rope_(key, positions, cos, sin)
+    return query, key
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """`reference_ops.silu_and_mul` in one launch."""
+    num_tokens, two_inter = gate_up.shape
+    inter = two_inter // 2
+    assert gate_up.stride(-1) == 1
+    out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    if num_tokens:
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            out, gate_up, inter, out.stride(0), gate_up.stride(0), BLOCK=block, num_warps=4
+        )
+    return out
