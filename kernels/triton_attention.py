@@ -51,6 +51,23 @@ _MAX_SPLITS = 32  # H100, batch 1 x 8k: 32 splits beat 64 (docs/kernels.md)
 
 
 @triton.jit
+def _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT: tl.constexpr):
+    """One tile of online softmax: scores s [BLOCK_M, TILE_N] (log2 units, -inf where masked) and values v
+    [TILE_N, HEAD_DIM] into the running (acc, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet keeps m = -inf; shift by 0 so that exp2 gives 0, never NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, l_i, m_new
+
+
+@triton.jit
 def _attend_tiles(
     acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
     l_i,  # [BLOCK_M] fp32 running sum of exponentials
@@ -98,18 +115,7 @@ def _attend_tiles(
         s = s * qk_scale  # [BLOCK_M, TILE_N]
         if MASKED:
             s = tl.where(in_ctx[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing visible yet keeps m = -inf; shift by 0 so that exp2 gives 0, never NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
     return acc, l_i, m_i
 
 
@@ -164,16 +170,7 @@ def _attend_decode_tile(
     else:
         s = tl.dot(q, tl.trans(k))
     s = tl.where(in_ctx[None, :], s * qk_scale, float("-inf"))  # [BLOCK_M, TILE_N]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split with no context yet: exp2 gives 0
-    p = tl.exp2(s - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE_DOT:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return acc * alpha[:, None] + pv, l_i, m_new
+    return _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
 
 
 @triton.jit
