@@ -223,9 +223,14 @@ async def _assert_new_worker_serves(cfg: SchedulerConfig, ctx: zmq.asyncio.Conte
         await asyncio.gather(serving, return_exceptions=True)
 
 
+# Timeouts of seconds, not fractions: on a loaded 2-core machine this process has stalled for up to 0.8 s
+# (a garbage collection descheduled midway), which a 0.5 s heartbeat timeout took for a dead worker.
+HEARTBEAT_TIMEOUT_S = 2.0
+
+
 def test_silent_worker_fails_its_requests_then_a_new_worker_is_accepted():
     async def scenario() -> None:
-        async with _scheduler(heartbeat_timeout_s=0.5) as (server, ctx):
+        async with _scheduler(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as (server, ctx):
             cfg = server.config
             client = Client(ctx, cfg.scheduler_address)
             worker = Peer(ctx, cfg.worker_address)
@@ -260,7 +265,8 @@ def test_silent_worker_fails_its_requests_then_a_new_worker_is_accepted():
 
 def test_worker_that_beats_but_never_finishes_its_step_is_declared_hung():
     async def scenario() -> None:
-        async with _scheduler(heartbeat_timeout_s=0.5, step_timeout_s=1.0) as (server, ctx):
+        timeouts = {"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "step_timeout_s": 2 * HEARTBEAT_TIMEOUT_S}
+        async with _scheduler(**timeouts) as (server, ctx):
             cfg = server.config
             client = Client(ctx, cfg.scheduler_address)
             worker = Peer(ctx, cfg.worker_address)
