@@ -9,6 +9,7 @@ neox-style rotate-half RoPE with cos/sin cast to the model dtype) so that float3
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,8 @@ class RMSNorm(nn.Module):
         return out, residual
 
 
-def _fused_ops():  # noqa: ANN202 - the module, imported on demand: the worker runs without Triton on the CPU
+def _fused_ops() -> types.ModuleType:
+    """kernels.fused_ops, imported on demand: without --fused-ops the worker needs no Triton."""
     from kernels import fused_ops
 
     return fused_ops
