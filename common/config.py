@@ -82,8 +82,8 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps
     # Triton kernels for RMSNorm (+ residual add), RoPE and SiLU-and-mul instead of 2-9 PyTorch ops each
-    # (kernels/fused_ops.py); needs Triton (CUDA, or the CPU under TRITON_INTERPRET=1)
-    fused_ops: bool = False
+    # (kernels/fused_ops.py); unset: on with CUDA. On the CPU they need TRITON_INTERPRET=1 (tests only).
+    fused_ops: bool | None = None
     max_num_seqs: int = 512  # cuda: the largest decode batch a CUDA graph is captured for
     max_num_batched_tokens: int = 8192  # cuda: the memory profile's step size
     tensor_parallel_size: int = 1  # workers in the tensor-parallel group
@@ -105,6 +105,10 @@ class WorkerConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.resolved_device == "cpu" else "bfloat16"
+
+    @property
+    def resolved_fused_ops(self) -> bool:
+        return self.fused_ops if self.fused_ops is not None else self.resolved_device != "cpu"
 
     @property
     def resolved_attention_backend(self) -> str:

@@ -3,8 +3,12 @@ SiLU-and-mul, each one launch where PyTorch runs 2-9 kernels.
 
 Each rounds where the PyTorch ops in worker/model.py round (every op's result goes back to the model dtype,
 RMSNorm's statistics stay in float32), so the results match them to the last bit but for float32
-reductions in another order. Their references are those PyTorch ops, in kernels/reference_ops.py (what the
-model runs when the kernels are off).
+reductions in another order and the exponential. Their references are those PyTorch ops, in
+kernels/reference_ops.py (what the model runs when the kernels are off).
+
+The intermediate roundings are integer operations (`_round`): written as a float round trip,
+`x.to(tl.bfloat16).to(tl.float32)`, the compiler dropped some of them on the H100 and fused the products
+into FMAs (a quarter of RoPE's bf16 outputs came out one unit off PyTorch's).
 """
 
 from __future__ import annotations
@@ -15,6 +19,23 @@ import triton.language as tl
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """Float32 `x` rounded to `dtype`'s precision (to nearest, ties to even), still float32: exactly the
+    value `x.to(dtype)` holds within dtype's normal range, which the store's conversion then keeps."""
+    if dtype == tl.float32:
+        return x
+    elif dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)  # drop 16 of float32's 23 mantissa bits
+        return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    else:
+        tl.static_assert(dtype == tl.float16)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0xFFF + ((bits >> 13) & 1)  # drop 13 of them
+        return ((bits >> 13) << 13).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -36,15 +57,13 @@ def _rms_norm_kernel(
     ok = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        x = x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0).to(
-            tl.float32
-        )
-        x = x.to(residual_ptr.dtype.element_ty)  # the sum, rounded as the model dtype's add rounds it
-        tl.store(residual_ptr + row * stride_r + offs, x, mask=ok)
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
+        x = _round(x.to(tl.float32) + r.to(tl.float32), r.dtype)  # rounded as the model dtype's add rounds
+        tl.store(residual_ptr + row * stride_r + offs, x.to(r.dtype), mask=ok)
     x32 = x.to(tl.float32)
     normed = x32 * (1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps))
     w = tl.load(weight_ptr + offs, mask=ok, other=0.0)
-    y = w.to(tl.float32) * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = _round(w.to(tl.float32) * _round(normed, x_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -75,12 +94,12 @@ def _rope_kernel(
     x2 = tl.load(ptr2, mask=ok, other=0.0)
     dt = x1.dtype
     # x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype as PyTorch does.
-    a1 = (x1.to(tl.float32) * c).to(dt).to(tl.float32)
-    b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
-    a2 = (x2.to(tl.float32) * c).to(dt).to(tl.float32)
-    b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
-    tl.store(ptr1, (a1 + b1).to(dt), mask=ok)
-    tl.store(ptr2, (a2 + b2).to(dt), mask=ok)
+    a1 = _round(x1.to(tl.float32) * c, dt)
+    b1 = _round(-x2.to(tl.float32) * s1, dt)
+    a2 = _round(x2.to(tl.float32) * c, dt)
+    b2 = _round(x1.to(tl.float32) * s2, dt)
+    tl.store(ptr1, _round(a1 + b1, dt).to(dt), mask=ok)
+    tl.store(ptr2, _round(a2 + b2, dt).to(dt), mask=ok)
 
 
 @triton.jit
@@ -98,12 +117,9 @@ def _silu_and_mul_kernel(
     g = tl.load(gate_up_ptr + t * stride_g + offs, mask=ok, other=0.0)
     u = tl.load(gate_up_ptr + t * stride_g + inter + offs, mask=ok, other=0.0)
     g32 = g.to(tl.float32)
-    act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)  # silu, rounded as F.silu's result is
-    tl.store(
-        out_ptr + t * stride_o + offs,
-        (act.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
-        mask=ok,
-    )
+    act = _round(g32 / (1.0 + tl.exp(-g32)), g.dtype)  # silu, rounded as F.silu's result is
+    out = _round(act * u.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def start_engine(
         PAGEDSERVE_WORKER_ADDRESS=f"tcp://127.0.0.1:{free_port()}",
         PYTHONUNBUFFERED="1",
     )
-    env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in settings.items()})
+    env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in settings.items() if v is not None})
     num_ranks = int(settings.get("tensor_parallel_size", 1))  # type: ignore[call-overload]
     if num_ranks > 1:
         env["PAGEDSERVE_DIST_INIT_METHOD"] = f"tcp://127.0.0.1:{free_port()}"

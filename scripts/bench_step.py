@@ -1,7 +1,7 @@
 """A profile of one decode step, the scheduler core and the worker's ModelRunner in one process.
 
     python scripts/bench_step.py --model /tmp/m1b --device cuda [--batch 256] [--context 512] [--steps 64]
-        [--modes graphs,eager] [--json-out FILE]
+        [--modes graphs,eager] [--prefill-len N] [--no-fused-ops] [--json-out FILE]
 
 `--batch` requests with `--context`-token random prompts are prefilled, then `--steps` decode steps are timed
 (median). Each step is what the engine loop does, without the sockets: `schedule()`, the plan's msgpack
@@ -9,11 +9,15 @@ round trip, `execute()` on the runner, the output's round trip and `update()`. R
 time, the GPU time of the forward and sampling (CUDA events around them), the scheduler's share (schedule +
 update + codec) and the rest of the worker's host time; the GPU-busy fraction of the step is GPU time over
 wall time. `graphs` and `eager` (--enforce-eager) are two runners on the same weights, measured in turn.
+
+With `--prefill-len N` the timed steps are mixed ones instead: before each, a new request with an N-token
+prompt arrives, so the step runs the decodes and that whole prefill (eager, as the engine runs such steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -40,15 +44,16 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
     bs = 16
     # Sequences that finish their prefill early decode while the others prefill: room for those tokens too.
     max_tokens = args.steps + 8 + -(-args.batch * args.context // args.max_num_batched_tokens)
-    max_len = args.context + max_tokens + 16
-    num_blocks = args.batch * -(-max_len // bs) + 16
+    max_len = max(args.context, args.prefill_len) + max_tokens + 16
+    max_num_seqs = args.batch + (args.steps + 3 if args.prefill_len else 0)
+    num_blocks = max_num_seqs * -(-max_len // bs) + 16
     cfg = WorkerConfig(
         model=args.model,
         device=args.device,
         num_kv_blocks=num_blocks,
         swap_space=0,
         max_model_len=max_len if args.device == "cpu" else 0,
-        max_num_seqs=args.batch,
+        max_num_seqs=max_num_seqs,
         enforce_eager=mode == "eager",
         fused_ops=args.fused_ops,
     )
@@ -62,15 +67,21 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
             max_model_len=runner.max_model_len,
             vocab_size=runner.vocab_size,
             eos_token_ids=tuple(runner.eos_token_ids),
-            max_num_seqs=args.batch,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
     )
     rng = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i in range(args.batch):
-        prompt = [rng.randrange(runner.vocab_size) for _ in range(args.context)]
-        core.add_request(b"bench", SubmitRequest(f"r{i}", prompt, params))
+
+    ids = itertools.count()
+
+    def arrive(prompt_len: int) -> None:
+        prompt = [rng.randrange(runner.vocab_size) for _ in range(prompt_len)]
+        core.add_request(b"bench", SubmitRequest(f"r{next(ids)}", prompt, params))
+
+    for _ in range(args.batch):
+        arrive(args.context)
 
     def step() -> tuple[float, float, list[int]]:
         t0 = time.perf_counter()
@@ -89,25 +100,33 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
         if len(scheduled) == args.batch and max(scheduled) == 1:
             break
     for _ in range(3):
+        if args.prefill_len:
+            arrive(args.prefill_len)
         step()
     _sync(runner.device)
     walls, scheds, works, gpus = [], [], [], []
     for _ in range(args.steps):
+        if args.prefill_len:
+            arrive(args.prefill_len)
         t0 = time.perf_counter()
         sched_s, work_s, scheduled = step()
         walls.append(time.perf_counter() - t0)
         scheds.append(sched_s)
         works.append(work_s)
         gpus.append(runner.last_step_gpu_s)
-        assert len(scheduled) == args.batch, f"a step ran {len(scheduled)} sequences, not {args.batch}"
+        if args.prefill_len:
+            assert scheduled[-1] == args.prefill_len, f"the step prefilled {scheduled[-1]} tokens"
+        else:
+            assert len(scheduled) == args.batch, f"a step ran {len(scheduled)} sequences, not {args.batch}"
     wall = statistics.median(walls)
     gpu = statistics.median(gpus)
     sched = statistics.median(scheds)
     return {
         "mode": mode,
-        "fused_ops": args.fused_ops,
+        "fused_ops": cfg.resolved_fused_ops,
         "batch": args.batch,
         "context": args.context,
+        "prefill_len": args.prefill_len,
         "startup_s": round(startup_s, 2),
         "graph_capture_s": round(runner.graphs.capture_time_s, 2) if runner.graphs else 0.0,
         "step_wall_ms": round(wall * 1e3, 3),
@@ -129,7 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--modes", default="graphs,eager", help="graphs,eager (graphs needs CUDA)")
     p.add_argument(
-        "--fused-ops", action="store_true", help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul"
+        "--prefill-len", type=int, default=0, help="time mixed steps: the decodes and one prefill this long"
+    )
+    p.add_argument(
+        "--fused-ops",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul (default: on with CUDA)",
     )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
@@ -137,14 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         modes = [m for m in modes if m != "graphs"] or ["eager"]
     results = []
-    print("| mode | batch | context | step ms | GPU ms | scheduler ms | worker host ms | GPU busy | tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    columns = ["mode", "batch", "context", "prefill", "step ms", "GPU ms", "scheduler ms", "worker host ms"]
+    print("| " + " | ".join([*columns, "GPU busy", "tok/s"]) + " |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in modes:
         r = profile(args, mode)
         results.append(r)
         busy = f"{r['gpu_busy']:.0%}" if r["gpu_busy"] is not None else "-"
         print(
-            f"| {mode} | {r['batch']} | {r['context']} | {r['step_wall_ms']:.2f} | {r['gpu_ms']:.2f} | "
+            f"| {mode} | {r['batch']} | {r['context']} | {r['prefill_len']} | {r['step_wall_ms']:.2f} | "
+            f"{r['gpu_ms']:.2f} | "
             f"{r['scheduler_ms']:.2f} | {r['worker_host_ms']:.2f} | {busy} | {r['decode_tok_s']:,} |",
             flush=True,
         )

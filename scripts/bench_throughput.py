@@ -11,8 +11,9 @@ worker with that `--kv-policy` and the same KV budget (`--num-kv-blocks`), so th
 (`reserved` claims prompt + max_tokens per request at admission, `reserved-max` claims `--max-model-len`, as
 a server that reserves the longest possible sequence for every request);
 run `paged-sync` is `paged` with the scheduler's async scheduling off (each plan waits for the last step's
-tokens), the baseline that async scheduling is measured against; run `paged-fused` is `paged` with the
-worker's `--fused-ops` (Triton RMSNorm, RoPE and SiLU-and-mul kernels).
+tokens), the baseline that async scheduling is measured against; run `paged-unfused` is `paged` with the
+worker's `--no-fused-ops` (PyTorch ops instead of the Triton RMSNorm, RoPE and SiLU-and-mul kernels that it
+uses on CUDA by default).
 
 Each run first serves `--num-warmup` requests, unmeasured (counters are read before and after the
 measurement). While a run goes, a background task reads the scheduler's metrics every `--sample-interval`
@@ -45,11 +46,11 @@ from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
 POLICIES = ("paged", "reserved", "reserved-max")
-# run name -> (kv policy, async scheduling, fused elementwise kernels in the model)
-RUNS = {
-    **{policy: (policy, True, False) for policy in POLICIES},
-    "paged-sync": ("paged", False, False),
-    "paged-fused": ("paged", True, True),
+# run name -> (kv policy, async scheduling, fused elementwise kernels; None: the worker's default)
+RUNS: dict[str, tuple[str, bool, bool | None]] = {
+    **{policy: (policy, True, None) for policy in POLICIES},
+    "paged-sync": ("paged", False, None),
+    "paged-unfused": ("paged", True, False),
 }
 PEERS = ("hf-static", "hf-continuous")
 _NEEDS_PSUTIL = "hf-continuous on the CPU needs psutil: transformers checks the free memory through it"
@@ -269,7 +270,7 @@ async def run_engine(
         "tensor_parallel_size": args.tensor_parallel_size,
         "kv_policy": policy,
         "async_scheduling": async_scheduling,
-        "fused_ops": fused_ops,
+        "fused_ops": "default" if fused_ops is None else fused_ops,
         "num_kv_blocks": info.num_kv_blocks,
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,

@@ -51,7 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--fused-ops", action="store_true", help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul"
+        "--fused-ops",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul (default: on with CUDA)",
     )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": str(Path(args.model).resolve().name),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": args.dtype,
-        "fused_ops": args.fused_ops,
+        "fused_ops": config.resolved_fused_ops,
         "prompts": "random token ids" if language is None else "synthetic language (trained checkpoint)",
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,

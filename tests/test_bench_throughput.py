@@ -29,7 +29,7 @@ def test_bench_throughput_compares_paged_reserved_and_sync_scheduling_at_one_kv_
     policies = [run["kv_policy"] for run in report["runs"]]
     assert policies == ["paged", "reserved", "paged", "reserved-max"]
     assert (paged["async_scheduling"], sync["async_scheduling"]) == (True, False)
-    assert not any(run["fused_ops"] for run in report["runs"])  # paged-fused: too slow in the interpreter
+    assert all(run["fused_ops"] == "default" for run in report["runs"])  # the CPU's default: PyTorch ops
     for run in report["runs"]:
         assert run["completed"] == run["num_requests"] == 12
         assert run["output_lens"] == wanted and run["output_tokens"] == sum(wanted)

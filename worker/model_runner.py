@@ -122,7 +122,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             self.parallel,
-            fused_ops=cfg.fused_ops,
+            fused_ops=cfg.resolved_fused_ops,
         )
         load_weights(self.model, self.model_config, cfg.model, self.parallel)
         self.model.eval()

@@ -1,0 +1,28 @@
+"""scripts/bench_step.py profiles decode steps, and with --prefill-len mixed steps, on a real runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.bench_step import main
+
+
+@pytest.mark.parametrize("prefill_len", [0, 24])
+def test_bench_step_times_decode_or_mixed_steps(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], prefill_len: int
+) -> None:
+    out = tmp_path / "step.json"
+    argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "3", "--context", "20"]
+    argv += ["--steps", "4", "--max-num-batched-tokens", "64", "--prefill-len", str(prefill_len)]
+    assert main([*argv, "--json-out", str(out)]) == 0
+
+    (row,) = json.loads(out.read_text())
+    assert row["mode"] == "eager" and row["fused_ops"] is False  # the CPU: no graphs, the PyTorch ops
+    assert (row["batch"], row["context"], row["prefill_len"]) == (3, 20, prefill_len)
+    assert row["step_wall_ms"] > 0 and row["scheduler_ms"] > 0
+    assert row["gpu_ms"] == 0 and row["gpu_busy"] is None  # no CUDA events on the CPU
+    table = capsys.readouterr().out
+    assert f"| eager | 3 | 20 | {prefill_len} |" in table
