@@ -7,8 +7,9 @@ Layout per layer as in `kernels.reference`: K and V pools `[num_blocks, block_si
 - `copy_blocks`: one Triton launch copies src -> dst block pairs in every layer's K and V, over the worker's
   all-layer pool `[L, 2, num_blocks, block_size, Hkv, D]` (worker/kv_cache.py), each byte read and written
   once.
-- Swaps between the GPU pool and the pinned CPU pool stay PyTorch ops (`worker.kv_cache.swap_blocks`: one
-  gather, one transfer, one scatter): the transfer over the host link is the bottleneck, not the gather.
+- Swaps between the GPU pool and the pinned, block-major CPU pool stay PyTorch ops (`worker.kv_cache`:
+  a gather or scatter on the GPU and one asynchronous transfer per run of consecutive CPU blocks): the host
+  link is the bottleneck, not the gather.
 """
 
 from __future__ import annotations

@@ -114,6 +114,34 @@ def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(tiny_model_d
         assert torch.equal(k_cache[9], before[layer, 0, 3]) and torch.equal(v_cache[2], before[layer, 1, 5])
 
 
+def test_swaps_copy_exactly_the_listed_blocks_between_the_pools(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir, num_kv_blocks=12, num_cpu_blocks=10)
+    pool, cpu = runner.kv.device_pool, runner.kv.cpu_pool  # [L, 2, n, ...] and block-major [n, L, 2, ...]
+    gen = torch.Generator().manual_seed(1)
+    pool.copy_(torch.randn(pool.shape, generator=gen))
+    cpu.copy_(torch.randn(cpu.shape, generator=gen))
+    before, cpu_before = pool.clone(), cpu.clone()
+    # CPU blocks 2, 3 are one run, 7 and 8 single ones (8 follows 7 but not in the list's order).
+    swap_out = [(3, 7), (0, 2), (5, 3), (11, 0), (1, 8)]
+
+    Steps(runner).run(swap_out=swap_out)
+
+    assert torch.equal(pool, before)  # the device pool is only read
+    expected_cpu = cpu_before.clone()
+    for device_block, cpu_block in swap_out:
+        expected_cpu[cpu_block] = before[:, :, device_block]
+    assert torch.equal(cpu, expected_cpu)
+
+    swap_in = [(8, 4), (2, 0), (3, 1), (9, 10), (7, 6)]  # CPU 2, 3 again one run; 9 never swapped: stale data
+    Steps(runner).run(swap_in=swap_in)
+
+    expected = before.clone()
+    for cpu_block, device_block in swap_in:
+        expected[:, :, device_block] = expected_cpu[cpu_block]
+    assert torch.equal(pool, expected)
+    assert torch.equal(pool[:, :, 4], before[:, :, 1]) and torch.equal(pool[:, :, 0], before[:, :, 0])
+
+
 def test_swap_out_then_in_to_other_blocks_continues_exactly_as_without_swapping(tiny_model_dir: Path) -> None:
     prompts = {0: random_prompt(0, 37), 1: random_prompt(1, 40)}
     reference = Steps(make_runner(tiny_model_dir))
@@ -235,7 +263,7 @@ def test_plans_that_misuse_kv_memory_raise(tiny_model_dir: Path) -> None:
 def test_swap_pool_size_follows_swap_space(tiny_model_dir: Path) -> None:
     assert make_runner(tiny_model_dir, num_cpu_blocks=0).num_cpu_blocks == 0
     runner = make_runner(tiny_model_dir, num_cpu_blocks=5)
-    assert runner.kv.cpu_pool.shape[:3] == (runner.model_config.num_layers, 2, 5)
+    assert runner.kv.cpu_pool.shape[:3] == (5, runner.model_config.num_layers, 2)  # block-major
     with pytest.raises(PlanError, match="outside the pools"):
         make_runner(tiny_model_dir, num_cpu_blocks=0).execute(
             StepPlan(0, [], [], [], [], [], swap_out=[(0, 0)])

@@ -1,9 +1,12 @@
 """The worker's KV memory: the device pool the model reads and writes, the CPU swap pool, and the block
 copies within the device pool (copy-on-write) and between the two pools (swap out, swap in).
 
-Each pool holds every layer in one tensor, `[num_layers, 2 (K, V), num_blocks, block_size, Hkv, D]`, so that
-copying n blocks is one gather and one scatter over all layers, K and V, whatever n. The model sees the
-device pool as per-layer (K, V) views, each `[num_blocks, block_size, Hkv, D]` and contiguous.
+The device pool holds every layer in one tensor, `[num_layers, 2 (K, V), num_blocks, block_size, Hkv, D]`, so
+that copying n blocks is one gather and one scatter over all layers, K and V, whatever n. The model sees it
+as per-layer (K, V) views, each `[num_blocks, block_size, Hkv, D]` and contiguous. The CPU pool is
+block-major, `[num_blocks, num_layers, 2, block_size, Hkv, D]`: a swapped block is one contiguous piece of
+pinned memory, so a swap is a gather or scatter on the GPU plus plain copies over the host link, queued on
+the stream without waiting for it (the host prepares the next step while they run).
 
 Block ids come from the scheduler, which owns ref counts and free lists; nothing here decides which block
 holds what.
@@ -88,16 +91,49 @@ def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
     pool.index_copy_(_BLOCK_DIM, dst, pool.index_select(_BLOCK_DIM, src))
 
 
-def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Block `dst[i]` of `dst_pool` becomes a copy of block `src[i]` of `src_pool`, every layer, K and V.
+def _block_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids on `device`; on CUDA through pinned memory, so that the copy queues on the stream without
+    waiting for the step still running there (a plain copy would drain it)."""
+    t = torch.tensor(ids, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
-    The pools sit on different devices (swap out: device -> CPU, swap in: CPU -> device), same block shape.
-    The blocks are gathered into one tensor on the source device, moved in one blocking transfer and
-    scattered on the destination: a non-blocking device -> CPU copy could still be in flight when the
-    scatter reads it.
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in `ids`, first id, length) of each run of consecutive ids: one transfer each."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
+
+
+def swap_out_blocks(device_pool: torch.Tensor, cpu_pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """(device block, CPU block): each CPU block becomes a copy of its device block, every layer, K and V.
+
+    One gather on the device into block-major order, then one asynchronous copy into pinned memory per run
+    of consecutive CPU blocks. The stream orders everything that touches those bytes later (a swap in that
+    reads the CPU block, a step that overwrites the device block), so nothing here waits for the copies.
     """
-    moved = src_pool.index_select(_BLOCK_DIM, src.to(src_pool.device))
-    dst_pool.index_copy_(_BLOCK_DIM, dst.to(dst_pool.device), moved.to(dst_pool.device))
+    src = _block_ids([s for s, _ in pairs], device_pool.device)
+    moved = device_pool.movedim(_BLOCK_DIM, 0)[src].contiguous()  # [n, L, 2, block_size, Hkv, D]
+    for start, first, n in _runs([d for _, d in pairs]):
+        cpu_pool[first : first + n].copy_(moved[start : start + n], non_blocking=True)
+
+
+def swap_in_blocks(cpu_pool: torch.Tensor, device_pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """(CPU block, device block): each device block becomes a copy of its CPU block, every layer, K and V.
+
+    One asynchronous copy out of pinned memory per run of consecutive CPU blocks into a staging tensor on
+    the device, then one scatter into the pool, all queued on the stream.
+    """
+    staging = torch.empty((len(pairs), *cpu_pool.shape[1:]), dtype=cpu_pool.dtype, device=device_pool.device)
+    for start, first, n in _runs([s for s, _ in pairs]):
+        staging[start : start + n].copy_(cpu_pool[first : first + n], non_blocking=True)
+    dst = _block_ids([d for _, d in pairs], device_pool.device)
+    device_pool.movedim(_BLOCK_DIM, 0)[dst] = staging
 
 
 class KVPools:
@@ -120,12 +156,12 @@ class KVPools:
             (c.num_layers, 2, num_blocks, *per_block), dtype=dtype, device=device
         )  # [L, 2, num_blocks, block_size, Hkv, D]
         # Empty is enough here: a CPU block is only ever read after a swap out wrote all of it. Pinned on
-        # CUDA, so that transfers run at the link's full rate.
+        # CUDA, so that transfers run at the link's full rate and do not wait for the host.
         self.cpu_pool = torch.empty(
-            (c.num_layers, 2, num_cpu_blocks, *per_block),
+            (num_cpu_blocks, c.num_layers, 2, *per_block),
             dtype=dtype,
             pin_memory=device.type == "cuda" and num_cpu_blocks > 0,
-        )  # [L, 2, num_cpu_blocks, block_size, Hkv, D]
+        )  # [num_cpu_blocks, L, 2, block_size, Hkv, D]: block-major
         self.layers: list[KVCache] = [(layer[0], layer[1]) for layer in self.device_pool]
 
     @property
@@ -134,29 +170,27 @@ class KVPools:
 
     @property
     def num_cpu_blocks(self) -> int:
-        return self.cpu_pool.shape[_BLOCK_DIM]
-
-    def _ids(self, pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)  # [N, 2]
-        return ids[:, 0].to(device), ids[:, 1].to(device)
+        return self.cpu_pool.shape[0]
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) device blocks: dst becomes a copy of src in every layer, K and V."""
         if not pairs:
             return
+        device = self.device_pool.device
+        src, dst = _block_ids([s for s, _ in pairs], device), _block_ids([d for _, d in pairs], device)
         if self.device_pool.is_cuda:  # the Triton kernel moves each byte once (the PyTorch op twice)
             from kernels.cache_ops import copy_blocks as copy_blocks_kernel
 
-            copy_blocks_kernel(self.device_pool, *self._ids(pairs, self.device_pool.device))
+            copy_blocks_kernel(self.device_pool, src, dst)
         else:
-            copy_blocks(self.device_pool, *self._ids(pairs, self.device_pool.device))
+            copy_blocks(self.device_pool, src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block): copies each device block into its CPU block."""
         if pairs:
-            swap_blocks(self.device_pool, self.cpu_pool, *self._ids(pairs, torch.device("cpu")))
+            swap_out_blocks(self.device_pool, self.cpu_pool, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(CPU block, device block): copies each CPU block into its device block."""
         if pairs:
-            swap_blocks(self.cpu_pool, self.device_pool, *self._ids(pairs, torch.device("cpu")))
+            swap_in_blocks(self.cpu_pool, self.device_pool, pairs)
