@@ -50,13 +50,15 @@ def _bars(ax: Any, labels: list[str], values: list[float], title: str, fmt: str 
 
 
 def _numbered(runs: list[dict]) -> dict[str, float]:
-    """Output tokens/s by bar name: the run's name, and "name #2", "name #3" for its repeats in one file."""
+    """Output tokens/s by bar name: the run's name (with its batch size, for a peer that has one), and
+    "name #2", "name #3" for its repeats in one file."""
     bars: dict[str, float] = {}
     for run in runs:
-        name, k = run["name"], 1
+        base = run["name"] if run.get("batch_size") is None else f"{run['name']} (batch {run['batch_size']})"
+        name, k = base, 1
         while name in bars:
             k += 1
-            name = f"{run['name']} #{k}"
+            name = f"{base} #{k}"
         bars[name] = run["output_tokens_per_s"]
     return bars
 

@@ -64,3 +64,13 @@ def test_a_run_repeated_in_one_file_gets_its_own_bar() -> None:
     runs = [{"name": "paged", "output_tokens_per_s": 2.0}, {"name": "sync", "output_tokens_per_s": 1.0}]
     runs += [{"name": "paged", "output_tokens_per_s": 3.0}, {"name": "paged", "output_tokens_per_s": 4.0}]
     assert _numbered(runs) == {"paged": 2.0, "sync": 1.0, "paged #2": 3.0, "paged #3": 4.0}
+
+
+def test_a_peer_run_at_several_batch_sizes_is_named_by_its_batch_size() -> None:
+    from scripts.plot_benchmarks import _numbered
+
+    peers = [{"name": "hf-static", "batch_size": 32, "output_tokens_per_s": 5.0}]
+    peers += [{"name": "hf-static", "batch_size": 128, "output_tokens_per_s": 6.0}]
+    peers += [{"name": "hf-continuous", "batch_size": None, "output_tokens_per_s": 7.0}]
+    want = {"hf-static (batch 32)": 5.0, "hf-static (batch 128)": 6.0, "hf-continuous": 7.0}
+    assert _numbered(peers) == want
