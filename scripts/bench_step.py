@@ -1,7 +1,7 @@
 """A profile of one decode step, the scheduler core and the worker's ModelRunner in one process.
 
     python scripts/bench_step.py --model /tmp/m1b --device cuda [--batch 256] [--context 512] [--steps 64]
-        [--modes graphs,eager] [--prefill-len N] [--no-fused-ops] [--json-out FILE]
+        [--modes graphs,eager] [--prefill-len N] [--no-fused-ops] [--piecewise-graphs] [--json-out FILE]
 
 `--batch` requests with `--context`-token random prompts are prefilled, then `--steps` decode steps are timed
 (median). Each step is what the engine loop does, without the sockets: `schedule()`, the plan's msgpack
@@ -56,6 +56,7 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
         max_num_seqs=max_num_seqs,
         enforce_eager=mode == "eager",
         fused_ops=args.fused_ops,
+        piecewise_graphs=args.piecewise_graphs,
     )
     started = time.monotonic()
     runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend)
@@ -124,6 +125,7 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
     return {
         "mode": mode,
         "fused_ops": cfg.resolved_fused_ops,
+        "piecewise_graphs": runner.mixed_graphs is not None,
         "batch": args.batch,
         "context": args.context,
         "prefill_len": args.prefill_len,
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul (default: on with CUDA)",
+    )
+    p.add_argument(
+        "--piecewise-graphs", action="store_true", help="graphs for the mixed steps (--prefill-len) too"
     )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)

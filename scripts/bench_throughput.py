@@ -13,7 +13,8 @@ a server that reserves the longest possible sequence for every request);
 run `paged-sync` is `paged` with the scheduler's async scheduling off (each plan waits for the last step's
 tokens), the baseline that async scheduling is measured against; run `paged-unfused` is `paged` with the
 worker's `--no-fused-ops` (PyTorch ops instead of the Triton RMSNorm, RoPE and SiLU-and-mul kernels that it
-uses on CUDA by default).
+uses on CUDA by default); run `paged-piecewise` is `paged` with `--piecewise-graphs` (prefill and mixed
+steps replay graphs of everything but the attention).
 
 Each run first serves `--num-warmup` requests, unmeasured (counters are read before and after the
 measurement). While a run goes, a background task reads the scheduler's metrics every `--sample-interval`
@@ -46,11 +47,13 @@ from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
 POLICIES = ("paged", "reserved", "reserved-max")
-# run name -> (kv policy, async scheduling, fused elementwise kernels; None: the worker's default)
-RUNS: dict[str, tuple[str, bool, bool | None]] = {
-    **{policy: (policy, True, None) for policy in POLICIES},
-    "paged-sync": ("paged", False, None),
-    "paged-unfused": ("paged", True, False),
+# run name -> (kv policy, async scheduling, fused elementwise kernels (None: the worker's default), piecewise
+# CUDA graphs for prefill and mixed steps)
+RUNS: dict[str, tuple[str, bool, bool | None, bool]] = {
+    **{policy: (policy, True, None, False) for policy in POLICIES},
+    "paged-sync": ("paged", False, None, False),
+    "paged-unfused": ("paged", True, False, False),
+    "paged-piecewise": ("paged", True, None, True),
 }
 PEERS = ("hf-static", "hf-continuous")
 _NEEDS_PSUTIL = "hf-continuous on the CPU needs psutil: transformers checks the free memory through it"
@@ -224,11 +227,12 @@ async def run_engine(
     args: argparse.Namespace, model_dir: Path, run: str, workload: list[BenchRequest], log_dir: Path
 ) -> dict[str, Any]:
     """One run: start scheduler + worker as `run` says, submit the whole workload at once, measure."""
-    policy, async_scheduling, fused_ops = RUNS[run]
+    policy, async_scheduling, fused_ops, piecewise_graphs = RUNS[run]
     settings: dict[str, object] = {
         "kv_policy": policy,
         "async_scheduling": async_scheduling,
         "fused_ops": fused_ops,
+        "piecewise_graphs": piecewise_graphs,
         "device": args.device,
         "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs,
@@ -271,6 +275,7 @@ async def run_engine(
         "kv_policy": policy,
         "async_scheduling": async_scheduling,
         "fused_ops": "default" if fused_ops is None else fused_ops,
+        "piecewise_graphs": piecewise_graphs,
         "num_kv_blocks": info.num_kv_blocks,
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,

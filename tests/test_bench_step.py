@@ -21,6 +21,7 @@ def test_bench_step_times_decode_or_mixed_steps(
 
     (row,) = json.loads(out.read_text())
     assert row["mode"] == "eager" and row["fused_ops"] is False  # the CPU: no graphs, the PyTorch ops
+    assert row["piecewise_graphs"] is False
     assert (row["batch"], row["context"], row["prefill_len"]) == (3, 20, prefill_len)
     assert row["step_wall_ms"] > 0 and row["scheduler_ms"] > 0
     assert row["gpu_ms"] == 0 and row["gpu_busy"] is None  # no CUDA events on the CPU

@@ -9,7 +9,8 @@ a finite row that nobody reads.
 
 The attention kernel's split-KV choice is part of the graph: it is made at capture for the longest context
 the worker allows (max_model_len), and a split that finds no tiles of a shorter context does no work.
-Prefills and mixed steps run eagerly.
+Prefills and mixed steps run eagerly, or with `--piecewise-graphs` through `MixedGraphs` (below): graphs of
+everything but the attention, per padded token count.
 """
 
 from __future__ import annotations
@@ -31,15 +32,13 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def _progress(done: int, total: int, started: float) -> None:
+def _progress(done: int, total: int, started: float, what: str = "CUDA graphs") -> None:
     width = 30
     filled = width * done // total
     bar = "#" * filled + "." * (width - filled)
     end = "\n" if done == total else "\r"
     elapsed = time.monotonic() - started
-    print(
-        f"capturing CUDA graphs [{bar}] {done}/{total} {elapsed:.1f}s", end=end, file=sys.stderr, flush=True
-    )
+    print(f"capturing {what} [{bar}] {done}/{total} {elapsed:.1f}s", end=end, file=sys.stderr, flush=True)
 
 
 class DecodeGraphs:
@@ -157,3 +156,134 @@ class DecodeGraphs:
         self._graphs[size].replay()
         self.num_replays += 1
         return self._logits[size][:batch]
+
+
+def token_buckets(max_num_tokens: int, step: int = 512) -> list[int]:
+    """Token counts that get piecewise graphs: every multiple of `step` below max_num_tokens, and it."""
+    return [*range(step, max_num_tokens, step), max_num_tokens]
+
+
+class MixedGraphs:
+    """Piecewise CUDA graphs for prefill and mixed steps (`--piecewise-graphs`).
+
+    Such a step's attention depends on the batch's sequences (how many, how long, where their blocks are),
+    which a graph cannot follow from step to step; everything else in the forward depends only on the
+    number of tokens. So the forward is cut at each layer's attention into L + 1 pieces, captured for each
+    padded token count: the embedding and layer 0's first half (norm, QKV projection, q/k norms, RoPE), then
+    layer i-1's second half (output projection, norm, MLP) with layer i's first half, and last layer L-1's
+    second half with the final norm. A step replays the pieces of the smallest count that holds it and runs
+    each layer's attention (the KV write and the Triton kernel, a few launches) eagerly in between. The
+    pieces hand over through static buffers: q, k, v and the residual stream out of a piece, the attention
+    output into the next. Padding tokens are token 0 at position 0; their rows are computed and never read
+    (attention and the KV write see only the step's own tokens).
+
+    `capture=False` runs the same pieces eagerly, on any device: what the tests compare with the model's
+    own forward on the CPU.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_layers: list[KVCache],
+        max_num_tokens: int,
+        device: torch.device,
+        bucket_step: int = 512,
+        capture: bool = True,
+        show_progress: bool = True,
+    ) -> None:
+        assert len(model.layers) > 0
+        self.model = model
+        self.kv_layers = kv_layers
+        self.sizes = token_buckets(max_num_tokens, bucket_step)
+        n = self.sizes[-1]
+        c = model.layers[0].self_attn.config  # this rank's heads
+        dtype = model.embed_tokens.weight.dtype
+        self.token_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
+        act = {"dtype": dtype, "device": device}
+        self.residual = torch.zeros(n, model.config.hidden_size, **act)  # [N, H]
+        self.q = torch.zeros(n, c.num_heads, c.head_dim, **act)  # [N, Hq, D]
+        self.k = torch.zeros(n, c.num_kv_heads, c.head_dim, **act)  # [N, Hkv, D]
+        self.v = torch.zeros(n, c.num_kv_heads, c.head_dim, **act)  # [N, Hkv, D]
+        self.attended = torch.zeros(n, c.q_size, **act)  # [N, q_size]
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._hidden: dict[int, torch.Tensor] = {}  # the last piece's output, per size
+        self.captured = capture
+        self.capture_time_s = 0.0
+        self.num_runs = 0  # steps run
+        if capture:
+            self._capture(show_progress)
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The graphs that run a step of `num_tokens` tokens, or None when it is too large."""
+        if num_tokens > self.sizes[-1]:
+            return None
+        return next(s for s in self.sizes if s >= num_tokens)
+
+    def _piece(self, i: int, size: int) -> torch.Tensor | None:
+        """Piece i of a `size`-token step. It leaves layer i's q, k, v and the residual stream in the static
+        buffers; the last piece (i = L) returns the final hidden states instead."""
+        m = self.model
+        residual: torch.Tensor | None
+        if i == 0:
+            hidden, residual = m.embed(self.token_ids[:size]), None
+        else:
+            hidden, residual = m.layers[i - 1].attention_outputs(self.attended[:size], self.residual[:size])
+        if i == len(m.layers):
+            return m.norm.add(hidden, residual)[0]
+        positions = self.positions[:size]
+        q, k, v, residual = m.layers[i].attention_inputs(positions, hidden, residual, m.rotary_emb)
+        for buf, t in ((self.q, q), (self.k, k), (self.v, v), (self.residual, residual)):
+            if t.data_ptr() != buf.data_ptr():  # the fused norm updates the residual buffer in place
+                buf[:size].copy_(t)
+        return None
+
+    @torch.inference_mode()
+    def _capture(self, show_progress: bool) -> None:
+        started = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: the smaller sizes reuse the memory of the larger ones from the shared pool.
+        for n, size in enumerate(reversed(self.sizes)):
+            graphs = []
+            for i in range(len(self.model.layers) + 1):
+                self._piece(i, size)  # warm-up: compiles kernels, allocates their buffers outside the graph
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._piece(i, size)
+                graphs.append(graph)
+                if out is not None:
+                    self._hidden[size] = out
+            self._graphs[size] = graphs
+            if show_progress:
+                _progress(n + 1, len(self.sizes), started, "piecewise CUDA graphs")
+        torch.cuda.synchronize()
+        self.capture_time_s = time.monotonic() - started
+
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward of a step (token ids and positions [T] and its metadata, on the device):
+        the final hidden states [T, H]."""
+        num_tokens = token_ids.shape[0]
+        size = self.padded_size(num_tokens)
+        assert size is not None
+        self.token_ids[:num_tokens].copy_(token_ids)
+        self.positions[:num_tokens].copy_(positions)
+        if size > num_tokens:
+            self.token_ids[num_tokens:size].zero_()
+            self.positions[num_tokens:size].zero_()
+        layers = self.model.layers
+        hidden = None
+        for i in range(len(layers) + 1):
+            if self.captured:
+                self._graphs[size][i].replay()
+            else:
+                hidden = self._piece(i, size)
+            if i < len(layers):
+                q, k, v = self.q[:num_tokens], self.k[:num_tokens], self.v[:num_tokens]
+                attended = layers[i].self_attn.attend(q, k, v, self.kv_layers[i], meta)
+                self.attended[:num_tokens].copy_(attended)
+        if self.captured:
+            hidden = self._hidden[size]
+        self.num_runs += 1
+        assert hidden is not None
+        return hidden[:num_tokens]

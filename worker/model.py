@@ -137,14 +137,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device, fused)
         self.scale = config.head_dim**-0.5
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, H]
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        rope: RotaryEmbedding,
-    ) -> torch.Tensor:  # [T, H]
+    def project(
+        self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k and v [T, Hkv, D]
+        """Queries, keys and values of `hidden` [T, H], with q/k norms (Qwen3) and RoPE applied."""
         c = self.config
         qkv = F.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -154,9 +150,17 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
+        return q, k, v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [T, q_size]
+        """Writes k, v into the cache at the batch's slots and attends over each sequence's cached tokens."""
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
-        out = out.reshape(-1, c.q_size)
-        return row_parallel_linear(out, self.o_proj.weight, self.o_proj.bias, self.parallel)
+        return out.reshape(-1, self.config.q_size)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:  # [T, q_size] -> [T, H]
+        return row_parallel_linear(attended, self.o_proj.weight, self.o_proj.bias, self.parallel)
 
 
 class LlamaMLP(nn.Module):
@@ -218,14 +222,32 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         rope: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.attention_inputs(positions, hidden, residual, rope)
+        return self.attention_outputs(self.self_attn.attend(q, k, v, kv_cache, meta), residual)
+
+    # The layer in two halves around the attention proper, which reads the batch's metadata and the KV
+    # cache: what worker/cuda_graphs.py captures for mixed steps is everything else.
+
+    def attention_inputs(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
         if residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add(hidden, residual)
-        normed, residual = self.post_attention_layernorm.add(
-            self.self_attn(positions, normed, kv_cache, meta, rope), residual
-        )
+        return (*self.self_attn.project(positions, normed, rope), residual)
+
+    def attention_outputs(
+        self,
+        attended: torch.Tensor,
+        residual: torch.Tensor,  # [T, q_size], [T, H]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the layer's output and the residual stream, [T, H] each
+        normed, residual = self.post_attention_layernorm.add(self.self_attn.output(attended), residual)
         return self.mlp(normed), residual
 
 
@@ -265,6 +287,9 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = _param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(config, max_model_len, dtype, device, fused_ops)
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return vocab_parallel_embedding(token_ids, self.embed_tokens.weight, self.parallel)
+
     def forward(
         self,
         token_ids: torch.Tensor,  # [T]
@@ -272,7 +297,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[KVCache],  # one per layer
     ) -> torch.Tensor:  # [T, H], after the final norm
-        hidden = vocab_parallel_embedding(token_ids, self.embed_tokens.weight, self.parallel)
+        hidden = self.embed(token_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.rotary_emb)

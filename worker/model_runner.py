@@ -24,7 +24,7 @@ import torch
 from common.config import WorkerConfig
 from common.messages import NewSequence, StepOutput, StepPlan
 from worker.attention import AttentionMetadata, get_attention_backend
-from worker.cuda_graphs import DecodeGraphs
+from worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from worker.inputs import BlockTableArray, HostInputs, build_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
 from worker.loader import ModelConfig, load_model_config, load_weights
@@ -152,6 +152,11 @@ class ModelRunner:
                 max_model_len=self.max_model_len,
                 device=self.device,
             )
+        self.mixed_graphs: MixedGraphs | None = None
+        if self.graphs is not None and cfg.piecewise_graphs:
+            # Their memory comes out of what --gpu-memory-utilization leaves: the profile does not count it.
+            max_tokens = cfg.max_num_batched_tokens
+            self.mixed_graphs = MixedGraphs(self.model, self.kv.layers, max_tokens, self.device)
         self.last_step_gpu_s = 0.0  # GPU time of the last step with a forward (CUDA; 0 elsewhere)
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not finished; oldest first
         self._last_ended: torch.cuda.Event | None = None  # the end of the last launched step on the GPU
@@ -201,6 +206,7 @@ class ModelRunner:
         if self.graphs is not None:
             torch.cuda.synchronize(self.device)  # no graph is still running when it goes
             self.graphs = None
+            self.mixed_graphs = None
             gc.collect()
 
     @property
@@ -410,7 +416,7 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """Runs the batch, its pending tokens put in from `feed`; returns the logits rows of the sequences at
         `sampling` (batch indices), or None when none samples. A decode batch that a captured graph holds
-        replays it."""
+        replays it; other steps replay the piecewise graphs when there are some (attention eagerly)."""
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
             logits = self.graphs.run(inputs, feed)  # [B, V]
@@ -420,7 +426,10 @@ class ModelRunner:
         token_ids, positions, meta = self._to_device(inputs)
         if feed is not None:
             token_ids[feed[0]] = feed[1]
-        hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
+        if self.mixed_graphs is not None and self.mixed_graphs.padded_size(len(inputs.token_ids)):
+            hidden = self.mixed_graphs.run(token_ids, positions, meta)  # [T, H]
+        else:
+            hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
         if not sampling:
             return None
         # The last scheduled token of each sampling sequence is the row that predicts its next token.
