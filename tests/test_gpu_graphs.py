@@ -28,10 +28,11 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
     assert capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 24] and capture_sizes(256)[-1] == 256
 
 
-def _runner(model_dir, enforce_eager: bool, dtype: str) -> ModelRunner:
+def _runner(model_dir, enforce_eager: bool, dtype: str, piecewise_graphs: bool = False) -> ModelRunner:
     cfg = WorkerConfig(
         model=str(model_dir), device="cuda", dtype=dtype, num_kv_blocks=96, max_num_seqs=16,
-        enforce_eager=enforce_eager, swap_space=0,
+        enforce_eager=enforce_eager, swap_space=0, piecewise_graphs=piecewise_graphs,
+        max_num_batched_tokens=256,
     )  # fmt: skip
     return ModelRunner(cfg, attention_backend="triton")
 
@@ -84,6 +85,19 @@ def test_graph_replay_gives_the_tokens_of_eager_execution(tiny_model_dir, dtype:
         logprobs = torch.log_softmax(logits, dim=-1)
         gap = abs(logprobs[mine[k]] - logprobs[theirs[k]]).item()
         assert gap < 0.1, f"token {k}: {mine[k]} vs {theirs[k]} differ by {gap:.3f} nats"
+
+
+def test_piecewise_graphs_give_the_tokens_of_eager_execution(tiny_model_dir) -> None:
+    pieces, eager = _runner(tiny_model_dir, False, "float32", True), _runner(tiny_model_dir, True, "float32")
+    assert pieces.mixed_graphs is not None and pieces.mixed_graphs.sizes == [256]
+    rng = random.Random(5)
+    # Prefills of 1-200 tokens admitted beside running decodes: mixed steps of uneven sizes, padded to 256.
+    prompts = [[rng.randrange(pieces.vocab_size) for _ in range(rng.randint(1, 200))] for _ in range(9)]
+    max_tokens = [rng.randint(3, 30) for _ in prompts]
+    results = [_generate(runner, prompts, max_tokens) for runner in (pieces, eager)]
+    assert pieces.mixed_graphs.num_runs > 1 and pieces.graphs is not None and pieces.graphs.num_replays > 0
+    assert [len(t) for t in results[0]] == max_tokens
+    assert results[0] == results[1]
 
 
 @torch.inference_mode()
