@@ -81,9 +81,9 @@ class WorkerConfig:
     max_model_len: int = 0  # longest prompt + output; 0: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps
-    # cuda: prefill and mixed steps replay graphs of everything but the attention, captured per padded token
-    # count (worker/cuda_graphs.py MixedGraphs); off until measured on a GPU
-    piecewise_graphs: bool = False
+    # cuda, with decode graphs on: prefill and mixed steps replay graphs of everything but the attention,
+    # captured per padded token count (worker/cuda_graphs.py MixedGraphs)
+    piecewise_graphs: bool = True
     # Triton kernels for RMSNorm (+ residual add), RoPE and SiLU-and-mul instead of 2-9 PyTorch ops each
     # (kernels/fused_ops.py); unset: on with CUDA. On the CPU they need TRITON_INTERPRET=1 (tests only).
     fused_ops: bool | None = None

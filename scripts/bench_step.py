@@ -1,7 +1,7 @@
 """A profile of one decode step, the scheduler core and the worker's ModelRunner in one process.
 
     python scripts/bench_step.py --model /tmp/m1b --device cuda [--batch 256] [--context 512] [--steps 64]
-        [--modes graphs,eager] [--prefill-len N] [--no-fused-ops] [--piecewise-graphs] [--json-out FILE]
+        [--modes graphs,eager] [--prefill-len N] [--no-fused-ops] [--no-piecewise-graphs] [--json-out FILE]
 
 `--batch` requests with `--context`-token random prompts are prefilled, then `--steps` decode steps are timed
 (median). Each step is what the engine loop does, without the sockets: `schedule()`, the plan's msgpack
@@ -11,7 +11,8 @@ update + codec) and the rest of the worker's host time; the GPU-busy fraction of
 wall time. `graphs` and `eager` (--enforce-eager) are two runners on the same weights, measured in turn.
 
 With `--prefill-len N` the timed steps are mixed ones instead: before each, a new request with an N-token
-prompt arrives, so the step runs the decodes and that whole prefill (eager, as the engine runs such steps).
+prompt arrives, so the step runs the decodes and that whole prefill (as the engine runs such steps: piecewise
+graphs in mode graphs unless `--no-piecewise-graphs`, eagerly in mode eager).
 """
 
 from __future__ import annotations
@@ -159,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul (default: on with CUDA)",
     )
     p.add_argument(
-        "--piecewise-graphs", action="store_true", help="graphs for the mixed steps (--prefill-len) too"
+        "--piecewise-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mode graphs: piecewise graphs for the mixed steps (--prefill-len) too (default: on)",
     )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)

@@ -13,8 +13,8 @@ a server that reserves the longest possible sequence for every request);
 run `paged-sync` is `paged` with the scheduler's async scheduling off (each plan waits for the last step's
 tokens), the baseline that async scheduling is measured against; run `paged-unfused` is `paged` with the
 worker's `--no-fused-ops` (PyTorch ops instead of the Triton RMSNorm, RoPE and SiLU-and-mul kernels that it
-uses on CUDA by default); run `paged-piecewise` is `paged` with `--piecewise-graphs` (prefill and mixed
-steps replay graphs of everything but the attention).
+uses on CUDA by default); run `paged-eager-mixed` is `paged` with `--no-piecewise-graphs` (prefill and
+mixed steps run eagerly instead of replaying graphs of everything but the attention).
 
 Each run first serves `--num-warmup` requests, unmeasured (counters are read before and after the
 measurement). While a run goes, a background task reads the scheduler's metrics every `--sample-interval`
@@ -50,10 +50,10 @@ POLICIES = ("paged", "reserved", "reserved-max")
 # run name -> (kv policy, async scheduling, fused elementwise kernels (None: the worker's default), piecewise
 # CUDA graphs for prefill and mixed steps)
 RUNS: dict[str, tuple[str, bool, bool | None, bool]] = {
-    **{policy: (policy, True, None, False) for policy in POLICIES},
-    "paged-sync": ("paged", False, None, False),
-    "paged-unfused": ("paged", True, False, False),
-    "paged-piecewise": ("paged", True, None, True),
+    **{policy: (policy, True, None, True) for policy in POLICIES},
+    "paged-sync": ("paged", False, None, True),
+    "paged-unfused": ("paged", True, False, True),
+    "paged-eager-mixed": ("paged", True, None, False),
 }
 PEERS = ("hf-static", "hf-continuous")
 _NEEDS_PSUTIL = "hf-continuous on the CPU needs psutil: transformers checks the free memory through it"

@@ -9,8 +9,8 @@ a finite row that nobody reads.
 
 The attention kernel's split-KV choice is part of the graph: it is made at capture for the longest context
 the worker allows (max_model_len), and a split that finds no tiles of a shorter context does no work.
-Prefills and mixed steps run eagerly, or with `--piecewise-graphs` through `MixedGraphs` (below): graphs of
-everything but the attention, per padded token count.
+Prefills and mixed steps replay `MixedGraphs` (below): graphs of everything but the attention, per padded
+token count (`--no-piecewise-graphs` runs them eagerly).
 """
 
 from __future__ import annotations
@@ -158,13 +158,21 @@ class DecodeGraphs:
         return self._logits[size][:batch]
 
 
-def token_buckets(max_num_tokens: int, step: int = 512) -> list[int]:
-    """Token counts that get piecewise graphs: every multiple of `step` below max_num_tokens, and it."""
-    return [*range(step, max_num_tokens, step), max_num_tokens]
+def token_buckets(max_num_tokens: int, step: int = 256) -> list[int]:
+    """Token counts that get piecewise graphs, ending with max_num_tokens: powers of two from step / 16 up to
+    step, every step up to 8 * step, every 2 * step beyond (16, 32, 64, 128, 256, 512, ..., 2048, 2560, ...).
+    A step pads to the next count: fewer than `step` padding tokens up to 8 * step, fewer than 2 * step
+    beyond, where they are at most a fifth of the step's tokens."""
+    sizes: list[int] = []
+    size = max(1, step // 16)
+    while size < max_num_tokens:
+        sizes.append(size)
+        size = size * 2 if size < step else size + (step if size < 8 * step else 2 * step)
+    return [*sizes, max_num_tokens]
 
 
 class MixedGraphs:
-    """Piecewise CUDA graphs for prefill and mixed steps (`--piecewise-graphs`).
+    """Piecewise CUDA graphs for prefill and mixed steps (on unless `--no-piecewise-graphs`).
 
     Such a step's attention depends on the batch's sequences (how many, how long, where their blocks are),
     which a graph cannot follow from step to step; everything else in the forward depends only on the
@@ -187,7 +195,7 @@ class MixedGraphs:
         kv_layers: list[KVCache],
         max_num_tokens: int,
         device: torch.device,
-        bucket_step: int = 512,
+        bucket_step: int = 256,
         capture: bool = True,
         show_progress: bool = True,
     ) -> None:

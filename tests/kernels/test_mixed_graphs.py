@@ -18,9 +18,10 @@ from worker.cuda_graphs import MixedGraphs, token_buckets
 
 
 def test_token_buckets_cover_every_count_up_to_the_step_budget() -> None:
-    assert token_buckets(2048) == [512, 1024, 1536, 2048]
-    assert token_buckets(1000) == [512, 1000]
-    assert token_buckets(64, step=16) == [16, 32, 48, 64]
+    assert token_buckets(8192) == [16, 32, 64, 128, *range(256, 2048, 256), *range(2048, 8192, 512), 8192]
+    assert token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert token_buckets(16) == [16] and token_buckets(5) == [5]
+    assert token_buckets(64, step=16) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny"])
