@@ -93,6 +93,7 @@ class WorkerConfig:
     rank: int = 0  # this worker's rank in the group (0 talks to the scheduler)
     dist_init_method: str = "tcp://127.0.0.1:29500"  # torch.distributed rendezvous of the group
     heartbeat_interval_s: float = 1.0  # how often the worker tells the scheduler it is alive
+    step_trace: str = ""  # a file for one JSON line per step: host timestamps, GPU and idle time (rank 0)
     log_level: str = "info"
 
     @property

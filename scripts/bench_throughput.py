@@ -44,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 from common.client import AsyncEngineClient, RequestResult  # noqa: E402
 from common.messages import InfoReply, SamplingParams  # noqa: E402
 from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
+from worker.step_trace import read_trace  # noqa: E402
+from worker.step_trace import summarize as summarize_trace  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
 POLICIES = ("paged", "reserved", "reserved-max")
@@ -111,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
     p.add_argument("--log-dir", default=None, help="scheduler/worker logs go here; default: a temp dir")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="the worker traces every step (LOG_DIR/RUN/steps.jsonl, worker/step_trace.py); each run reports "
+        "where the decode steps' GPU idle time came from",
+    )
     args = p.parse_args(argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()] if args.runs else [args.kv_policy]
     args.peers = [r.strip() for r in args.peers.split(",") if r.strip()]
@@ -240,6 +248,7 @@ async def run_engine(
         "max_model_len": args.max_model_len,
         "tensor_parallel_size": args.tensor_parallel_size,
         "log_level": "warning",  # per-request log lines would cost the scheduler time
+        "step_trace": str(log_dir / "steps.jsonl") if args.step_trace else None,
     }
     engine = start_engine(model_dir, log_dir, **settings)
     try:
@@ -266,6 +275,10 @@ async def run_engine(
     finally:
         engine.stop()
     check_outputs(run, workload, results)
+    trace = None
+    if args.step_trace:  # the warm-up's steps come first: skip them
+        warm_up_steps = int(before.get("pagedserve_steps_total", 0))
+        trace = summarize_trace(read_trace(log_dir / "steps.jsonl")[warm_up_steps:])
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     output_tokens = sum(r.num_output_tokens for r in results)
     waste = sampler.mean_kv_waste()
@@ -305,6 +318,7 @@ async def run_engine(
         "gpu_s": _rounded(final.get("pagedserve_gpu_seconds_total")),
         "decode_gpu_s": _rounded(final.get("pagedserve_decode_gpu_seconds_total")),
         "num_samples": len(sampler.samples),
+        "step_trace": trace,
     }
 
 
@@ -504,6 +518,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"x {runs[0]['block_size']}, model {model_dir.name}"
     )
     print_table(runs + peers)
+    traced = [(row["name"], row["step_trace"]) for row in runs if row.get("step_trace")]
+    if traced:
+        print("decode steps, from the worker's step trace (ms):")
+        columns = ["run", *traced[0][1]]
+        print(format_table(columns, [[name, *(_cell(v) for v in t.values())] for name, t in traced]))
     report = {
         "model": str(model_dir),
         "workload": {

@@ -18,7 +18,7 @@ def test_bench_throughput_compares_paged_reserved_and_sync_scheduling_at_one_kv_
     argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--num-requests", "12"]
     argv += ["--max-prompt-len", "48", "--max-output-len", "16", "--num-kv-blocks", "24"]
     argv += ["--max-model-len", "128", "--runs", "paged,reserved,paged-sync,reserved-max"]
-    argv += ["--sample-interval", "0.02"]
+    argv += ["--sample-interval", "0.02", "--step-trace"]
     argv += ["--log-dir", str(tmp_path / "logs")]
     main([*argv, "--json-out", str(out)])
 
@@ -39,6 +39,15 @@ def test_bench_throughput_compares_paged_reserved_and_sync_scheduling_at_one_kv_
         assert 1 <= run["peak_running"] <= 12
         # every request takes 16 steps; the first step prefills, so not every step is decode-only
         assert 16 <= run["steps"] and 0 < run["decode_steps"] < run["steps"]
+        # the worker's step trace, past the warm-up's steps, saw the same decode-only steps
+        trace = run["step_trace"]
+        assert trace["decode_steps"] == run["decode_steps"]
+        assert trace["decode_gpu_ms"] == trace["decode_idle_ms"] == 0  # no CUDA events on the CPU
+        assert trace["worker_launch_ms_p50"] > 0 and trace["scheduler_turnaround_ms_p50"] > 0
+        steps = [json.loads(line) for line in (tmp_path / "logs" / run["name"] / "steps.jsonl").open()]
+        assert len(steps) > run["steps"]  # the warm-up's steps first
+        assert [s["step"] for s in steps] == sorted({s["step"] for s in steps})  # answered in order, once
+        assert all(s["recv"] <= s["launched"] <= s["wait"] <= s["done"] <= s["sent"] for s in steps)
     assert paged["mean_kv_waste"] < reserved["mean_kv_waste"] < reserved_max["mean_kv_waste"]
     assert reserved_max["peak_running"] <= 3  # 128 tokens = 8 of the 24 blocks claimed per request
     printed = capsys.readouterr().out

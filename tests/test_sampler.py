@@ -282,8 +282,10 @@ def test_device_uniforms_equal_uniform_for_bit_for_bit() -> None:
         *(rng.randrange(10**6) for _ in range(12)),
     ]
     pairs = [(s, p) for s in seeds for p in positions]
-    got = uniforms_for(torch.tensor([_bits64(s) for s, _ in pairs]), torch.tensor([p for _, p in pairs]))
-    assert got.dtype == torch.float64
+    got = uniforms_for(np.array([_bits64(s) for s, _ in pairs]), np.array([p for _, p in pairs]))
+    assert got.dtype == np.float64
+    unsigned = np.array([s & (2**64 - 1) for s, _ in pairs], dtype=np.uint64)  # the same bits as uint64
+    assert uniforms_for(unsigned, np.array([p for _, p in pairs])).tolist() == got.tolist()
     assert got.tolist() == [uniform_for(s, p) for s, p in pairs]
     # And as the sampler builds them, by slot.
     rows = [_row(seed=s, position=p) for s, p in pairs]

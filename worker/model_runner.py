@@ -15,6 +15,7 @@ as pending in the sequence until step N finishes.
 from __future__ import annotations
 
 import gc
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -31,6 +32,8 @@ from worker.loader import ModelConfig, load_model_config, load_weights
 from worker.model import LlamaModel
 from worker.parallel import ParallelContext
 from worker.sampler import SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
+
+_MASK64 = (1 << 64) - 1
 
 
 class PlanError(ValueError):
@@ -101,6 +104,32 @@ class LaunchedStep:
         return self.rows[seq_id]
 
 
+def _sampling_tensors(samplers: list[SeqState], device: torch.device) -> SamplingTensors:
+    """The sampler's parameters of `samplers`, a column at a time (no object per row: it runs every step)."""
+    n = len(samplers)
+    return SamplingTensors.from_arrays(
+        temperature=np.fromiter((s.temperature for s in samplers), np.float64, n),
+        top_k=np.fromiter((s.top_k for s in samplers), np.int64, n),
+        top_p=np.fromiter((s.top_p for s in samplers), np.float64, n),
+        seed=np.fromiter((s.seed & _MASK64 for s in samplers), np.uint64, n),
+        position=np.fromiter((len(s.token_ids) + s.pending for s in samplers), np.int64, n),
+        num_logprobs=np.fromiter((s.num_logprobs for s in samplers), np.int64, n),
+        device=device,
+    )
+
+
+@dataclass
+class ForwardedStep:
+    """A step whose forward pass is queued and whose sampler is not yet (`ModelRunner.launch_forward`)."""
+
+    plan: StepPlan
+    seq_ids: list[int]  # the sequences that sample, in batch order (fork children join them)
+    samplers: list[SeqState]
+    logits: torch.Tensor  # [S, V] their rows
+    started: torch.cuda.Event | None
+    ended: torch.cuda.Event | None  # recorded once the sampler is queued
+
+
 class ModelRunner:
     """Runs StepPlans on one device: the model, the KV pools and every live sequence's state."""
 
@@ -161,6 +190,9 @@ class ModelRunner:
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not finished; oldest first
         self._last_ended: torch.cuda.Event | None = None  # the end of the last launched step on the GPU
         self.num_tokens_fed = 0  # tokens a step read from the previous step's sampler output on the device
+        # With `trace_launches`: the host clock (perf_counter) at each phase of the last launch, by name
+        self.trace_launches = False
+        self.launch_marks: dict[str, float] = {}
 
     @torch.inference_mode()
     def _profile_peak_memory(self, cfg: WorkerConfig) -> int:
@@ -466,13 +498,25 @@ class ModelRunner:
         self.launch(plan)
         return self.finish()
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> None:
         """Applies `plan` and queues its step on the device, behind the step in flight if there is one (at
         most one: finish the older ones first). Raises PlanError on a plan that contradicts the worker's
         state."""
+        forwarded = self.launch_forward(plan)
+        if forwarded is not None:
+            self.launch_sampling(forwarded)
+
+    @torch.inference_mode()
+    def launch_forward(self, plan: StepPlan) -> ForwardedStep | None:
+        """The first half of `launch`: applies `plan` and queues the model's forward pass. Returns the step
+        for `launch_sampling` to queue its sampler, or None when it has none (then it is in flight already).
+
+        The step in flight before it may be finished in between: the sampler's host work then comes after
+        that step's answer, off the path from one step's end to the scheduler's next plan."""
         if len(self.in_flight) > 1:
             raise RuntimeError("launch() with two steps in flight: finish the oldest first")
+        mark = self._mark_launch
+        mark("start")
         self._apply_changes(plan)
         seqs = self._check_scheduled(plan)
         num_tokens = list(plan.num_scheduled_tokens)
@@ -484,41 +528,56 @@ class ModelRunner:
         self._check_forks(plan, {plan.scheduled_seq_ids[b] for b in sampling})
         if not seqs:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
-            return
+            return None
+        mark("plan")
         inputs = self._host_inputs(seqs, num_tokens)
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
+        mark("inputs")
         started = ended = None
         if self.device.type == "cuda":
             started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record()
         logits = self._forward(inputs, sampling, feed)
+        mark("forward")
         for seq, n in zip(seqs, num_tokens, strict=True):
             seq.num_computed_tokens += n
         if logits is None:
             if ended is not None:
                 ended.record()
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, started, ended))
-            return
-
+            return None
         seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
-        samplers = [seqs[b] for b in sampling]
+        return ForwardedStep(plan, seq_ids, [seqs[b] for b in sampling], logits, started, ended)
+
+    @torch.inference_mode()
+    def launch_sampling(self, step: ForwardedStep) -> None:
+        """The second half of `launch`: creates the fork children, queues the sampler and the copy of its
+        results, and puts the step in flight."""
+        mark = self._mark_launch
+        mark("previous_step")  # since the forward: the step before it answered, if it was
+        plan, seq_ids, samplers, logits = step.plan, step.seq_ids, step.samplers, step.logits
         if plan.forks:
-            parent_rows = self._create_children(plan, seq_ids, samplers)
-            rows = list(range(len(sampling))) + parent_rows
+            rows = list(range(len(samplers)))
+            rows += self._create_children(plan, seq_ids, samplers)
             logits = logits[self._put(np.array(rows, dtype=np.int64))]
-        params = [
-            SamplingRow(s.temperature, s.top_k, s.top_p, s.seed, len(s.token_ids) + s.pending, s.num_logprobs)
-            for s in samplers
-        ]
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
-        out = sample_tensors(logits, SamplingTensors.from_rows(params, self.device))
+        sampling_tensors = _sampling_tensors(samplers, self.device)
+        mark("sampling_params")
+        out = sample_tensors(logits, sampling_tensors)
         copy = out.start_copy()
-        if ended is not None:
-            ended.record()
+        mark("sample")
+        if step.ended is not None:
+            step.ended.record()
         for seq in samplers:
             if not seq.beam:
                 seq.pending += 1
-        self._queue(LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, started, ended))
+        self._queue(LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, step.started, step.ended))
+
+    def _mark_launch(self, phase: str) -> None:
+        if self.trace_launches:
+            if phase == "start":
+                self.launch_marks = {}
+            self.launch_marks[phase] = time.perf_counter()
 
     def _queue(self, step: LaunchedStep) -> None:
         """Puts a launched step in flight; one with events is timed against the last one before it."""

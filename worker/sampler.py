@@ -45,30 +45,21 @@ def uniform_for(seed: int, position: int) -> float:
     return (bits >> 11) / float(1 << 53)
 
 
-def _as_int64(x: int) -> int:
-    """The signed 64-bit integer with the low 64 bits of x."""
-    x &= _MASK64
-    return x - (1 << 64) if x >> 63 else x
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    # uint64 arithmetic wraps modulo 2**64 and `>>` shifts zeros in, which is exactly what `_splitmix64` does.
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
-def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns: torch's `>>` on int64 copies the sign bit in."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
-    # int64 addition and multiplication wrap modulo 2**64, which is exactly what the `& _MASK64` above does.
-    x = x + _as_int64(0x9E3779B97F4A7C15)
-    x = (x ^ _shift_right(x, 30)) * _as_int64(0xBF58476D1CE4E5B9)
-    x = (x ^ _shift_right(x, 27)) * _as_int64(0x94D049BB133111EB)
-    return x ^ _shift_right(x, 31)
-
-
-def uniforms_for(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """`uniform_for` over int64 tensors (each holding the 64 bits of `seed & (2**64 - 1)`, and of the
-    position), bit for bit, on any device: float64 [N]."""
-    bits = _splitmix64_tensor(_splitmix64_tensor(seed) ^ position)
-    return _shift_right(bits, 11).double() / float(1 << 53)
+def uniforms_for(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """`uniform_for` over arrays, bit for bit, on the host: seed [N] uint64 (or int64 holding the same bits),
+    position [N] non-negative integers; float64 [N]."""
+    seed = np.asarray(seed)
+    seed = seed.view(np.uint64) if seed.dtype == np.int64 else seed.astype(np.uint64, copy=False)
+    bits = _splitmix64_array(_splitmix64_array(seed) ^ np.asarray(position).astype(np.uint64))
+    return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 @dataclass(frozen=True)
@@ -176,11 +167,12 @@ class SamplingTensors:
 
         num_logprobs = np.asarray(num_logprobs, dtype=np.int64)
         logprob_rows = np.flatnonzero(num_logprobs >= 0)
+        # The draws' uniform numbers are hashed here, on the host, and travel with the rest.
+        uniforms = uniforms_for(np.asarray(seed)[order], np.asarray(position)[order]) if groups else None
         params = np.stack(
             [
                 order,
-                np.asarray(seed).astype(np.uint64, copy=False).view(np.int64)[order],
-                np.asarray(position, dtype=np.int64)[order],
+                np.zeros(num_rows, dtype=np.int64) if uniforms is None else uniforms.view(np.int64),
                 top_k[order],
                 np.asarray(temperature, dtype=np.float32)[order].view(np.int32).astype(np.int64),
                 np.asarray(top_p, dtype=np.float32)[order].view(np.int32).astype(np.int64),
@@ -193,17 +185,17 @@ class SamplingTensors:
                 packed = packed.pin_memory().to(device, non_blocking=True)
             else:
                 packed = packed.to(device)
-        fields = packed[: 6 * num_rows].view(6, num_rows)
+        fields = packed[: 5 * num_rows].view(5, num_rows)
         return cls(
             num_rows=num_rows,
             order=fields[0],
-            temperature=fields[4].to(torch.int32).view(torch.float32),
-            top_k=fields[3],
-            top_p=fields[5].to(torch.int32).view(torch.float32),
-            uniforms=uniforms_for(fields[1], fields[2]) if groups else fields[1][:0].double(),
+            temperature=fields[3].to(torch.int32).view(torch.float32),
+            top_k=fields[2],
+            top_p=fields[4].to(torch.int32).view(torch.float32),
+            uniforms=fields[1].view(torch.float64) if groups else fields[1][:0].view(torch.float64),
             groups=tuple(groups),
             any_greedy=bool(greedy.any()),
-            logprob_rows=packed[6 * num_rows :],
+            logprob_rows=packed[5 * num_rows :],
             logprob_rows_host=logprob_rows,
             num_logprobs=num_logprobs[logprob_rows],
         )

@@ -22,6 +22,7 @@ from common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode,
 from worker.heartbeat import HeartbeatThread
 from worker.model_runner import ModelRunner
 from worker.parallel import ParallelContext, init_parallel
+from worker.step_trace import StepTrace
 
 POLL_MS = 100  # how often the receive loop looks at the stop flag
 STEP_POLL_MS = 1  # while a step runs: how often the loop looks whether it is done (a plan wakes it at once)
@@ -102,11 +103,15 @@ def serve(cfg: WorkerConfig) -> int:
     log.info(
         "worker_ready", address=cfg.worker_address, model_name=ready.model_name, worker_id=ready.worker_id
     )
+    trace = StepTrace(Path(cfg.step_trace)) if cfg.step_trace else None
+    runner.trace_launches = trace is not None
     code = 1
     try:
-        code = _loop(sock, runner, stop, log, parallel)
+        code = _loop(sock, runner, stop, log, parallel, trace)
         return code
     finally:
+        if trace is not None:
+            trace.close()
         runner.close()
         parallel.close(wait_for_others=code == 0)
         heartbeat.stop()
@@ -125,18 +130,39 @@ def _next_plan_or_done(sock: zmq.Socket, runner: ModelRunner) -> bool:
         sock.poll(STEP_POLL_MS)
 
 
-def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any, parallel: ParallelContext) -> int:
+def _answer(sock: zmq.Socket, runner: ModelRunner, trace: StepTrace | None) -> None:
+    """Waits for the oldest step in flight and sends its output."""
+    if trace is None:
+        sock.send_multipart(encode(runner.finish()))
+        return
+    wait = time.perf_counter()
+    out = runner.finish()
+    done = time.perf_counter()
+    sock.send_multipart(encode(out))
+    trace.answered(out, wait, done, time.perf_counter())
+
+
+def _loop(
+    sock: zmq.Socket,
+    runner: ModelRunner,
+    stop: _StopFlag,
+    log: Any,
+    parallel: ParallelContext,
+    trace: StepTrace | None = None,
+) -> int:
     """Receives plans and answers them. A plan that arrives while the previous step still runs is launched
-    behind it before that step is answered, so the GPU has the next step queued when it finishes one."""
+    behind it before that step is answered, so the GPU has the next step queued when it finishes one; the
+    new step's sampler is queued after that answer (its forward pass keeps the GPU busy meanwhile)."""
     while stop.signum is None:
         if runner.in_flight:
             if not _next_plan_or_done(sock, runner):
-                sock.send_multipart(encode(runner.finish()))
+                _answer(sock, runner, trace)
                 continue
         elif not sock.poll(POLL_MS):
             parallel.keep_followers_alive()
             continue
         frames = sock.recv_multipart()
+        received = time.perf_counter()
         if len(frames) == 3 and frames[0] == b"":
             frames = frames[1:]
         try:
@@ -147,9 +173,15 @@ def _loop(sock: zmq.Socket, runner: ModelRunner, stop: _StopFlag, log: Any, para
         if isinstance(msg, StepPlan):
             parallel.forward_to_followers(frames)  # every rank runs every step; rank 0 alone answers
             try:
-                runner.launch(msg)
-                while len(runner.in_flight) > 1:  # the step before it: answered once done
-                    sock.send_multipart(encode(runner.finish()))
+                # The step before it is answered once done, between this step's forward and its sampler:
+                # the sampler's host work then overlaps the scheduler's next plan.
+                forwarded = runner.launch_forward(msg)
+                while len(runner.in_flight) > (0 if forwarded is not None else 1):
+                    _answer(sock, runner, trace)
+                if forwarded is not None:
+                    runner.launch_sampling(forwarded)
+                if trace is not None:
+                    trace.launched(msg, received, time.perf_counter(), runner.launch_marks)
             except Exception:
                 # The worker's state no longer matches the scheduler's: exit loudly rather than guess.
                 # Launching msg or finishing the step before it: name every step involved.

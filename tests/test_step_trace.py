@@ -1,0 +1,83 @@
+"""worker/step_trace.py: the step trace's lines and what `summarize` reads from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.messages import StepOutput, StepPlan
+from worker.step_trace import StepTrace, read_trace, summarize
+
+
+def _step(step: int, recv: float, done: float, idle_ms: float, decode: bool = True) -> dict[str, object]:
+    """A step answered 0.1 ms after it was done, launched 0.2 ms after its plan came, 4 ms on the GPU."""
+    return {
+        "step": step,
+        "seqs": 8,
+        "tokens": 8 if decode else 100,
+        "decode": decode,
+        "recv": recv,
+        "launched": recv + 0.2,
+        "wait": recv + 0.3,
+        "done": done,
+        "sent": done + 0.1,
+        "gpu_ms": 4.0,
+        "idle_ms": idle_ms,
+        "phases": {"plan": 0.05, "inputs": 0.05, "forward": 0.1},
+    }
+
+
+def test_summarize_blames_idle_time_on_late_plans_or_on_the_worker() -> None:
+    steps = [
+        _step(0, recv=0.0, done=4.0, idle_ms=0.0, decode=False),
+        _step(1, recv=1.0, done=8.0, idle_ms=0.0),  # came while step 0 ran
+        _step(2, recv=9.0, done=13.5, idle_ms=1.5),  # came after step 1 was done (8.0): a late plan
+        _step(3, recv=10.0, done=17.5, idle_ms=0.0),
+        _step(4, recv=15.0, done=22.0, idle_ms=0.5),  # before step 3 was done, yet the GPU waited
+    ]
+    summary = summarize(steps)
+    assert summary["decode_steps"] == 4
+    assert summary["decode_gpu_ms"] == 16.0 and summary["decode_idle_ms"] == 2.0
+    assert summary["decode_gpu_busy"] == pytest.approx(16 / 18, abs=1e-4)
+    assert summary["late_plans"] == 1
+    assert summary["idle_after_late_plans_ms"] == 1.5 and summary["idle_after_early_plans_ms"] == 0.5
+    # turnarounds recv[N] - sent[N - 2]: 9.0 - 4.1, 10.0 - 8.1, 15.0 - 13.6
+    assert summary["scheduler_turnaround_ms_p50"] == pytest.approx(1.9)
+    assert summary["worker_launch_ms_p50"] == pytest.approx(0.2)
+    assert summary["worker_answer_ms_p50"] == pytest.approx(0.1)
+    assert summary["idle_ms_p50"] == pytest.approx(0.25) and summary["idle_ms_p90"] == 1.5
+    assert (summary["plan_ms_p50"], summary["forward_ms_p50"], summary["sample_ms_p50"]) == (0.05, 0.1, None)
+
+
+def test_the_trace_writes_a_line_per_answered_step(tmp_path: Path) -> None:
+    trace = StepTrace(tmp_path / "sub" / "steps.jsonl")
+    plans = [
+        StepPlan(7, [], [], [], scheduled_seq_ids=[1, 2], num_scheduled_tokens=[1, 1]),
+        StepPlan(8, [], [], [], scheduled_seq_ids=[1, 2, 3], num_scheduled_tokens=[1, 30, 1]),
+    ]
+    t0 = trace._origin
+    marks = {"start": t0, "plan": t0 + 0.0001, "inputs": t0 + 0.0003, "forward": t0 + 0.0006}
+    for i, plan in enumerate(plans):
+        trace.launched(plan, t0 + i, t0 + i + 0.001, marks)
+    trace.answered(
+        StepOutput(7, [1, 2], [5, 6], [None, None], 0.004, 0.0005),
+        *(trace._origin + t for t in (1.5, 2, 2.5)),
+    )
+    trace.answered(StepOutput(99, [], [], []), trace._origin, trace._origin, trace._origin)  # never launched
+    trace.close()
+    (line,) = read_trace(tmp_path / "sub" / "steps.jsonl")  # step 8 was not answered yet
+    assert line == {
+        "step": 7,
+        "seqs": 2,
+        "tokens": 2,
+        "decode": True,
+        "recv": 0.0,
+        "launched": 1.0,
+        "wait": 1500.0,
+        "done": 2000.0,
+        "sent": 2500.0,
+        "gpu_ms": 4.0,
+        "idle_ms": 0.5,
+        "phases": {"plan": 0.1, "inputs": 0.2, "forward": 0.3},
+    }
