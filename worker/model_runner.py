@@ -7,9 +7,11 @@ counts; the runner only reads and writes where they point.
 A step is launched (`launch`: the plan applied, the forward and the sampling queued on the device, the
 sampled tokens' copy to the host started) and later finished (`finish`: wait for the tokens, append them,
 answer). The worker launches step N+1 before it finishes step N when plan N+1 is already there, so the GPU
-goes from one step to the next without waiting for the host. A token that step N samples and step N+1
-computes is then read by step N+1 on the device, straight from step N's sampler output: the host counts it
-as pending in the sequence until step N finishes.
+goes from one step to the next without waiting for the host; it queues step N+1's forward
+(`launch_forward`), finishes step N, then queues step N+1's sampler (`launch_sampling`), so that the
+sampler's host work does not hold back step N's answer and with it the scheduler's next plan. A token that
+step N samples and step N+1 computes is then read by step N+1 on the device, straight from step N's sampler
+output: the host counts it as pending in the sequence until step N finishes.
 """
 
 from __future__ import annotations
