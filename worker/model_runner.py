@@ -33,9 +33,7 @@ from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, d
 from worker.loader import ModelConfig, load_model_config, load_weights
 from worker.model import LlamaModel
 from worker.parallel import ParallelContext
-from worker.sampler import SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
-
-_MASK64 = (1 << 64) - 1
+from worker.sampler import MASK64, SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
 
 
 class PlanError(ValueError):
@@ -113,7 +111,7 @@ def _sampling_tensors(samplers: list[SeqState], device: torch.device) -> Samplin
         temperature=np.fromiter((s.temperature for s in samplers), np.float64, n),
         top_k=np.fromiter((s.top_k for s in samplers), np.int64, n),
         top_p=np.fromiter((s.top_p for s in samplers), np.float64, n),
-        seed=np.fromiter((s.seed & _MASK64 for s in samplers), np.uint64, n),
+        seed=np.fromiter((s.seed & MASK64 for s in samplers), np.uint64, n),
         position=np.fromiter((len(s.token_ids) + s.pending for s in samplers), np.int64, n),
         num_logprobs=np.fromiter((s.num_logprobs for s in samplers), np.int64, n),
         device=device,

@@ -27,21 +27,21 @@ import torch
 
 from common.messages import TokenLogprobs
 
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1  # a seed's low 64 bits: what its draws depend on
 _MIN_TOP_K_WIDTH = 64  # narrower candidate sets save nothing on a GPU, and 64 columns reduce like wider ones
 _MAX_TOP_K_WIDTH = 4096  # rows with a larger top_k take the full sort
 
 
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     return x ^ (x >> 31)
 
 
 def uniform_for(seed: int, position: int) -> float:
     """A number in [0, 1) that depends only on (seed, position), well mixed in both."""
-    bits = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    bits = _splitmix64(_splitmix64(seed & MASK64) ^ (position & MASK64))
     return (bits >> 11) / float(1 << 53)
 
 
@@ -125,7 +125,7 @@ class SamplingTensors:
             temperature=np.array([r.temperature for r in rows], dtype=np.float64),
             top_k=np.array([r.top_k for r in rows], dtype=np.int64),
             top_p=np.array([r.top_p for r in rows], dtype=np.float64),
-            seed=np.array([r.seed & _MASK64 for r in rows], dtype=np.uint64),
+            seed=np.array([r.seed & MASK64 for r in rows], dtype=np.uint64),
             position=np.array([r.position for r in rows], dtype=np.int64),
             num_logprobs=np.array([r.num_logprobs for r in rows], dtype=np.int64),
             device=device,

@@ -151,11 +151,11 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "idle_after_early_plans_ms": round(idle_early, 1),
         "scheduler_turnaround_ms_p50": _median(turnaround),
         "worker_launch_ms_p50": _median(
-            [s["launched"] - s["recv"] - s.get("phases", {}).get("previous_step", 0.0) for s in decode]
+            [s["launched"] - s["recv"] - s["phases"].get("previous_step", 0.0) for s in decode]
         ),
         "worker_answer_ms_p50": _median([s["sent"] - s["done"] for s in decode]),
         **{
-            f"{phase}_ms_p50": _median([s["phases"][phase] for s in decode if phase in s.get("phases", {})])
+            f"{phase}_ms_p50": _median([s["phases"][phase] for s in decode if phase in s["phases"]])
             for phase in PHASES
         },
     }
