@@ -1,7 +1,8 @@
 """A profile of one decode step, the scheduler core and the worker's ModelRunner in one process.
 
     python scripts/bench_step.py --model /tmp/m1b --device cuda [--batch 256] [--context 512] [--steps 64]
-        [--modes graphs,eager] [--prefill-len N] [--no-fused-ops] [--no-piecewise-graphs] [--json-out FILE]
+        [--modes graphs,eager] [--prefill-len N] [--no-fused-ops] [--no-piecewise-graphs] [--kernels N]
+        [--json-out FILE]
 
 `--batch` requests with `--context`-token random prompts are prefilled, then `--steps` decode steps are timed
 (median). Each step is what the engine loop does, without the sockets: `schedule()`, the plan's msgpack
@@ -13,6 +14,11 @@ wall time. `graphs` and `eager` (--enforce-eager) are two runners on the same we
 With `--prefill-len N` the timed steps are mixed ones instead: before each, a new request with an N-token
 prompt arrives, so the step runs the decodes and that whole prefill (as the engine runs such steps: piecewise
 graphs in mode graphs unless `--no-piecewise-graphs`, eagerly in mode eager).
+
+With `--kernels N` (CUDA), N more steps of each mode run under torch.profiler and the GPU time a step spends
+in each kernel is reported, largest first, grouped by what the kernel does (attention, matrix products, the
+fused elementwise kernels, the sampler, copies): where a step's GPU time goes. Kernels replayed from CUDA
+graphs are traced one by one like eager ones.
 """
 
 from __future__ import annotations
@@ -41,12 +47,60 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# What a kernel does, from its name: the first group whose words the name contains (lower case).
+_KERNEL_GROUPS = (
+    ("attention", ("attention", "combine_splits")),
+    ("kv write", ("write_kv",)),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk")),
+    ("rmsnorm/rope/silu", ("rms_norm", "rope", "silu")),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("sampler and other", ("",)),
+)
+
+
+def kernel_group(name: str) -> str:
+    lower = name.lower()
+    return next(group for group, words in _KERNEL_GROUPS if any(w in lower for w in words))
+
+
+def kernel_times(step, steps: int) -> dict:
+    """GPU time per step by kernel (microseconds), from `steps` calls of `step` under torch.profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            entry = per_name.setdefault(event.name, [0.0, 0])
+            entry[0] += event.time_range.elapsed_us()
+            entry[1] += 1
+    kernels = [
+        dict(name=name, group=kernel_group(name), us=round(us / steps, 1), calls=round(calls / steps, 2))
+        for name, (us, calls) in per_name.items()
+    ]
+    kernels.sort(key=lambda k: -k["us"])
+    groups: dict[str, float] = {}
+    for k in kernels:
+        groups[k["group"]] = groups.get(k["group"], 0.0) + k["us"]
+    return {
+        "steps": steps,
+        "total_us": round(sum(k["us"] for k in kernels), 1),
+        "groups": {g: round(us, 1) for g, us in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "kernels": kernels,
+    }
+
+
 def profile(args: argparse.Namespace, mode: str) -> dict:
     bs = 16
     # Sequences that finish their prefill early decode while the others prefill: room for those tokens too.
-    max_tokens = args.steps + 8 + -(-args.batch * args.context // args.max_num_batched_tokens)
+    max_tokens = args.steps + args.kernels + 8 + -(-args.batch * args.context // args.max_num_batched_tokens)
     max_len = max(args.context, args.prefill_len) + max_tokens + 16
-    max_num_seqs = args.batch + (args.steps + 3 if args.prefill_len else 0)
+    max_num_seqs = args.batch + (args.steps + args.kernels + 3 if args.prefill_len else 0)
     num_blocks = max_num_seqs * -(-max_len // bs) + 16
     cfg = WorkerConfig(
         model=args.model,
@@ -123,6 +177,14 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
     wall = statistics.median(walls)
     gpu = statistics.median(gpus)
     sched = statistics.median(scheds)
+
+    def profiled_step() -> None:
+        if args.prefill_len:
+            arrive(args.prefill_len)
+        step()
+
+    traced = args.kernels and runner.device.type == "cuda"
+    kernels = kernel_times(profiled_step, args.kernels) if traced else None
     return {
         "mode": mode,
         "fused_ops": cfg.resolved_fused_ops,
@@ -138,7 +200,20 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
         "worker_host_ms": round(max(0.0, statistics.median(works) - gpu) * 1e3, 3),
         "gpu_busy": round(gpu / wall, 3) if gpu else None,
         "decode_tok_s": round(args.batch / wall),
+        "kernels": kernels,
     }
+
+
+def print_kernels(r: dict, top: int = 12) -> None:
+    k = r["kernels"]
+    print(f"\nGPU time per step by kernel, mode {r['mode']}, {k['steps']} steps: {k['total_us']:.0f} us")
+    print("| group | us | share |\n|---|---:|---:|")
+    for group, us in k["groups"].items():
+        print(f"| {group} | {us:.0f} | {us / k['total_us']:.0%} |")
+    print("\n| kernel | group | calls | us |\n|---|---|---:|---:|")
+    for row in k["kernels"][:top]:
+        print(f"| {row['name'][:90]} | {row['group']} | {row['calls']:g} | {row['us']:.0f} |")
+    print(flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="mode graphs: piecewise graphs for the mixed steps (--prefill-len) too (default: on)",
     )
+    p.add_argument(
+        "--kernels", type=int, default=0, help="profile N more steps and report GPU time per kernel (CUDA)"
+    )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -184,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['scheduler_ms']:.2f} | {r['worker_host_ms']:.2f} | {busy} | {r['decode_tok_s']:,} |",
             flush=True,
         )
+        if r["kernels"]:
+            print_kernels(r)
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=2) + "\n")

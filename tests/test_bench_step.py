@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_step import main
+from scripts.bench_step import kernel_group, main
 
 
 @pytest.mark.parametrize("prefill_len", [0, 24])
@@ -27,3 +27,26 @@ def test_bench_step_times_decode_or_mixed_steps(
     assert row["gpu_ms"] == 0 and row["gpu_busy"] is None  # no CUDA events on the CPU
     table = capsys.readouterr().out
     assert f"| eager | 3 | 20 | {prefill_len} |" in table
+
+
+def test_kernels_are_grouped_by_what_they_do() -> None:
+    assert kernel_group("_paged_attention_kernel") == "attention"
+    assert kernel_group("_combine_splits_kernel") == "attention"
+    assert kernel_group("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert kernel_group("_rms_norm_kernel") == "rmsnorm/rope/silu"
+    assert kernel_group("_write_kv_kernel") == "kv write"
+    assert kernel_group("Memcpy HtoD (Pinned -> Device)") == "copy"
+    assert kernel_group("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>") == (
+        "sampler and other"
+    )
+
+
+def test_kernel_profile_needs_cuda(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "2", "--context", "8"]
+    argv += ["--steps", "2"]
+    assert main([*argv, "--kernels", "2", "--json-out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["kernels"] is None  # nothing to trace on the CPU; the timings are still there
+    assert row["step_wall_ms"] > 0

@@ -123,3 +123,25 @@ def test_the_torch_reference_backend_runs_eagerly_on_cuda(tiny_model_dir) -> Non
     runner = ModelRunner(cfg, attention_backend="torch")
     assert runner.graphs is None
     assert [len(t) for t in _generate(runner, [[1, 2, 3], [4, 5, 6, 7]], [5, 3])] == [5, 3]
+
+
+@pytest.mark.parametrize("mode", ["graphs", "eager"])
+def test_bench_step_reports_gpu_time_per_kernel(tiny_model_dir, tmp_path, mode: str) -> None:
+    import json
+
+    from scripts.bench_step import main
+
+    out = tmp_path / "step.json"
+    argv = ["--model", str(tiny_model_dir), "--batch", "4", "--context", "40", "--steps", "3"]
+    argv += ["--modes", mode]
+    assert main([*argv, "--kernels", "3", "--json-out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    k = row["kernels"]
+    # Kernels replayed from a CUDA graph are traced like eager ones: the attention, the matrix products and
+    # the sampler are all there, and their times add up to the total.
+    assert {"attention", "matmul", "sampler and other"} <= set(k["groups"])
+    assert all(us > 0 for us in k["groups"].values())
+    assert sum(k["groups"].values()) == pytest.approx(k["total_us"], abs=1.0)
+    attention = [r for r in k["kernels"] if r["group"] == "attention"]
+    layers = json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert sum(r["calls"] for r in attention) >= layers
