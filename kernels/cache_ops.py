@@ -1,12 +1,13 @@
 """KV cache maintenance: writing new keys/values into their slots, copy-on-write block copies, swaps.
 
-Layout per layer as in `kernels.reference`: K and V pools `[num_blocks, block_size, Hkv, D]`.
+Layout per layer as in `kernels.reference`: K and V pools indexed `[num_blocks, block_size, Hkv, D]`, read and
+written through their strides (the worker's blocks are head-major in memory).
 
 - `write_kv`: one Triton launch stores K and V of every token through the slot mapping (the reference
   needs two index_put launches).
 - `copy_blocks`: one Triton launch copies src -> dst block pairs in every layer's K and V, over the worker's
-  all-layer pool `[L, 2, num_blocks, block_size, Hkv, D]` (worker/kv_cache.py), each byte read and written
-  once.
+  all-layer pool `[L, 2, num_blocks, Hkv, block_size, D]` (worker/kv_cache.py; any layout within a block),
+  each byte read and written once.
 - Swaps between the GPU pool and the pinned, block-major CPU pool stay PyTorch ops (`worker.kv_cache`:
   a gather or scatter on the GPU and one asynchronous transfer per run of consecutive CPU blocks): the host
   link is the bottleneck, not the gather.
@@ -98,7 +99,7 @@ def _copy_blocks_kernel(
 
 
 def copy_blocks(
-    pool: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D] contiguous, as in worker/kv_cache.py
+    pool: torch.Tensor,  # [L, 2, num_blocks, Hkv, block_size, D] contiguous, as in worker/kv_cache.py
     src: torch.Tensor,  # [N] int, on the pool's device
     dst: torch.Tensor,  # [N] int, distinct, none of them among `src`
 ) -> None:

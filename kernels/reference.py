@@ -2,7 +2,9 @@
 
 KV cache layout, per layer: K and V pools, each `[num_blocks, block_size, num_kv_heads, head_dim]`. Token
 `i` of a sequence lives in block `block_table[i // block_size]` at offset `i % block_size`; its flat slot
-is `block_id * block_size + offset`.
+is `block_id * block_size + offset`. In memory the worker keeps each block head-major (`new_kv_cache`: one
+KV head's tokens of a block are contiguous, which a kernel reading one KV head streams faster); everything
+here and in the kernels reads a pool through its strides and takes either layout.
 
 A batch is flattened: the query tokens of all sequences are concatenated, `query_start_loc[b]` is where
 sequence `b`'s chunk starts and `seq_lens[b]` its context length after this step. The chunk is the END of
@@ -19,6 +21,26 @@ import torch.nn.functional as F
 _DECODE_GROUP_TOKENS = 1 << 16
 
 
+def head_major(blocks: torch.Tensor) -> torch.Tensor:
+    """`[..., num_blocks, Hkv, block_size, D]` as laid out in memory -> the `[..., num_blocks, block_size,
+    Hkv, D]` view every reader indexes."""
+    return blocks.transpose(-3, -2)
+
+
+def new_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:  # [num_blocks, block_size, Hkv, D], head-major in memory
+    """One zeroed K or V pool in the worker's layout (zeroed: attention reads whole blocks and masks the
+    unused tail, and a NaN there would survive the zero weight)."""
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    return head_major(torch.zeros(shape, dtype=dtype, device=device))
+
+
 def write_kv(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -27,10 +49,11 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int, block_id * block_size + offset
 ) -> None:
     """Stores token t's key and value in flat slot `slot_mapping[t]` of the caches, in place."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    block_size = k_cache.shape[1]
     slots = slot_mapping.long()
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key.to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value.to(v_cache.dtype)
+    blocks, offsets = slots // block_size, slots % block_size  # indexing, not a flat view: any layout
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def gather_kv(

@@ -433,14 +433,22 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the CPU interpreter: a few splits, so the automatic choice is exercised there too
 
 
-def choose_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+def choose_num_splits(
+    device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int, head_dim: int
+) -> int:
     """Splits of the KV range per decode program: enough programs to fill the GPU when the batch is small,
     none when the batch alone fills it or the contexts are short."""
     programs = num_seqs * num_kv_heads
     target = _SPLIT_PROGRAMS_PER_SM * _num_sms(device)
     splits = min(target // programs, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS)
     if splits < 2:
-        return 2 if programs < 2 * target and max_seq_len >= 4 * _MIN_SPLIT_TOKENS else 1
+        # Two splits shorten the last wave of a batch a little larger than the GPU holds at once. Programs of
+        # head size 64 take half the shared memory, twice as many run at once and there is no such wave:
+        # splitting them only adds the partials (H100, batch 64-128 at contexts 1k-8k: 90-100% of the copy
+        # rate unsplit against 75-89% in two splits, docs/kernels.md).
+        holds_all = head_dim <= 64
+        short = max_seq_len < 4 * _MIN_SPLIT_TOKENS
+        return 2 if programs < 2 * target and not short and not holds_all else 1
     return 1 << (splits.bit_length() - 1)
 
 
@@ -496,7 +504,7 @@ def paged_attention(
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         block_q = 1
         if num_splits is None:
-            num_splits = choose_num_splits(query.device, num_seqs, num_kv_heads, max_seq_len)
+            num_splits = choose_num_splits(query.device, num_seqs, num_kv_heads, max_seq_len, head_dim)
         num_q_programs = num_seqs
         first_program = 0
     else:

@@ -34,6 +34,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import cache_ops, reference  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
+from kernels.reference import head_major  # noqa: E402
 from kernels.triton_attention import (  # noqa: E402
     DECODE_CONFIG,
     PREFILL_CONFIG,
@@ -47,6 +48,7 @@ DTYPE = torch.bfloat16
 ROTATE_BYTES = 256 << 20  # input sets together at least this large (the H100's L2 is 50 MB)
 MAX_SETS = 64
 GRAPH_CALLS = 32
+KV_LAYOUT = "head"  # blocks in memory: "head"-major as the worker keeps them, or "token"-major (--kv-layout)
 
 
 def time_per_call(
@@ -130,12 +132,19 @@ def _fits(nbytes: int, device: torch.device) -> bool:
 def _paged_inputs(
     num_sets: int, batch: int, ctx: int, device: torch.device, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """One random K and V pool holding every set's contexts; each set's block tables a random slice."""
+    """One random K and V pool holding every set's contexts, laid out as KV_LAYOUT says; each set's block
+    tables a random slice."""
     blocks = ctx // BLOCK_SIZE
     total = num_sets * batch * blocks
-    shape = (total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, device=device, dtype=DTYPE)
-    v_cache = torch.randn(shape, device=device, dtype=DTYPE)
+    if KV_LAYOUT == "token":
+        k_cache, v_cache = (
+            torch.randn((total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), device=device, dtype=DTYPE) for _ in "kv"
+        )
+    else:  # the worker's: head-major blocks, through the [num_blocks, block_size, Hkv, D] view
+        k_cache, v_cache = (
+            head_major(torch.randn((total, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM), device=device, dtype=DTYPE))
+            for _ in "kv"
+        )
     perm = torch.randperm(total, generator=gen).to(device=device, dtype=torch.int32)
     tables = [t.view(batch, blocks) for t in perm.split(batch * blocks)]
     return k_cache, v_cache, tables
@@ -158,7 +167,7 @@ def bench_decode(
     queries = [torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE) for _ in range(num_sets)]
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    splits = num_splits or choose_num_splits(device, batch, NUM_KV_HEADS, ctx)
+    splits = num_splits or choose_num_splits(device, batch, NUM_KV_HEADS, ctx, HEAD_DIM)
 
     def call(i: int) -> Callable[[], torch.Tensor]:
         return lambda: paged_attention(
@@ -319,6 +328,7 @@ def prefill_table(prompt_lens: list[int], total_tokens: int, device: torch.devic
 
 
 def main() -> None:
+    global HEAD_DIM, KV_LAYOUT, MAX_SETS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
@@ -330,18 +340,25 @@ def main() -> None:
         help="only the copy ceiling, the decode table, and batch-1/8 splits with fused/separate combine",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    ap.add_argument("--head-dim", type=int, default=HEAD_DIM, help="64: the Llama-3.2-1B shape's heads")
+    ap.add_argument(
+        "--kv-layout",
+        choices=["head", "token"],
+        default=KV_LAYOUT,
+        help="blocks in memory: head-major (the worker's) or token-major [num_blocks, block_size, Hkv, D]",
+    )
     args = ap.parse_args()
+    HEAD_DIM, KV_LAYOUT = args.head_dim, args.kv_layout
 
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
-        global MAX_SETS
         MAX_SETS = 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     res: dict = {
         "gpu": name, "date": datetime.date.today().isoformat(), "commit": args.commit or _commit(),
         "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                  "block_size": BLOCK_SIZE, "dtype": str(DTYPE)},
+                  "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "kv_layout": KV_LAYOUT},
         "decode_config": DECODE_CONFIG.__dict__, "prefill_config": PREFILL_CONFIG.__dict__,
     }  # fmt: skip
     copy_bytes = (2 << 30) if not args.smoke else (1 << 20)
@@ -427,9 +444,50 @@ def _noop_kernel(x_ptr):  # [1]
     tl.store(x_ptr, tl.load(x_ptr) + 1)
 
 
+@triton.jit
+def _paged_read_kernel(
+    k_ptr, v_ptr, table_ptr, out_ptr, num_tiles, num_splits, stride_cb, stride_ct, stride_ch,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """Reads one sequence's K and V of one KV head through its block table, tiles dealt round-robin to the
+    splits as the decode kernel deals them, and only sums them: the attention's bytes, none of its math."""
+    split, head = tl.program_id(0), tl.program_id(1)
+    offs_n, offs_d = tl.arange(0, TILE_N), tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([TILE_N, HEAD_DIM], tl.float32)
+    for t in range(split, num_tiles, num_splits):
+        pos = t * TILE_N + offs_n
+        block = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
+        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head * stride_ch
+        offs = row[:, None] + offs_d[None, :]
+        k = tl.load(k_ptr + offs, eviction_policy="evict_first")
+        v = tl.load(v_ptr + offs, eviction_policy="evict_first")
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(out_ptr + split * tl.num_programs(1) + head, tl.sum(acc))
+
+
+def bench_paged_read(ctx: int, device: torch.device, num_splits: int, num_warps: int) -> float:
+    """Microseconds to read batch 1's K/V of `ctx` tokens through its block table (`_paged_read_kernel`),
+    timed like the decode kernel (same inputs, rotation and graph)."""
+    kv_bytes = 2 * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    num_sets = _num_sets(kv_bytes)
+    k_cache, v_cache, tables = _paged_inputs(num_sets, 1, ctx, device, torch.Generator().manual_seed(ctx))
+    out = torch.empty(num_splits * NUM_KV_HEADS, device=device)
+    tile = DECODE_CONFIG.tile_n
+
+    def call(i: int) -> Callable[[], object]:
+        return lambda: _paged_read_kernel[(num_splits, NUM_KV_HEADS)](
+            k_cache, v_cache, tables[i], out, ctx // tile, num_splits,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, TILE_N=tile, num_warps=num_warps,
+        )  # fmt: skip
+
+    return time_per_call([call(i) for i in range(num_sets)], device) * 1e6
+
+
 def probes(device: torch.device) -> dict:
     """Where batch-1 decode time goes: a no-op kernel in the graph, the attention kernel alone (no combine,
-    neither fused nor separate), and a copy moving as many bytes as the attention reads."""
+    neither fused nor separate), and a kernel that only reads the same bytes the same way (4 warps, as the
+    attention, and 8)."""
     out: dict = {}
     x = torch.zeros(1, device=device)
     out["noop_kernel_us"] = time_per_call([lambda: _noop_kernel[(1,)](x)], device) * 1e6  # graph node
@@ -448,10 +506,11 @@ def probes(device: torch.device) -> dict:
         finally:
             ta._combine_splits_kernel = real
             ta.FUSE_DECODE_COMBINE = True
-        kv_bytes = 2 * b * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
-        same = measure_copy_bandwidth(device, kv_bytes // 2, graph=False)
         row = {"batch": b, "ctx": ctx, "splits": full["num_splits"], "us": full["us"],
-               "attention_only_us": alone["us"], "same_bytes_copy_us": kv_bytes / same * 1e6}  # fmt: skip
+               "attention_only_us": alone["us"]}  # fmt: skip
+        if b == 1:
+            for warps in (4, 8):
+                row[f"read_only_{warps}_warps_us"] = bench_paged_read(ctx, device, full["num_splits"], warps)
         out[f"{b}x{ctx}"] = row
         print(f"probe {row}", flush=True)
     print(f"probe no-op kernel per graph node: {out['noop_kernel_us']:.2f} us", flush=True)

@@ -99,7 +99,7 @@ def random_prompt(seed: int, length: int, vocab: int = 4096) -> list[int]:
 
 def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(tiny_model_dir: Path) -> None:
     runner = make_runner(tiny_model_dir, num_kv_blocks=12)
-    pool = runner.kv.device_pool  # [L, 2, num_blocks, block_size, Hkv, D]
+    pool = runner.kv.device_pool  # [L, 2, num_blocks, Hkv, block_size, D]
     pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(0)))
     before = pool.clone()
     copies = [(3, 7), (3, 9), (0, 11), (5, 2)]
@@ -111,7 +111,9 @@ def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(tiny_model_d
         expected[:, :, dst] = before[:, :, src]
     assert torch.equal(pool, expected)
     for layer, (k_cache, v_cache) in enumerate(runner.kv.layers):  # what the model reads sees the copies
-        assert torch.equal(k_cache[9], before[layer, 0, 3]) and torch.equal(v_cache[2], before[layer, 1, 5])
+        # The layers' views index [num_blocks, block_size, Hkv, D]; the pool holds blocks head-major.
+        assert torch.equal(k_cache[9], before[layer, 0, 3].transpose(0, 1))
+        assert torch.equal(v_cache[2], before[layer, 1, 5].transpose(0, 1))
 
 
 def test_swaps_copy_exactly_the_listed_blocks_between_the_pools(tiny_model_dir: Path) -> None:

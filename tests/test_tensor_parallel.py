@@ -215,7 +215,8 @@ def check_two_ranks_match_one_process(model_dir: Path, ranks: list[dict[str, Any
     rank0, rank1 = ranks
     config = load_model_config(model_dir)
     assert rank0["num_kv_blocks"] == rank1["num_kv_blocks"] == NUM_KV_BLOCKS
-    assert rank0["pool_shape"][-2] == config.num_kv_heads // WORLD_SIZE  # each rank holds its KV heads only
+    # [L, 2, num_blocks, Hkv, block_size, D]: each rank holds its KV heads only
+    assert rank0["pool_shape"][3] == config.num_kv_heads // WORLD_SIZE
     assert rank0["tokens"] == expected_tokens
     assert rank0["outputs"] == expected["outputs"]
     assert rank1["outputs"] == rank0["outputs"]  # every rank samples the same tokens from the same logits

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kernels import reference
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available() and not INTERPRET
 
@@ -81,9 +83,12 @@ def make_paged_batch(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    layout: str = "head",
 ) -> PagedBatch:
     """Random K/V everywhere in the pool (unused slots too, so reads past a context show up), block tables
-    that are a random permutation of the pool, padded with blocks of other sequences."""
+    that are a random permutation of the pool, padded with blocks of other sequences. `layout`: the pool's
+    blocks in memory, "head"-major as the worker keeps them or "token"-major (a contiguous
+    `[num_blocks, block_size, Hkv, D]`); the kernels must take both."""
     assert all(0 < q <= n for q, n in zip(q_lens, seq_lens, strict=True))
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -106,12 +111,17 @@ def make_paged_batch(
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=dev_gen, device=device).to(dtype)
 
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    def rand_cache() -> torch.Tensor:  # [num_blocks, block_size, Hkv, D]
+        if layout == "token":
+            return rand(num_blocks, block_size, num_kv_heads, head_dim)
+        assert layout == "head", layout
+        return reference.head_major(rand(num_blocks, num_kv_heads, block_size, head_dim))
+
     qsl = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     return PagedBatch(
         query=rand(sum(q_lens), num_heads, head_dim),
-        k_cache=rand(*cache_shape),
-        v_cache=rand(*cache_shape),
+        k_cache=rand_cache(),
+        v_cache=rand_cache(),
         block_tables=block_tables.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=qsl.to(device),

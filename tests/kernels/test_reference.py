@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.reference import paged_attention, write_kv
+from kernels.reference import head_major, paged_attention, write_kv
 
 
 def _dense_causal_attention(
@@ -134,11 +134,16 @@ def test_paged_attention_decode_only_batch_of_uneven_lengths(
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_write_kv_fills_exactly_the_mapped_slots(block_size: int) -> None:
+@pytest.mark.parametrize("layout", ["head", "token"])
+def test_write_kv_fills_exactly_the_mapped_slots(block_size: int, layout: str) -> None:
     gen = torch.Generator().manual_seed(block_size)
     num_blocks, num_kv_heads, head_dim = 12, 2, 64
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    if layout == "token":
+        k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+        v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    else:  # the worker's head-major blocks, through the [num_blocks, block_size, Hkv, D] view
+        k_cache = head_major(torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen))
+        v_cache = head_major(torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen))
     k_before, v_before = k_cache.clone(), v_cache.clone()
     num_tokens = 3 * block_size + 5
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
@@ -154,5 +159,5 @@ def test_write_kv_fills_exactly_the_mapped_slots(block_size: int) -> None:
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots] = False
     flat = (-1, num_kv_heads, head_dim)
-    assert torch.equal(k_cache.view(flat)[untouched], k_before.view(flat)[untouched])
-    assert torch.equal(v_cache.view(flat)[untouched], v_before.view(flat)[untouched])
+    assert torch.equal(k_cache.reshape(flat)[untouched], k_before.reshape(flat)[untouched])
+    assert torch.equal(v_cache.reshape(flat)[untouched], v_before.reshape(flat)[untouched])

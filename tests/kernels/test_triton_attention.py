@@ -54,12 +54,25 @@ def test_decode_matches_reference(
     _run_and_check(batch, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_token_major_blocks_match_reference(device: torch.device, num_splits: int) -> None:
+    # The worker keeps blocks head-major (the batches above); a contiguous token-major pool reads the same.
+    decode = make_paged_batch(
+        DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), 8, 2, 64, 16, device=device, seed=9, layout="token"
+    )
+    assert decode.k_cache.is_contiguous()
+    _run_and_check(decode, num_splits=num_splits)
+    seq_lens, q_lens = _mixed_lens(16)
+    mixed = make_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, device=device, seed=10, layout="token")
+    _run_and_check(mixed, num_splits=num_splits, config=SMALL_TILES)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_half_precision_and_automatic_split(device: torch.device, head_dim: int) -> None:
     # One long context among short ones: the automatic choice splits it, short ones get empty splits.
     seq_lens = [700, 3, 40]
     batch = make_paged_batch(seq_lens, [1, 1, 1], 8, 2, head_dim, 16, torch.float16, device, seed=head_dim)
-    assert choose_num_splits(device, 3, 2, 700) > 1
+    assert choose_num_splits(device, 3, 2, 700, head_dim) > 1
     _run_and_check(batch)
 
 
@@ -119,10 +132,15 @@ def test_decode_ignores_what_lies_outside_the_contexts(
 
 
 def test_choose_num_splits_only_when_the_batch_leaves_the_gpu_idle() -> None:
-    cuda_like = torch.device("cpu")
-    assert choose_num_splits(cuda_like, 1, 8, 8192) > 1
-    assert choose_num_splits(cuda_like, 1, 8, 100) == 1  # short context: not worth a second kernel
-    assert choose_num_splits(cuda_like, 4096, 8, 8192) == 1  # the batch fills the GPU
+    cuda_like = torch.device("cpu")  # 4 "multiprocessors": a target of 16 programs
+    for head_dim in (64, 128):
+        assert choose_num_splits(cuda_like, 1, 8, 8192, head_dim) > 1
+        assert choose_num_splits(cuda_like, 1, 8, 100, head_dim) == 1  # short context: no split
+        assert choose_num_splits(cuda_like, 4096, 8, 8192, head_dim) == 1  # the batch fills the GPU
+    # 24 programs, more than the GPU runs at once at head size 128: two splits shorten the last wave; at
+    # head size 64 they all run at once.
+    assert choose_num_splits(cuda_like, 3, 8, 8192, 128) == 2
+    assert choose_num_splits(cuda_like, 3, 8, 8192, 64) == 1
 
 
 # Full prefill, chunks starting part-way (prefix hit, later chunk of a chunked prefill), decodes mixed in.

@@ -22,12 +22,17 @@ def _caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device,
 @pytest.mark.parametrize(
     ("num_kv_heads", "dtype"), [(2, torch.float32), (3, torch.float16), (8, torch.float32)]
 )
+@pytest.mark.parametrize("layout", ["head", "token"])
 def test_write_kv_matches_reference(
-    device: torch.device, block_size: int, num_kv_heads: int, dtype: torch.dtype
+    device: torch.device, block_size: int, num_kv_heads: int, dtype: torch.dtype, layout: str
 ) -> None:
     gen = torch.Generator().manual_seed(block_size + num_kv_heads)
     num_blocks, head_dim, num_tokens = 9, 64, 2 * block_size + 5
-    [(k_cache, v_cache)] = _caches(1, (num_blocks, block_size, num_kv_heads, head_dim), dtype, device, 1)
+    if layout == "token":
+        [(k_cache, v_cache)] = _caches(1, (num_blocks, block_size, num_kv_heads, head_dim), dtype, device, 1)
+    else:  # the worker's: head-major blocks, seen through the [num_blocks, block_size, Hkv, D] view
+        [(k_cache, v_cache)] = _caches(1, (num_blocks, num_kv_heads, block_size, head_dim), dtype, device, 1)
+        k_cache, v_cache = reference.head_major(k_cache), reference.head_major(v_cache)
     # Keys and values as the model hands them over: views into one fused projection, not contiguous.
     qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
     key, value = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 2 * num_kv_heads :]
