@@ -37,10 +37,10 @@ from kernels import triton_attention as ta  # noqa: E402
 from kernels.reference import head_major  # noqa: E402
 from kernels.triton_attention import (  # noqa: E402
     DECODE_CONFIG,
-    PREFILL_CONFIG,
     AttentionConfig,
     choose_num_splits,
     paged_attention,
+    prefill_config,
 )
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -359,7 +359,7 @@ def main() -> None:
         "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "kv_layout": KV_LAYOUT},
-        "decode_config": DECODE_CONFIG.__dict__, "prefill_config": PREFILL_CONFIG.__dict__,
+        "decode_config": DECODE_CONFIG.__dict__, "prefill_config": prefill_config(HEAD_DIM).__dict__,
     }  # fmt: skip
     copy_bytes = (2 << 30) if not args.smoke else (1 << 20)
     copy_bw = measure_copy_bandwidth(device, copy_bytes)
