@@ -2,9 +2,9 @@
 
 KV cache layout, per layer: K and V pools, each `[num_blocks, block_size, num_kv_heads, head_dim]`. Token
 `i` of a sequence lives in block `block_table[i // block_size]` at offset `i % block_size`; its flat slot
-is `block_id * block_size + offset`. In memory the worker keeps each block head-major (`new_kv_cache`: one
-KV head's tokens of a block are contiguous, which a kernel reading one KV head streams faster); everything
-here and in the kernels reads a pool through its strides and takes either layout.
+is `block_id * block_size + offset`. In memory the worker keeps each block head-major (`head_major`: one KV
+head's tokens of a block are contiguous, which a kernel reading one KV head streams faster); everything here
+and in the kernels reads a pool through its strides and takes either layout.
 
 A batch is flattened: the query tokens of all sequences are concatenated, `query_start_loc[b]` is where
 sequence `b`'s chunk starts and `seq_lens[b]` its context length after this step. The chunk is the END of
@@ -25,20 +25,6 @@ def head_major(blocks: torch.Tensor) -> torch.Tensor:
     """`[..., num_blocks, Hkv, block_size, D]` as laid out in memory -> the `[..., num_blocks, block_size,
     Hkv, D]` view every reader indexes."""
     return blocks.transpose(-3, -2)
-
-
-def new_kv_cache(
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:  # [num_blocks, block_size, Hkv, D], head-major in memory
-    """One zeroed K or V pool in the worker's layout (zeroed: attention reads whole blocks and masks the
-    unused tail, and a NaN there would survive the zero weight)."""
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    return head_major(torch.zeros(shape, dtype=dtype, device=device))
 
 
 def write_kv(

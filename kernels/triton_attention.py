@@ -49,9 +49,9 @@ def prefill_config(head_dim: int) -> AttentionConfig:
 
 
 # Split-KV: about this many decode programs per multiprocessor, each split holding at least
-# _MIN_SPLIT_TOKENS; batches of up to twice that many programs still split in two, which shortens the last
-# wave. Split counts are powers of 2 (with the tiles dealt round-robin any count balances, but 33 and 48
-# splits measured no better than 32 at batch 1 x 8k).
+# _MIN_SPLIT_TOKENS; at head sizes above 64, batches of up to twice that many programs still split in two,
+# which shortens the last wave. Split counts are powers of 2 (with the tiles dealt round-robin any count
+# balances, but 33 and 48 splits measured no better than 32 at batch 1 x 8k).
 _SPLIT_PROGRAMS_PER_SM = 4
 # Decode batches combine the splits inside the attention kernel (the last split to finish reduces); False
 # falls back to the separate combine kernel (kept for prefill splits, and for benchmarking the two).
