@@ -14,6 +14,8 @@ part-way, and decode (q_len 1) in one call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,22 @@ def head_major(blocks: torch.Tensor) -> torch.Tensor:
     """`[..., num_blocks, Hkv, block_size, D]` as laid out in memory -> the `[..., num_blocks, block_size,
     Hkv, D]` view every reader indexes."""
     return blocks.transpose(-3, -2)
+
+
+def kv_pool(
+    make: Callable[[tuple[int, ...]], torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    layout: str = "head",
+) -> torch.Tensor:  # [num_blocks, block_size, Hkv, D]
+    """A K or V pool whose blocks lie in memory "head"-major (the worker's) or "token"-major (contiguous as
+    indexed); `make(shape)` allocates and fills the memory."""
+    if layout == "token":
+        return make((num_blocks, block_size, num_kv_heads, head_dim))
+    assert layout == "head", layout
+    return head_major(make((num_blocks, num_kv_heads, block_size, head_dim)))
 
 
 def write_kv(

@@ -34,7 +34,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import cache_ops, reference  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
-from kernels.reference import head_major  # noqa: E402
+from kernels.reference import kv_pool  # noqa: E402
 from kernels.triton_attention import (  # noqa: E402
     DECODE_CONFIG,
     AttentionConfig,
@@ -136,15 +136,10 @@ def _paged_inputs(
     tables a random slice."""
     blocks = ctx // BLOCK_SIZE
     total = num_sets * batch * blocks
-    if KV_LAYOUT == "token":
-        k_cache, v_cache = (
-            torch.randn((total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), device=device, dtype=DTYPE) for _ in "kv"
-        )
-    else:  # the worker's: head-major blocks, through the [num_blocks, block_size, Hkv, D] view
-        k_cache, v_cache = (
-            head_major(torch.randn((total, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM), device=device, dtype=DTYPE))
-            for _ in "kv"
-        )
+    shape = (total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = (
+        kv_pool(lambda m: torch.randn(m, device=device, dtype=DTYPE), *shape, KV_LAYOUT) for _ in "kv"
+    )
     perm = torch.randperm(total, generator=gen).to(device=device, dtype=torch.int32)
     tables = [t.view(batch, blocks) for t in perm.split(batch * blocks)]
     return k_cache, v_cache, tables

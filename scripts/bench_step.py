@@ -155,10 +155,14 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
         _, _, scheduled = step()
         if len(scheduled) == args.batch and max(scheduled) == 1:
             break
-    for _ in range(3):
+
+    def next_step() -> None:  # one more step as timed below, its prompt arriving first in mixed mode
         if args.prefill_len:
             arrive(args.prefill_len)
         step()
+
+    for _ in range(3):
+        next_step()
     _sync(runner.device)
     walls, scheds, works, gpus = [], [], [], []
     for _ in range(args.steps):
@@ -177,14 +181,8 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
     wall = statistics.median(walls)
     gpu = statistics.median(gpus)
     sched = statistics.median(scheds)
-
-    def profiled_step() -> None:
-        if args.prefill_len:
-            arrive(args.prefill_len)
-        step()
-
     traced = args.kernels and runner.device.type == "cuda"
-    kernels = kernel_times(profiled_step, args.kernels) if traced else None
+    kernels = kernel_times(next_step, args.kernels) if traced else None
     return {
         "mode": mode,
         "fused_ops": cfg.resolved_fused_ops,

@@ -112,10 +112,9 @@ def make_paged_batch(
         return torch.randn(*shape, generator=dev_gen, device=device).to(dtype)
 
     def rand_cache() -> torch.Tensor:  # [num_blocks, block_size, Hkv, D]
-        if layout == "token":
-            return rand(num_blocks, block_size, num_kv_heads, head_dim)
-        assert layout == "head", layout
-        return reference.head_major(rand(num_blocks, num_kv_heads, block_size, head_dim))
+        return reference.kv_pool(
+            lambda shape: rand(*shape), num_blocks, block_size, num_kv_heads, head_dim, layout
+        )
 
     qsl = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     return PagedBatch(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.reference import head_major, paged_attention, write_kv
+from kernels.reference import kv_pool, paged_attention, write_kv
 
 
 def _dense_causal_attention(
@@ -138,12 +138,8 @@ def test_paged_attention_decode_only_batch_of_uneven_lengths(
 def test_write_kv_fills_exactly_the_mapped_slots(block_size: int, layout: str) -> None:
     gen = torch.Generator().manual_seed(block_size)
     num_blocks, num_kv_heads, head_dim = 12, 2, 64
-    if layout == "token":
-        k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-        v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    else:  # the worker's head-major blocks, through the [num_blocks, block_size, Hkv, D] view
-        k_cache = head_major(torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen))
-        v_cache = head_major(torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen))
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (kv_pool(lambda m: torch.randn(m, generator=gen), *shape, layout) for _ in "kv")
     k_before, v_before = k_cache.clone(), v_cache.clone()
     num_tokens = 3 * block_size + 5
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]

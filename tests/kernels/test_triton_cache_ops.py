@@ -7,6 +7,7 @@ import torch
 
 from kernels import reference
 from kernels.cache_ops import copy_blocks, write_kv
+from kernels.reference import kv_pool
 from tests.kernels.conftest import gpu
 
 
@@ -28,11 +29,12 @@ def test_write_kv_matches_reference(
 ) -> None:
     gen = torch.Generator().manual_seed(block_size + num_kv_heads)
     num_blocks, head_dim, num_tokens = 9, 64, 2 * block_size + 5
-    if layout == "token":
-        [(k_cache, v_cache)] = _caches(1, (num_blocks, block_size, num_kv_heads, head_dim), dtype, device, 1)
-    else:  # the worker's: head-major blocks, seen through the [num_blocks, block_size, Hkv, D] view
-        [(k_cache, v_cache)] = _caches(1, (num_blocks, num_kv_heads, block_size, head_dim), dtype, device, 1)
-        k_cache, v_cache = reference.head_major(k_cache), reference.head_major(v_cache)
+    pool_gen = torch.Generator().manual_seed(1)
+
+    def make(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=pool_gen).to(dtype=dtype, device=device)
+
+    k_cache, v_cache = (kv_pool(make, num_blocks, block_size, num_kv_heads, head_dim, layout) for _ in "kv")
     # Keys and values as the model hands them over: views into one fused projection, not contiguous.
     qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
     key, value = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 2 * num_kv_heads :]
