@@ -64,6 +64,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """A worker: the model, its device and its KV pool."""
@@ -73,6 +76,9 @@ class WorkerConfig:
     worker_address: str = DEFAULT_WORKER_ADDRESS  # the scheduler's worker socket
     device: str = "auto"  # cpu, cuda, cuda:N; auto picks cuda when there is one
     dtype: str = "auto"  # float32, bfloat16, float16; auto: float32 on cpu, bfloat16 on cuda
+    # auto: the model's dtype. fp8 (or fp8_e4m3): float8 e4m3 with a per-tensor scale per layer for K and
+    # for V (the checkpoint's self_attn.k_scale / v_scale, else 1.0): half the bytes of bf16, twice the blocks
+    kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 0  # fix the pool size; 0: size it from memory
     kv_cache_memory_gib: float = 0.0  # on cpu, memory for the KV pool; 0: a quarter of what is available
@@ -96,6 +102,12 @@ class WorkerConfig:
     step_trace: str = ""  # a file for one JSON line per step: host timestamps, GPU and idle time (rank 0)
     log_level: str = "info"
 
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+
     @property
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -109,6 +121,11 @@ class WorkerConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.resolved_device == "cpu" else "bfloat16"
+
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        """The KV pools' torch dtype name."""
+        return self.resolved_dtype if self.kv_cache_dtype == "auto" else "float8_e4m3fn"
 
     @property
     def resolved_fused_ops(self) -> bool:

@@ -10,6 +10,11 @@ A batch is flattened: the query tokens of all sequences are concatenated, `query
 sequence `b`'s chunk starts and `seq_lens[b]` its context length after this step. The chunk is the END of
 the context (positions `seq_len - q_len .. seq_len - 1`), which covers prefill, chunked prefill starting
 part-way, and decode (q_len 1) in one call.
+
+An FP8 cache (`torch.float8_e4m3fn`, half the bytes of bf16) holds each value divided by its pool's
+per-tensor scale (`k_scale`, `v_scale`: what one unit of the stored number is worth), saturated at the
+format's largest finite value; readers multiply back. Other caches store values as they are and ignore the
+scales.
 """
 
 from __future__ import annotations
@@ -18,6 +23,28 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: beyond it the cast would give NaN (e4m3fn has no infinity)
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_DTYPE
+
+
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as stored in a cache of `dtype`: FP8 holds x / scale (rounded to nearest, saturated; computed as
+    a product with the float32 reciprocal, as the kernel does), other dtypes hold x."""
+    if dtype != FP8_DTYPE:
+        return x.to(dtype)
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32)
+    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cached values `x` back in `dtype` (FP8: times the scale)."""
+    return x.to(dtype) * scale if x.dtype == FP8_DTYPE else x.to(dtype)
+
 
 # Decode sequences are attended together; groups are split so the gathered K/V stay under this many tokens.
 _DECODE_GROUP_TOKENS = 1 << 16
@@ -51,13 +78,15 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int, block_id * block_size + offset
+    k_scale: float = 1.0,  # FP8 caches: per-tensor scales
+    v_scale: float = 1.0,
 ) -> None:
     """Stores token t's key and value in flat slot `slot_mapping[t]` of the caches, in place."""
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()
     blocks, offsets = slots // block_size, slots % block_size  # indexing, not a flat view: any layout
-    k_cache[blocks, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+    k_cache[blocks, offsets] = quantize(key, k_scale, k_cache.dtype)
+    v_cache[blocks, offsets] = quantize(value, v_scale, v_cache.dtype)
 
 
 def gather_kv(
@@ -94,10 +123,16 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int, context length after this step
     query_start_loc: torch.Tensor,  # [B + 1] int, cumulative query lengths
     scale: float,
+    k_scale: float = 1.0,  # FP8 caches: per-tensor scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's query chunk to its whole cached context (the chunk's own K/V
     included, so `write_kv` must run first). Each KV head serves Hq / Hkv consecutive query heads."""
     out = torch.empty_like(query)
+
+    def gather(cache: torch.Tensor, tables: torch.Tensor, num_tokens: int, s: float) -> torch.Tensor:
+        return dequantize(gather_kv(cache, tables, num_tokens), s, query.dtype)
+
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
@@ -106,8 +141,8 @@ def paged_attention(
     # is large. Single-token chunks (decodes) are batched, with a mask for their different context lengths.
     for b in (b for b, n in enumerate(q_lens) if n > 1):
         q = query[starts[b] : starts[b + 1]]  # [q_len, Hq, D]
-        k = gather_kv(k_cache, block_tables[b : b + 1], lens[b])
-        v = gather_kv(v_cache, block_tables[b : b + 1], lens[b])
+        k = gather(k_cache, block_tables[b : b + 1], lens[b], k_scale)
+        v = gather(v_cache, block_tables[b : b + 1], lens[b], v_scale)
         q_pos = torch.arange(lens[b] - q_lens[b], lens[b], device=query.device)
         mask = torch.arange(lens[b], device=query.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
         out[starts[b] : starts[b + 1]] = _attend(q[None], k, v, mask[None], scale)[0]
@@ -124,8 +159,8 @@ def paged_attention(
             i += 1
         idx = torch.tensor(group, device=query.device)
         rows = query_start_loc[idx].long()  # [G] each decode's query row
-        k = gather_kv(k_cache, block_tables[idx], longest)  # [G, longest, Hkv, D]
-        v = gather_kv(v_cache, block_tables[idx], longest)
+        k = gather(k_cache, block_tables[idx], longest, k_scale)  # [G, longest, Hkv, D]
+        v = gather(v_cache, block_tables[idx], longest, v_scale)
         mask = torch.arange(longest, device=query.device)[None, :] < seq_lens[idx].to(query.device)[:, None]
         out[rows] = _attend(query[rows][:, None], k, v, mask[:, None], scale)[:, 0]
     return out

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import is_fp8
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -118,6 +120,7 @@ def _attend_tiles(
         else:
             k = tl.load(k_cache_ptr + kv_offs)
             v = tl.load(v_cache_ptr + kv_offs)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # FP8 caches: the scales are folded into qk_scale and the output
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -169,12 +172,13 @@ def _attend_decode_tile(
         None, :
     ]
     if SPECULATIVE:
-        k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
-        v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
+        k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first").to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first").to(q.dtype)
         v = tl.where(in_ctx[:, None], v, 0.0)  # other sequences' slots, or never written: NaN * 0 is NaN
     else:
         k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
         v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
+        k, v = k.to(q.dtype), v.to(q.dtype)  # FP8 caches: the scales are folded into qk_scale and the output
     if IEEE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -247,7 +251,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     num_seqs,
     num_splits,
-    qk_scale,
+    qk_scale,  # softmax scale * log2(e), times k_scale for FP8 caches
+    v_scale,  # FP8 caches: the V pool's scale, applied to the output (1.0 otherwise)
     max_blocks,  # block_tables.shape[1]
     num_blocks,  # k_cache.shape[0]
     first_program,  # not DECODE_ONLY: program index of the first sequence's first query block
@@ -368,6 +373,7 @@ def _paged_attention_kernel(
             HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT,
         )  # fmt: skip
 
+    acc = acc * v_scale
     if SPLIT_KV:
         part = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
@@ -476,6 +482,8 @@ def paged_attention(
     config: AttentionConfig | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D], written in full; allocated when None
     num_decode_seqs: int = 0,
+    k_scale: float = 1.0,  # FP8 caches (float8_e4m3fn): per-tensor scales, as `kernels.reference` says
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal paged attention of each sequence's query chunk to its cached context.
 
@@ -485,7 +493,8 @@ def paged_attention(
     `num_decode_seqs` sequences have one query token each (the scheduler puts decodes first), those go down
     the decode path and the rest down the unified one, whose tiles of up to 128 query rows would otherwise
     carry one decode token's 1-8 rows through its whole context (docs/kernels.md has the measurement).
-    `num_splits` then applies to the rest.
+    `num_splits` then applies to the rest. An FP8 cache is read as bytes and converted to the query's dtype
+    in registers (half the bytes of a bf16 cache); its scales fold into the softmax scale and the output.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -494,6 +503,9 @@ def paged_attention(
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head size must be a power of 2 >= 16"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and query.stride(-1) == 1
     assert block_tables.stride(-1) == 1
+    assert k_cache.dtype == v_cache.dtype
+    if not is_fp8(k_cache):
+        k_scale = v_scale = 1.0  # values are stored as they are
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
@@ -507,6 +519,7 @@ def paged_attention(
         paged_attention(
             query[:first_seq], k_cache, v_cache, block_tables[:first_seq], seq_lens[:first_seq],
             query_start_loc[: first_seq + 1], scale, 1, max_seq_len, out=out[:first_seq],
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     assert not decode_only or block_tables.shape[1] > 0, "decode needs a block-table entry per sequence"
     if decode_only:
@@ -545,7 +558,8 @@ def paged_attention(
     grid = (num_q_programs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, counters, query, k_cache, v_cache, tables, lens, starts,
-        num_seqs - first_seq, num_splits, scale * 1.4426950408889634, tables.shape[1], k_cache.shape[0],
+        num_seqs - first_seq, num_splits, scale * k_scale * 1.4426950408889634, v_scale, tables.shape[1],
+        k_cache.shape[0],
         first_program, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,

@@ -45,6 +45,7 @@ from kernels.triton_attention import (  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
+KV_DTYPE = DTYPE  # the paged pools' dtype: bf16, or float8 e4m3 (--kv-dtype fp8; scales 1.0)
 ROTATE_BYTES = 256 << 20  # input sets together at least this large (the H100's L2 is 50 MB)
 MAX_SETS = 64
 GRAPH_CALLS = 32
@@ -138,7 +139,8 @@ def _paged_inputs(
     total = num_sets * batch * blocks
     shape = (total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache, v_cache = (
-        kv_pool(lambda m: torch.randn(m, device=device, dtype=DTYPE), *shape, KV_LAYOUT) for _ in "kv"
+        kv_pool(lambda m: torch.randn(m, device=device, dtype=DTYPE).to(KV_DTYPE), *shape, KV_LAYOUT)
+        for _ in "kv"
     )
     perm = torch.randperm(total, generator=gen).to(device=device, dtype=torch.int32)
     tables = [t.view(batch, blocks) for t in perm.split(batch * blocks)]
@@ -152,7 +154,7 @@ def bench_decode(
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
 ) -> dict:
-    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
     qo_bytes = 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
     num_sets = _num_sets(kv_bytes)
     if not _fits(num_sets * kv_bytes * 1.1, device):
@@ -197,6 +199,59 @@ def bench_decode_sdpa(batch: int, ctx: int, device: torch.device) -> dict:
 
     t = time_per_call([call(*s) for s in sets], device)
     return {"batch": batch, "ctx": ctx, "us": t * 1e6, "tb_s": (kv_bytes + qo_bytes) / t / 1e12}
+
+
+def bench_decode_flex(batch: int, ctx: int, device: torch.device, kernel_options: dict | None = None) -> dict:
+    """torch's flex_attention (compiled) over a paged bf16 cache: one batch-1 pool per input set in the
+    layout flex reads (`[1, Hkv, pages * 16, D]`), and a block mask whose KV blocks are the pages of each
+    sequence's shuffled block table (scripts/flex_paged.py)."""
+    from scripts.flex_paged import flex_paged_decode, paged_block_mask
+
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    qo_bytes = 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
+    num_sets = _num_sets(kv_bytes)
+    if not _fits(num_sets * kv_bytes * 1.2, device):
+        return {"batch": batch, "ctx": ctx, "skipped": "does not fit"}
+    pages = batch * ctx // BLOCK_SIZE
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    sets = []
+    for _ in range(num_sets):
+        k, v = (
+            torch.randn(1, NUM_KV_HEADS, pages * BLOCK_SIZE, HEAD_DIM, device=device, dtype=DTYPE)
+            for _ in "kv"
+        )
+        table = torch.randperm(pages, device=device).to(torch.int32).view(batch, -1)
+        query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+        sets.append((query, k, v, paged_block_mask(table, seq_lens, pages, BLOCK_SIZE)))
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object) -> Callable[[], torch.Tensor]:
+        return lambda: flex_paged_decode(q, k, v, mask, HEAD_DIM**-0.5, kernel_options)
+
+    t = time_per_call([call(*st) for st in sets], device)
+    return {"batch": batch, "ctx": ctx, "us": t * 1e6, "tb_s": (kv_bytes + qo_bytes) / t / 1e12,
+            "kernel_options": kernel_options}  # fmt: skip
+
+
+def flex_table(shapes: list[tuple[int, int]], device: torch.device, copy_bw: float) -> list[dict]:
+    """flex_attention on a paged cache at some of the decode table's shapes (each shape compiles anew); the
+    default kernel options first, then 16-token KV tiles (the page size) if those fail."""
+    rows = []
+    print("\n| batch | context | flex us | flex % copy | kernel options |\n|---:|---:|---:|---:|---|")
+    for b, ctx in shapes:
+        row = _attempt(f"flex {b}x{ctx}", bench_decode_flex, b, ctx, device)
+        if "skipped" in row:
+            row = _attempt(f"flex {b}x{ctx} BLOCK_N 16", bench_decode_flex, b, ctx, device, {"BLOCK_N": 16})
+        row.update(batch=b, ctx=ctx)
+        rows.append(row)
+        if "skipped" not in row:
+            row["frac"] = row["tb_s"] * 1e12 / copy_bw
+            print(
+                f"| {b} | {ctx} | {row['us']:.1f} | {100 * row['frac']:.0f}% | {row['kernel_options']} |",
+                flush=True,
+            )
+        else:
+            print(f"| {b} | {ctx} | skipped: {row['skipped']} | | |", flush=True)
+    return rows
 
 
 def bench_prefill(
@@ -323,7 +378,7 @@ def prefill_table(prompt_lens: list[int], total_tokens: int, device: torch.devic
 
 
 def main() -> None:
-    global HEAD_DIM, KV_LAYOUT, MAX_SETS
+    global HEAD_DIM, KV_LAYOUT, MAX_SETS, KV_DTYPE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
@@ -335,6 +390,12 @@ def main() -> None:
         help="only the copy ceiling, the decode table, and batch-1/8 splits with fused/separate combine",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    ap.add_argument(
+        "--flex",
+        action="store_true",
+        help="with --decode-only: flex_attention over a paged cache at four shapes, after the decode table",
+    )
+    ap.add_argument("--no-extras", action="store_true", help="with --decode-only: skip the splits and probes")
     ap.add_argument("--head-dim", type=int, default=HEAD_DIM, help="64: the Llama-3.2-1B shape's heads")
     ap.add_argument(
         "--kv-layout",
@@ -342,8 +403,15 @@ def main() -> None:
         default=KV_LAYOUT,
         help="blocks in memory: head-major (the worker's) or token-major [num_blocks, block_size, Hkv, D]",
     )
+    ap.add_argument(
+        "--kv-dtype",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="the paged pools (fp8: float8 e4m3, half the bytes; SDPA keeps a bf16 cache)",
+    )
     args = ap.parse_args()
     HEAD_DIM, KV_LAYOUT = args.head_dim, args.kv_layout
+    KV_DTYPE = torch.float8_e4m3fn if args.kv_dtype == "fp8" else DTYPE
 
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
@@ -353,7 +421,8 @@ def main() -> None:
         "gpu": name, "date": datetime.date.today().isoformat(), "commit": args.commit or _commit(),
         "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                  "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "kv_layout": KV_LAYOUT},
+                  "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "kv_dtype": str(KV_DTYPE),
+                  "kv_layout": KV_LAYOUT},
         "decode_config": DECODE_CONFIG.__dict__, "prefill_config": prefill_config(HEAD_DIM).__dict__,
     }  # fmt: skip
     copy_bytes = (2 << 30) if not args.smoke else (1 << 20)
@@ -364,8 +433,12 @@ def main() -> None:
         print(f"# {name}  copy {copy_bw / 1e12:.2f} TB/s", flush=True)
         batches, contexts = ([1, 8, 64, 256], [512, 2048, 8192]) if not args.smoke else ([1, 2], [64])
         res["decode"] = decode_table(batches, contexts, device, copy_bw)
-        res["combine_splits"] = combine_splits(device, copy_bw, args.smoke)
-        if not args.smoke:
+        if args.flex:
+            shapes = [(1, 8192), (8, 2048), (64, 2048), (256, 2048)] if not args.smoke else [(2, 64)]
+            res["flex"] = flex_table(shapes, device, copy_bw)
+        if not args.no_extras:
+            res["combine_splits"] = combine_splits(device, copy_bw, args.smoke)
+        if not args.smoke and not args.no_extras:
             res["probes"] = _attempt("probes", probes, device)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)

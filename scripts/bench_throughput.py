@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks, one GPU each")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="every engine run's KV pools: auto (the model's dtype) or fp8 (float8 e4m3, half the bytes)",
+    )
+    p.add_argument(
         "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
     )
     p.add_argument("--runs", default=None, help=f"comma-separated runs, one after another: {','.join(RUNS)}")
@@ -246,6 +251,7 @@ async def run_engine(
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "log_level": "warning",  # per-request log lines would cost the scheduler time
         "step_trace": str(log_dir / "steps.jsonl") if args.step_trace else None,
@@ -289,6 +295,7 @@ async def run_engine(
         "async_scheduling": async_scheduling,
         "fused_ops": "default" if fused_ops is None else fused_ops,
         "piecewise_graphs": piecewise_graphs,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_kv_blocks": info.num_kv_blocks,
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,

@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul (default: on with CUDA)",
     )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto: the model's dtype; fp8: float8 e4m3 KV pools"
+    )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if args.dtype == "auto":
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = WorkerConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts,
         gpu_memory_utilization=0.5, max_model_len=args.max_prompt_len + args.max_tokens,
-        fused_ops=args.fused_ops,
+        fused_ops=args.fused_ops, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     backend = "triton" if args.device.startswith("cuda") else "torch"
     runner = ModelRunner(config, attention_backend=backend)
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": args.dtype,
         "fused_ops": config.resolved_fused_ops,
+        "kv_cache_dtype": config.resolved_kv_cache_dtype,
         "prompts": "random token ids" if language is None else "synthetic language (trained checkpoint)",
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,

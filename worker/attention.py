@@ -46,6 +46,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,  # FP8 caches: per-tensor scales (kernels/reference.py)
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 
@@ -64,11 +66,14 @@ class TorchReferenceBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        reference.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        reference.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return reference.paged_attention(
-            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
-        )
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+            k_scale, v_scale,
+        )  # fmt: skip
 
 
 def _triton_backend() -> AttentionBackend:

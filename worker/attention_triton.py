@@ -34,8 +34,10 @@ class TritonBackend(AttentionBackend):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, Hq, D]
-        cache_ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        cache_ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return triton_attention.paged_attention(
             query,
             k_cache,
@@ -47,4 +49,6 @@ class TritonBackend(AttentionBackend):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             num_decode_seqs=meta.num_decode_seqs,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

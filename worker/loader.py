@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Per-layer scales of an FP8 KV cache as quantized checkpoints store them (one number each); without them
+# the scales stay 1.0 (worker/model.py LlamaAttention).
+KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale")
 
 
 @dataclass(frozen=True)
@@ -283,6 +286,10 @@ def load_weights(
         if "rotary_emb" in name:  # older checkpoints store inv_freq; the worker computes its own
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith(KV_SCALE_NAMES):  # an FP8 KV cache's per-tensor scales: plain floats on the layer
+            module, attr = name.rsplit(".", 1)
+            setattr(model.get_submodule(module), attr, float(tensor.float().reshape(-1)[0]))
             continue
         fused = _fused_target(name)
         if fused is not None:

@@ -136,6 +136,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device, fused)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device, fused)
         self.scale = config.head_dim**-0.5
+        # What one unit of an FP8 cache's stored K (V) is worth: the checkpoint's self_attn.k_scale
+        # (v_scale) where it has them (worker/loader.py), else 1.0. Other caches store values as they are.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def project(
         self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding
@@ -156,7 +160,9 @@ class LlamaAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:  # [T, q_size]
         """Writes k, v into the cache at the batch's slots and attends over each sequence's cached tokens."""
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
+        out = self.backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale
+        )  # [T, Hq, D]
         return out.reshape(-1, self.config.q_size)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:  # [T, q_size] -> [T, H]

@@ -138,6 +138,7 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(cfg.resolved_device)
         self.dtype: torch.dtype = getattr(torch, cfg.resolved_dtype)
+        self.kv_dtype: torch.dtype = getattr(torch, cfg.resolved_kv_cache_dtype)  # the pools' (FP8: 1 byte)
         self.block_size = cfg.block_size
         self.parallel = parallel or ParallelContext()  # a tensor-parallel rank, or the whole model (size 1)
         self.model_config = load_model_config(cfg.model)
@@ -159,14 +160,14 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.num_kv_blocks <= 0:
             budget = cuda_kv_budget(self.device, cfg.gpu_memory_utilization, self._profile_peak_memory(cfg))
         num_blocks = determine_num_kv_blocks(
-            cfg, self.shard_config, self.max_model_len, self.device, self.dtype, budget
+            cfg, self.shard_config, self.max_model_len, self.device, self.kv_dtype, budget
         )
-        num_cpu_blocks = determine_num_cpu_blocks(cfg, self.shard_config, self.dtype)
+        num_cpu_blocks = determine_num_cpu_blocks(cfg, self.shard_config, self.kv_dtype)
         # Every rank runs the same plans on the same block ids: the group's pools take the smallest size.
         num_blocks = self.parallel.min_across_ranks(num_blocks)
         num_cpu_blocks = self.parallel.min_across_ranks(num_cpu_blocks)
         self.kv = KVPools(
-            self.shard_config, num_blocks, num_cpu_blocks, self.block_size, self.dtype, self.device
+            self.shard_config, num_blocks, num_cpu_blocks, self.block_size, self.kv_dtype, self.device
         )
         self.seqs: dict[int, SeqState] = {}
         self.tables = BlockTableArray(-(-self.max_model_len // self.block_size))
@@ -205,7 +206,7 @@ class ModelRunner:
         lens[: num_tokens % num_seqs] += 1
         blocks_per_seq = -(-int(lens.max()) // self.block_size)
         pool = KVPools(
-            self.shard_config, num_seqs * blocks_per_seq, 0, self.block_size, self.dtype, self.device
+            self.shard_config, num_seqs * blocks_per_seq, 0, self.block_size, self.kv_dtype, self.device
         )
         tables = BlockTableArray(blocks_per_seq, initial_rows=num_seqs)
         for b in range(num_seqs):

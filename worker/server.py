@@ -49,7 +49,13 @@ def serve(cfg: WorkerConfig) -> int:
     cfg, parallel = init_parallel(cfg)  # at tensor_parallel_size 1: nothing, no torch.distributed
     if parallel.world_size > 1:
         log = log.bind(rank=parallel.rank, tensor_parallel_size=parallel.world_size)
-    log.info("loading_model", model=cfg.model, device=cfg.resolved_device, dtype=cfg.resolved_dtype)
+    log.info(
+        "loading_model",
+        model=cfg.model,
+        device=cfg.resolved_device,
+        dtype=cfg.resolved_dtype,
+        kv_cache_dtype=cfg.resolved_kv_cache_dtype,
+    )
     runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend, parallel=parallel)
     log.info(
         "model_loaded",
