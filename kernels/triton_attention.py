@@ -59,6 +59,9 @@ _SPLIT_PROGRAMS_PER_SM = 4
 # falls back to the separate combine kernel (kept for prefill splits, and for benchmarking the two).
 FUSE_DECODE_COMBINE = True
 _MIN_SPLIT_TOKENS = 128
+# FP8 caches with half-precision queries: products in fp16 (the query converted once), whose conversion
+# from e4m3 is one instruction per pair of values on Hopper; bf16 takes a detour through fp32.
+FP8_DOTS_IN_FP16 = True
 _MAX_SPLITS = 32  # H100, batch 1 x 8k: 32 splits beat 64 (docs/kernels.md)
 
 
@@ -273,6 +276,7 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,  # num_splits > 1: write partial results for _combine_splits_kernel
     DECODE_ONLY: tl.constexpr,  # every chunk is one token: the index on grid axis 0 is the sequence
     IEEE_DOT: tl.constexpr,
+    DOTS_FP16: tl.constexpr = False,  # FP8 caches: the query (and so K, V and the products) in fp16
     FUSED_SPLITS: tl.constexpr = 0,  # > 0 (= num_splits, DECODE_ONLY): the last split combines in place
     GROUP_PAD: tl.constexpr = 1,  # next power of 2 of GROUP (FUSED_SPLITS)
     COMBINE_CHUNK: tl.constexpr = 1,  # splits merged per step by _combine_group (FUSED_SPLITS)
@@ -325,6 +329,8 @@ def _paged_attention_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
+    if DOTS_FP16:
+        q = q.to(tl.float16)  # K and V follow the query's dtype
 
     first_pos = ctx_start + q_block * BLOCK_Q  # smallest query position among the rows
     kv_len = ctx_start + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # the last row sees this many tokens
@@ -565,6 +571,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         TILE_N=cfg.tile_n, SPLIT_KV=num_splits > 1, DECODE_ONLY=decode_only,
         IEEE_DOT=query.dtype == torch.float32,
+        DOTS_FP16=FP8_DOTS_IN_FP16 and is_fp8(k_cache) and query.dtype != torch.float32,
         FUSED_SPLITS=num_splits if fused else 0, GROUP_PAD=group_pad if fused else 1,
         COMBINE_CHUNK=combine_chunk if fused else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -116,6 +116,19 @@ def test_prefill_and_mixed_over_an_fp8_cache(device: torch.device, num_decode_se
     _check(_as_fp8(batch, 0.1, 0.04), 0.1, 0.04, config=SMALL_TILES, num_decode_seqs=num_decode_seqs)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_queries_over_an_fp8_cache_multiply_in_fp16(
+    device: torch.device, dtype: torch.dtype
+) -> None:
+    # With bf16 or fp16 queries the products run in fp16 (FP8_DOTS_IN_FP16): the query is converted once.
+    seq_lens, q_lens = [1, 150, 40, 37], [1, 1, 3, 37]
+    batch = make_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, dtype, device, seed=12)
+    fp8 = _as_fp8(batch, 0.03, 0.05)
+    _check(fp8, 0.03, 0.05, num_splits=2, num_decode_seqs=2, config=SMALL_TILES)
+    decodes = make_paged_batch(seq_lens, [1] * 4, 8, 2, 64, 16, dtype, device, seed=13)
+    _check(_as_fp8(decodes, 0.03, 0.05), 0.03, 0.05)
+
+
 @gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_fp8_cache_full_shapes(head_dim: int) -> None:
