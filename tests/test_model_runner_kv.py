@@ -21,8 +21,11 @@ from worker.model_runner import ModelRunner, PlanError
 BLOCK_SIZE = 16
 
 
-def make_runner(model_dir: Path, num_kv_blocks: int = 16, num_cpu_blocks: int = 8) -> ModelRunner:
-    block_gib = kv_block_bytes(load_model_config(str(model_dir)), BLOCK_SIZE, torch.float32) / (1 << 30)
+def make_runner(
+    model_dir: Path, num_kv_blocks: int = 16, num_cpu_blocks: int = 8, kv_cache_dtype: str = "auto"
+) -> ModelRunner:
+    kv_dtype = torch.float32 if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    block_gib = kv_block_bytes(load_model_config(str(model_dir)), BLOCK_SIZE, kv_dtype) / (1 << 30)
     runner = ModelRunner(
         WorkerConfig(
             model=str(model_dir),
@@ -31,6 +34,7 @@ def make_runner(model_dir: Path, num_kv_blocks: int = 16, num_cpu_blocks: int = 
             block_size=BLOCK_SIZE,
             num_kv_blocks=num_kv_blocks,
             swap_space=num_cpu_blocks * block_gib,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
     assert runner.num_cpu_blocks == num_cpu_blocks
@@ -99,10 +103,19 @@ def random_prompt(seed: int, length: int, vocab: int = 4096) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(tiny_model_dir: Path) -> None:
-    runner = make_runner(tiny_model_dir, num_kv_blocks=12)
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 pools compared (and indexed: PyTorch has no float8 index ops on the CPU) as their bytes."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(
+    tiny_model_dir: Path, kv_cache_dtype: str
+) -> None:
+    runner = make_runner(tiny_model_dir, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype)
     pool = runner.kv.device_pool  # [L, 2, num_blocks, Hkv, block_size, D]
     pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(0)))
+    pool = _bytes(pool)
     before = pool.clone()
     copies = [(3, 7), (3, 9), (0, 11), (5, 2)]
 
@@ -114,16 +127,20 @@ def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(tiny_model_d
     assert torch.equal(pool, expected)
     for layer, (k_cache, v_cache) in enumerate(runner.kv.layers):  # what the model reads sees the copies
         # The layers' views index [num_blocks, block_size, Hkv, D]; the pool holds blocks head-major.
-        assert torch.equal(k_cache[9], before[layer, 0, 3].transpose(0, 1))
-        assert torch.equal(v_cache[2], before[layer, 1, 5].transpose(0, 1))
+        assert torch.equal(_bytes(k_cache)[9], before[layer, 0, 3].transpose(0, 1))
+        assert torch.equal(_bytes(v_cache)[2], before[layer, 1, 5].transpose(0, 1))
 
 
-def test_swaps_copy_exactly_the_listed_blocks_between_the_pools(tiny_model_dir: Path) -> None:
-    runner = make_runner(tiny_model_dir, num_kv_blocks=12, num_cpu_blocks=10)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_swaps_copy_exactly_the_listed_blocks_between_the_pools(
+    tiny_model_dir: Path, kv_cache_dtype: str
+) -> None:
+    runner = make_runner(tiny_model_dir, num_kv_blocks=12, num_cpu_blocks=10, kv_cache_dtype=kv_cache_dtype)
     pool, cpu = runner.kv.device_pool, runner.kv.cpu_pool  # [L, 2, n, ...] and block-major [n, L, 2, ...]
     gen = torch.Generator().manual_seed(1)
     pool.copy_(torch.randn(pool.shape, generator=gen))
     cpu.copy_(torch.randn(cpu.shape, generator=gen))
+    pool, cpu = _bytes(pool), _bytes(cpu)
     before, cpu_before = pool.clone(), cpu.clone()
     # CPU blocks 2, 3 are one run, 7 and 8 single ones (8 follows 7 but not in the list's order).
     swap_out = [(3, 7), (0, 2), (5, 3), (11, 0), (1, 8)]
