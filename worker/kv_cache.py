@@ -193,7 +193,7 @@ class KVPools:
         if self.device_pool.is_cuda:  # the Triton kernel moves each byte once (the PyTorch op twice)
             from kernels.cache_ops import copy_blocks as copy_blocks_kernel
 
-            copy_blocks_kernel(self.device_pool, src, dst)
+            copy_blocks_kernel(_raw(self.device_pool), src, dst)
         else:
             copy_blocks(self.device_pool, src, dst)
 
