@@ -59,10 +59,10 @@ _SPLIT_PROGRAMS_PER_SM = 4
 # falls back to the separate combine kernel (kept for prefill splits, and for benchmarking the two).
 FUSE_DECODE_COMBINE = True
 _MIN_SPLIT_TOKENS = 128
+_MAX_SPLITS = 32  # H100, batch 1 x 8k: 32 splits beat 64 (docs/kernels.md)
 # FP8 caches with half-precision queries: products in fp16 (the query converted once), whose conversion
 # from e4m3 is one instruction per pair of values on Hopper; bf16 takes a detour through fp32.
 FP8_DOTS_IN_FP16 = True
-_MAX_SPLITS = 32  # H100, batch 1 x 8k: 32 splits beat 64 (docs/kernels.md)
 
 
 @triton.jit
