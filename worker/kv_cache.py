@@ -21,7 +21,7 @@ import os
 import torch
 
 from common.config import WorkerConfig
-from kernels.reference import head_major
+from kernels.reference import head_major, is_fp8
 from worker.loader import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V) of one layer, each [num_blocks, block_size, Hkv, D]
@@ -87,7 +87,7 @@ def determine_num_cpu_blocks(cfg: WorkerConfig, model_cfg: ModelConfig, dtype: t
 def _raw(pool: torch.Tensor) -> torch.Tensor:
     """The pool's bytes as uint8 where its dtype is FP8: copies move bytes, and PyTorch's index ops have no
     float8 kernels (index_copy_ on the CPU, for one)."""
-    return pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+    return pool.view(torch.uint8) if is_fp8(pool) else pool
 
 
 def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
