@@ -332,6 +332,11 @@ def test_fp8_kv_cache_stores_scaled_keys_and_stays_close_to_full_precision(
     prompt = random_prompt(5, 37)
     for steps in (full, fp8):
         steps.run({0: 37}, new_seqs=[new_seq(0, prompt, [3, 1, 4])])
+    # Per-head scales are not per-tensor ones: refused, not read as their first element.
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([0.5, 0.25])
+    save_file(tensors, scaled / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="one per-tensor scale"):
+        _fp8_runner(scaled, num_kv_blocks=16)
     # Layer 0's keys and values depend on the embeddings only: the FP8 pool holds exactly the full
     # precision ones divided by the layer's scales, rounded.
     for kv, scale in ((0, 0.0625), (1, 0.125)):

@@ -288,8 +288,12 @@ def load_weights(
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.endswith(KV_SCALE_NAMES):  # an FP8 KV cache's per-tensor scales: plain floats on the layer
+            if tensor.numel() != 1:  # per-head or per-channel scales: not what the kernels apply
+                raise ValueError(
+                    f"{ckpt_name}: one per-tensor scale expected, got shape {tuple(tensor.shape)}"
+                )
             module, attr = name.rsplit(".", 1)
-            setattr(model.get_submodule(module), attr, float(tensor.float().reshape(-1)[0]))
+            setattr(model.get_submodule(module), attr, tensor.item())
             continue
         fused = _fused_target(name)
         if fused is not None:
