@@ -239,7 +239,7 @@ def flex_table(shapes: list[tuple[int, int]], device: torch.device, copy_bw: flo
     print("\n| batch | context | flex us | flex % copy | kernel options |\n|---:|---:|---:|---:|---|")
     for b, ctx in shapes:
         row = _attempt(f"flex {b}x{ctx}", bench_decode_flex, b, ctx, device)
-        if "skipped" in row:
+        if "skipped" in row and row["skipped"] != "does not fit":
             row = _attempt(f"flex {b}x{ctx} BLOCK_N 16", bench_decode_flex, b, ctx, device, {"BLOCK_N": 16})
         row.update(batch=b, ctx=ctx)
         rows.append(row)
@@ -536,7 +536,7 @@ def _paged_read_kernel(
 def bench_paged_read(ctx: int, device: torch.device, num_splits: int, num_warps: int) -> float:
     """Microseconds to read batch 1's K/V of `ctx` tokens through its block table (`_paged_read_kernel`),
     timed like the decode kernel (same inputs, rotation and graph)."""
-    kv_bytes = 2 * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    kv_bytes = 2 * ctx * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
     num_sets = _num_sets(kv_bytes)
     k_cache, v_cache, tables = _paged_inputs(num_sets, 1, ctx, device, torch.Generator().manual_seed(ctx))
     out = torch.empty(num_splits * NUM_KV_HEADS, device=device)
