@@ -43,6 +43,15 @@ PREFILL_CONFIG = AttentionConfig(block_m=128, tile_n=32, num_warps=4, num_stages
 # Head size <= 64: half the bytes per row, so longer KV tiles and more, shorter query blocks (H100: batched
 # prompts of 512-4096 tokens 24-27% faster than the tiles above, single prompts 18-33%; docs/kernels.md).
 PREFILL_CONFIG_SMALL_HEADS = AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=2)
+# FP8 caches at head sizes above 64: tiles of 128 tokens (the bytes of a bf16 tile of 64) and 3 stages.
+# H100, head size 128: batch 256 x 8k 2232 -> 1586 us, 64 x 2k 135 -> 117, 1 x 8k 15.8 -> 14.5 against the
+# bf16 tiles; at head size 64 they won at batch 256 and lost at 8-64: DECODE_CONFIG there (docs/kernels.md).
+DECODE_CONFIG_FP8 = AttentionConfig(block_m=16, tile_n=128, num_warps=4, num_stages=3)
+
+
+def decode_config(head_dim: int, fp8: bool) -> AttentionConfig:
+    """The tiles of the decode path for this head size and cache dtype."""
+    return DECODE_CONFIG_FP8 if fp8 and head_dim > 64 else DECODE_CONFIG
 
 
 def prefill_config(head_dim: int) -> AttentionConfig:
@@ -529,7 +538,7 @@ def paged_attention(
         )  # fmt: skip
     assert not decode_only or block_tables.shape[1] > 0, "decode needs a block-table entry per sequence"
     if decode_only:
-        cfg = config or DECODE_CONFIG
+        cfg = config or decode_config(head_dim, is_fp8(k_cache))
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         block_q = 1
         if num_splits is None:

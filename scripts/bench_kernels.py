@@ -39,6 +39,7 @@ from kernels.triton_attention import (  # noqa: E402
     DECODE_CONFIG,
     AttentionConfig,
     choose_num_splits,
+    decode_config,
     paged_attention,
     prefill_config,
 )
@@ -423,7 +424,8 @@ def main() -> None:
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "kv_dtype": str(KV_DTYPE),
                   "kv_layout": KV_LAYOUT},
-        "decode_config": DECODE_CONFIG.__dict__, "prefill_config": prefill_config(HEAD_DIM).__dict__,
+        "decode_config": decode_config(HEAD_DIM, KV_DTYPE == torch.float8_e4m3fn).__dict__,
+        "prefill_config": prefill_config(HEAD_DIM).__dict__,
     }  # fmt: skip
     copy_bytes = (2 << 30) if not args.smoke else (1 << 20)
     copy_bw = measure_copy_bandwidth(device, copy_bytes)

@@ -73,9 +73,12 @@ def test_write_kv_fp8_rounds_and_saturates_as_the_cast_does(device: torch.device
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_over_an_fp8_cache(device: torch.device, num_splits: int) -> None:
-    seq_lens = [1, 17, 64, 33, 150]
-    batch = make_paged_batch(seq_lens, [1] * len(seq_lens), 8, 2, 64, 16, device=device, seed=num_splits)
+@pytest.mark.parametrize("head_dim", [64, 128])  # 128: the FP8 tiles of 128 tokens (DECODE_CONFIG_FP8)
+def test_decode_over_an_fp8_cache(device: torch.device, num_splits: int, head_dim: int) -> None:
+    seq_lens = [1, 17, 64, 33, 150, 300]
+    batch = make_paged_batch(
+        seq_lens, [1] * len(seq_lens), 8, 2, head_dim, 16, device=device, seed=num_splits
+    )
     fp8 = _as_fp8(batch, k_scale=0.02, v_scale=0.3)
     out = _check(fp8, 0.02, 0.3, num_splits=num_splits)
     # The scales are applied: the same bytes read with scale 1 give a different result.
