@@ -6,6 +6,8 @@
 Each input is recognized by its content and labelled by its file name (or --labels, in order). Written,
 for the kinds present:
   throughput.png  output tokens/s of every run and peer of every throughput file, as bars
+  kv_budget.png   paged against the reservation policies across KV budgets: output tokens/s and the ratios,
+                  one line per model and policy (throughput files whose policy runs cover two budgets or more)
   serving.png     TTFT, TPOT and ITL (p50 solid, p99 dashed) and output tokens/s against the request rate,
                   one colour per serving file
   sharing.png     output tokens/s, TTFT p50 and peak KV blocks of every sharing run, as bars
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +85,65 @@ def plot_throughput(reports: list[Report], path: Path) -> Path:
     ax.set_title("Offline throughput")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+POLICIES = ("paged", "reserved", "reserved-max")
+
+
+def kv_budget_points(reports: list[Report]) -> dict[tuple[str, str], dict[int, float]]:
+    """Output tokens/s by (model, policy) and KV blocks, the median where a budget was run more than once.
+    Only the plain policy runs count (a run named after its policy, on the model's own KV dtype and a pool
+    of a given size): paged-sync, the FP8 runs and the default-sized pools are other comparisons."""
+    samples: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for _, report in reports:
+        model = Path(str(report.get("model", "model"))).name
+        for run in report["runs"]:
+            policy, blocks = run.get("kv_policy"), run.get("num_kv_blocks") or 0
+            if run["name"] != policy or policy not in POLICIES or blocks <= 0:
+                continue
+            if run.get("kv_cache_dtype", "auto") != "auto":
+                continue
+            samples.setdefault((model, policy), {}).setdefault(blocks, []).append(run["output_tokens_per_s"])
+    return {
+        key: {b: statistics.median(v) for b, v in by_blocks.items()} for key, by_blocks in samples.items()
+    }
+
+
+def plot_kv_budget(points: dict[tuple[str, str], dict[int, float]], path: Path) -> Path:
+    """Left: output tokens/s against the KV budget. Right: paged over each reservation policy, where both
+    ran at the same budget."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    models = list(dict.fromkeys(model for model, _ in points))
+    styles = {"paged": "-", "reserved": "--", "reserved-max": ":"}
+    for i, model in enumerate(models):
+        for policy in POLICIES:
+            by_blocks = points.get((model, policy))
+            if by_blocks:
+                xs = sorted(by_blocks)
+                left.plot(xs, [by_blocks[x] for x in xs], styles[policy], marker="o", color=f"C{i % 10}",
+                          label=f"{model} {policy}")  # fmt: skip
+            paged = points.get((model, "paged"), {})
+            common = sorted(set(paged) & set(by_blocks or {}))
+            if policy != "paged" and common:
+                ratios = [paged[b] / by_blocks[b] for b in common]
+                right.plot(common, ratios, styles[policy], marker="o", color=f"C{i % 10}",
+                           label=f"{model}: paged / {policy}")  # fmt: skip
+                for b, r in zip(common, ratios, strict=True):
+                    right.annotate(f"{r:.2f}x", (b, r), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    for ax, title in ((left, "output tokens/s"), (right, "paged throughput / reservation's")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV blocks (the same budget for every policy)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    fig.suptitle("Paged against reservation at equal KV budgets")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -172,6 +234,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [PLOTS[kind](reports, out_dir / f"{kind}.png") for kind, reports in by_kind.items()]
+    budgets = kv_budget_points(by_kind.get("throughput", []))
+    if len({blocks for by_blocks in budgets.values() for blocks in by_blocks}) >= 2:
+        written.append(plot_kv_budget(budgets, out_dir / "kv_budget.png"))
     for path in written:
         print(path)
     return written

@@ -74,3 +74,52 @@ def test_a_peer_run_at_several_batch_sizes_is_named_by_its_batch_size() -> None:
     peers += [{"name": "hf-continuous", "batch_size": None, "output_tokens_per_s": 7.0}]
     want = {"hf-static (batch 32)": 5.0, "hf-static (batch 128)": 6.0, "hf-continuous": 7.0}
     assert _numbered(peers) == want
+
+
+def _policy_run(policy: str, blocks: int, tok_s: float, **extra: object) -> dict:
+    run = {"name": policy, "kv_policy": policy, "num_kv_blocks": blocks, "output_tokens_per_s": tok_s}
+    return run | {"kv_cache_dtype": "auto"} | extra
+
+
+def test_kv_budget_points_keep_the_policy_runs_by_model_and_budget() -> None:
+    from scripts.plot_benchmarks import kv_budget_points
+
+    small = {
+        "model": "/tmp/m1b",
+        "runs": [
+            _policy_run("paged", 1024, 300.0),
+            _policy_run("reserved-max", 1024, 100.0),
+            _policy_run("paged", 1024, 500.0),  # a repeat: the median of 300, 500 and the other file's 340
+            _policy_run("paged", 1024, 9e9, kv_cache_dtype="fp8"),  # another comparison
+            {**_policy_run("paged", 1024, 9e9), "name": "paged-sync"},
+            _policy_run("paged", 0, 9e9),  # the default pool: no budget of its own
+        ],
+    }
+    large = {
+        "model": "/tmp/m1b",
+        "runs": [_policy_run("paged", 4096, 800.0), _policy_run("paged", 1024, 340.0)],
+    }
+    other = {"model": "/x/m8b", "runs": [_policy_run("reserved", 4096, 50.0)]}
+
+    points = kv_budget_points([("a", small), ("b", large), ("c", other)])
+
+    assert points == {
+        ("m1b", "paged"): {1024: 340.0, 4096: 800.0},
+        ("m1b", "reserved-max"): {1024: 100.0},
+        ("m8b", "reserved"): {4096: 50.0},
+    }
+
+
+def test_kv_budget_chart_written_only_when_the_policy_runs_cover_two_budgets(tmp_path: Path) -> None:
+    one = {"model": "m", "runs": [_policy_run("paged", 1024, 3.0), _policy_run("reserved", 1024, 1.0)]}
+    two = {"model": "m", "runs": [_policy_run("paged", 2048, 5.0), _policy_run("reserved", 2048, 2.0)]}
+    (tmp_path / "one.json").write_text(json.dumps(one))
+    (tmp_path / "two.json").write_text(json.dumps(two))
+
+    alone = main([str(tmp_path / "one.json"), "--out-dir", str(tmp_path / "a")])
+    both = main([str(tmp_path / "one.json"), str(tmp_path / "two.json"), "--out-dir", str(tmp_path / "b")])
+
+    assert [p.name for p in alone] == ["throughput.png"]
+    assert [p.name for p in both] == ["throughput.png", "kv_budget.png"]
+    data = both[1].read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 5000
