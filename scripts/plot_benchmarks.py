@@ -120,6 +120,7 @@ def plot_kv_budget(points: dict[tuple[str, str], dict[int, float]], path: Path) 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     models = list(dict.fromkeys(model for model, _ in points))
     styles = {"paged": "-", "reserved": "--", "reserved-max": ":"}
+    budgets = sorted({blocks for by_blocks in points.values() for blocks in by_blocks})
     for i, model in enumerate(models):
         for policy in POLICIES:
             by_blocks = points.get((model, policy))
@@ -134,10 +135,17 @@ def plot_kv_budget(points: dict[tuple[str, str], dict[int, float]], path: Path) 
                 right.plot(common, ratios, styles[policy], marker="o", color=f"C{i % 10}",
                            label=f"{model}: paged / {policy}")  # fmt: skip
                 for b, r in zip(common, ratios, strict=True):
-                    right.annotate(f"{r:.2f}x", (b, r), textcoords="offset points", xytext=(4, 4), fontsize=8)
+                    right.annotate(
+                        f"{r:.2f}x",
+                        (b, r),
+                        textcoords="offset points",
+                        xytext=(6, 4 - 14 * (i % 2)),
+                        fontsize=8,
+                    )
     right.axhline(1.0, color="grey", linewidth=0.8)
     for ax, title in ((left, "output tokens/s"), (right, "paged throughput / reservation's")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [f"{b:,}" for b in budgets])
         ax.set_xlabel("KV blocks (the same budget for every policy)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
