@@ -47,6 +47,11 @@ PREFILL_CONFIG_SMALL_HEADS = AttentionConfig(block_m=64, tile_n=64, num_warps=4,
 # H100, head size 128: batch 256 x 8k 2232 -> 1586 us, 64 x 2k 135 -> 117, 1 x 8k 15.8 -> 14.5 against the
 # bf16 tiles; at head size 64 they won at batch 256 and lost at 8-64: DECODE_CONFIG there (docs/kernels.md).
 DECODE_CONFIG_FP8 = AttentionConfig(block_m=16, tile_n=128, num_warps=4, num_stages=3)
+# Prefill over FP8 caches: every query block converts the K/V tiles it reads, so longer tiles and (at head
+# size 64) taller query blocks with 8 warps. H100, 16k prompt tokens: head size 128 1k 591 -> 550 us, 4k
+# 1954 -> 1730, one 8k prompt 1831 -> 1620; head size 64 1k 316 -> 291, 4k 1045 -> 928 (docs/kernels.md).
+PREFILL_CONFIG_FP8 = AttentionConfig(block_m=128, tile_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIG_FP8_SMALL_HEADS = AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=2)
 
 
 def decode_config(head_dim: int, fp8: bool) -> AttentionConfig:
@@ -54,8 +59,10 @@ def decode_config(head_dim: int, fp8: bool) -> AttentionConfig:
     return DECODE_CONFIG_FP8 if fp8 and head_dim > 64 else DECODE_CONFIG
 
 
-def prefill_config(head_dim: int) -> AttentionConfig:
-    """The tiles of the prefill / mixed path for this head size."""
+def prefill_config(head_dim: int, fp8: bool = False) -> AttentionConfig:
+    """The tiles of the prefill / mixed path for this head size and cache dtype."""
+    if fp8:
+        return PREFILL_CONFIG_FP8_SMALL_HEADS if head_dim <= 64 else PREFILL_CONFIG_FP8
     return PREFILL_CONFIG_SMALL_HEADS if head_dim <= 64 else PREFILL_CONFIG
 
 
@@ -546,7 +553,7 @@ def paged_attention(
         num_q_programs = num_seqs
         first_program = 0
     else:
-        cfg = config or prefill_config(head_dim)
+        cfg = config or prefill_config(head_dim, is_fp8(k_cache))
         # Short chunks (a mixed batch of decodes and small chunks) get fewer, mostly useful rows.
         block_m = max(16, min(cfg.block_m, triton.next_power_of_2(max_query_len * group)))
         block_m = max(block_m, triton.next_power_of_2(group))
