@@ -113,10 +113,14 @@ def test_decode_fp8_ignores_nan_bytes_outside_the_contexts(device: torch.device)
 
 
 @pytest.mark.parametrize("num_decode_seqs", [0, 2])
-def test_prefill_and_mixed_over_an_fp8_cache(device: torch.device, num_decode_seqs: int) -> None:
+@pytest.mark.parametrize("config", [SMALL_TILES, None], ids=["small-tiles", "fp8-defaults"])
+def test_prefill_and_mixed_over_an_fp8_cache(
+    device: torch.device, num_decode_seqs: int, config: AttentionConfig | None
+) -> None:
+    # None: the FP8 prefill tiles (prefill_config(64, fp8=True): 128 query rows x 64 tokens).
     seq_lens, q_lens = [40, 3, 37, 32, 70], [1, 1, 37, 5, 33]
     batch = make_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, device=device, seed=7 + num_decode_seqs)
-    _check(_as_fp8(batch, 0.1, 0.04), 0.1, 0.04, config=SMALL_TILES, num_decode_seqs=num_decode_seqs)
+    _check(_as_fp8(batch, 0.1, 0.04), 0.1, 0.04, config=config, num_decode_seqs=num_decode_seqs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
