@@ -22,19 +22,24 @@ BLOCK_SIZE = 16
 
 
 def make_runner(
-    model_dir: Path, num_kv_blocks: int = 16, num_cpu_blocks: int = 8, kv_cache_dtype: str = "auto"
+    model_dir: Path,
+    num_kv_blocks: int = 16,
+    num_cpu_blocks: int = 8,
+    kv_cache_dtype: str = "auto",
+    device: str = "cpu",
 ) -> ModelRunner:
     kv_dtype = torch.float32 if kv_cache_dtype == "auto" else torch.float8_e4m3fn
     block_gib = kv_block_bytes(load_model_config(str(model_dir)), BLOCK_SIZE, kv_dtype) / (1 << 30)
     runner = ModelRunner(
         WorkerConfig(
             model=str(model_dir),
-            device="cpu",
+            device=device,
             dtype="float32",
             block_size=BLOCK_SIZE,
             num_kv_blocks=num_kv_blocks,
             swap_space=num_cpu_blocks * block_gib,
             kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=True,
         )
     )
     assert runner.num_cpu_blocks == num_cpu_blocks
@@ -103,16 +108,28 @@ def random_prompt(seed: int, length: int, vocab: int = 4096) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
+# The block copies and swaps on the CPU, and on CUDA (the Triton copy kernel over the pool's bytes, pinned
+# swap transfers) where there is a GPU.
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """FP8 pools compared (and indexed: PyTorch has no float8 index ops on the CPU) as their bytes."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(
-    tiny_model_dir: Path, kv_cache_dtype: str
+    tiny_model_dir: Path, kv_cache_dtype: str, device: str
 ) -> None:
-    runner = make_runner(tiny_model_dir, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype)
+    runner = make_runner(tiny_model_dir, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype, device=device)
     pool = runner.kv.device_pool  # [L, 2, num_blocks, Hkv, block_size, D]
     pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(0)))
     pool = _bytes(pool)
@@ -124,6 +141,8 @@ def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(
     expected = before.clone()
     for src, dst in copies:
         expected[:, :, dst] = before[:, :, src]
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert torch.equal(pool, expected)
     for layer, (k_cache, v_cache) in enumerate(runner.kv.layers):  # what the model reads sees the copies
         # The layers' views index [num_blocks, block_size, Hkv, D]; the pool holds blocks head-major.
@@ -131,11 +150,14 @@ def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(
         assert torch.equal(_bytes(v_cache)[2], before[layer, 1, 5].transpose(0, 1))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_swaps_copy_exactly_the_listed_blocks_between_the_pools(
-    tiny_model_dir: Path, kv_cache_dtype: str
+    tiny_model_dir: Path, kv_cache_dtype: str, device: str
 ) -> None:
-    runner = make_runner(tiny_model_dir, num_kv_blocks=12, num_cpu_blocks=10, kv_cache_dtype=kv_cache_dtype)
+    runner = make_runner(
+        tiny_model_dir, num_kv_blocks=12, num_cpu_blocks=10, kv_cache_dtype=kv_cache_dtype, device=device
+    )
     pool, cpu = runner.kv.device_pool, runner.kv.cpu_pool  # [L, 2, n, ...] and block-major [n, L, 2, ...]
     gen = torch.Generator().manual_seed(1)
     pool.copy_(torch.randn(pool.shape, generator=gen))
@@ -146,6 +168,8 @@ def test_swaps_copy_exactly_the_listed_blocks_between_the_pools(
     swap_out = [(3, 7), (0, 2), (5, 3), (11, 0), (1, 8)]
 
     Steps(runner).run(swap_out=swap_out)
+    if device == "cuda":
+        torch.cuda.synchronize()  # swap-outs into pinned memory are asynchronous
 
     assert torch.equal(pool, before)  # the device pool is only read
     expected_cpu = cpu_before.clone()
@@ -155,6 +179,8 @@ def test_swaps_copy_exactly_the_listed_blocks_between_the_pools(
 
     swap_in = [(8, 4), (2, 0), (3, 1), (9, 10), (7, 6)]  # CPU 2, 3 again one run; 9 never swapped: stale data
     Steps(runner).run(swap_in=swap_in)
+    if device == "cuda":
+        torch.cuda.synchronize()
 
     expected = before.clone()
     for cpu_block, device_block in swap_in:
