@@ -44,6 +44,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _bars(ax: Any, labels: list[str], values: list[float], title: str, fmt: str = "{:,.0f}") -> None:
     bars = ax.bar(range(len(values)), values, color=[f"C{i % 10}" for i in range(len(values))])
     ax.set_xticks(range(len(labels)), labels, rotation=30 if len(labels) > 3 else 0, ha="right")
@@ -85,10 +92,7 @@ def plot_throughput(reports: list[Report], path: Path) -> Path:
     ax.set_title("Offline throughput")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 POLICIES = ("paged", "reserved", "reserved-max")
@@ -152,10 +156,7 @@ def plot_kv_budget(points: dict[tuple[str, str], dict[int, float]], path: Path) 
         if ax.get_lines():
             ax.legend(fontsize=8)
     fig.suptitle("Paged against reservation at equal KV budgets")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _rate_order(rate: str) -> float:
@@ -195,10 +196,7 @@ def plot_serving(reports: list[Report], path: Path) -> Path:
         if ax.get_lines():
             ax.legend(fontsize=8)
     fig.suptitle("Online serving: latency against load")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_sharing(reports: list[Report], path: Path) -> Path:
@@ -214,10 +212,7 @@ def plot_sharing(reports: list[Report], path: Path) -> Path:
     _bars(axes[1], labels, [r["ttft_ms"]["p50"] or 0.0 for _, r in runs], "TTFT p50 (ms)", "{:,.1f}")
     _bars(axes[2], labels, [r["peak_kv_blocks_used"] for _, r in runs], "peak KV blocks used")
     fig.suptitle("KV sharing: prefix caching and parallel sampling")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 PLOTS = {"throughput": plot_throughput, "serving": plot_serving, "sharing": plot_sharing}
