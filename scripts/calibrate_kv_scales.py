@@ -5,9 +5,10 @@ the checkpoint, where the worker reads them (`--kv-cache-dtype fp8`).
 
 Each layer's scale is the largest |K| (|V|) the layer wrote into the cache over the prompts, over 448 (the
 largest e4m3 value), so the largest value seen is stored as 448 and everything else keeps its relative
-precision; without scales an FP8 cache stores values as they are, which saturates keys or values above 448
-and flushes those below 2^-9 to zero. K is measured as the cache stores it: after the q/k norms (Qwen3) and
-RoPE. The prompts run through the engine's own model, one prefill each, with a full-precision cache.
+precision. Without scales an FP8 cache stores values as they are: above 448 they saturate, below 2^-6
+they lose precision, below 2^-10 they round to zero. K is measured as the cache stores it: after the q/k
+norms (Qwen3) and RoPE. The prompts run through the engine's own model, one prefill each, with a
+full-precision cache.
 
 Prompts: a text file with one prompt per line, tokenized with the checkpoint's tokenizer; without one,
 random token ids (enough for random-weight checkpoints; a real model should see text like its traffic).
@@ -45,7 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", default=None, help="text file, one calibration prompt per line")
     p.add_argument("--num-prompts", type=int, default=16, help="random prompts when there is no --prompts")
     p.add_argument("--prompt-len", type=int, default=512, help="tokens of each random prompt")
-    p.add_argument("--max-prompt-len", type=int, default=2048, help="longer text prompts are cut here")
+    p.add_argument(
+        "--max-prompt-len",
+        type=int,
+        default=2048,
+        help="longer prompts are cut here (and at the model's limit)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="the model's compute dtype (auto: as the worker picks)")
     p.add_argument("--seed", type=int, default=0)
@@ -131,7 +137,9 @@ def write_scales(model_dir: Path, out: Path, scales: list[tuple[float, float]]) 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     model_dir, out = Path(args.model), Path(args.out)
-    prompts = load_prompts(args, load_model_config(model_dir).vocab_size)
+    model_cfg = load_model_config(model_dir)
+    limit = min(args.max_prompt_len, model_cfg.max_position_embeddings)
+    prompts = [prompt[:limit] for prompt in load_prompts(args, model_cfg.vocab_size)]
     longest = max(map(len, prompts))
     block_size = 16
     config = WorkerConfig(
