@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.config import WorkerConfig  # noqa: E402
 from kernels.reference import FP8_MAX  # noqa: E402
 from scripts.check_correctness import engine_logits  # noqa: E402
-from worker.loader import KV_SCALE_NAMES, iter_checkpoint_tensors, load_model_config  # noqa: E402
+from worker.loader import KV_SCALE_NAMES, checkpoint_tensor_names, load_model_config  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 
 SCALES_FILE = "kv_scales.safetensors"
@@ -105,17 +105,17 @@ def scales_from_amax(amax: list[tuple[float, float]]) -> list[tuple[float, float
     return [tuple(a / FP8_MAX if a > 0 else 1.0 for a in pair) for pair in amax]  # type: ignore[misc]
 
 
+def _refuse_calibrated(model_dir: Path) -> None:
+    existing = [name for name in checkpoint_tensor_names(model_dir) if name.endswith(KV_SCALE_NAMES)]
+    if existing:
+        raise ValueError(f"{model_dir} already has KV scales ({existing[0]}, ...): calibrate the original")
+
+
 def write_scales(model_dir: Path, out: Path, scales: list[tuple[float, float]]) -> Path:
     """Copies the checkpoint to `out` (unless it is the same directory) and adds the scales to it."""
     from safetensors.torch import save_file
 
-    existing = [
-        name
-        for name, _ in iter_checkpoint_tensors(model_dir, torch.device("cpu"))
-        if name.endswith(KV_SCALE_NAMES)
-    ]
-    if existing:
-        raise ValueError(f"{model_dir} already has KV scales ({existing[0]}, ...): calibrate the original")
+    _refuse_calibrated(model_dir)
     if out.resolve() != model_dir.resolve():
         if out.exists():
             raise FileExistsError(f"{out} exists")
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     model_dir, out = Path(args.model), Path(args.out)
     model_cfg = load_model_config(model_dir)
+    _refuse_calibrated(model_dir)  # before the calibration run, not after it
     limit = min(args.max_prompt_len, model_cfg.max_position_embeddings)
     prompts = [prompt[:limit] for prompt in load_prompts(args, model_cfg.vocab_size)]
     longest = max(map(len, prompts))

@@ -191,6 +191,15 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
+    """The names of the checkpoint's tensors, read from the file headers (no tensor data)."""
+    names: list[str] = []
+    for path in _checkpoint_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def iter_checkpoint_tensors(
     model_dir: str | Path,
     device: torch.device,
