@@ -67,8 +67,7 @@ def load_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     lines = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    prompts = [tokenizer(line)["input_ids"][: args.max_prompt_len] for line in lines]
-    prompts = [ids for ids in prompts if ids]
+    prompts = [ids for ids in (tokenizer(line)["input_ids"] for line in lines) if ids]  # main() cuts them
     if not prompts:
         raise ValueError(f"{args.prompts}: no prompts (one per line)")
     return prompts
