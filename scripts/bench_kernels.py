@@ -425,6 +425,7 @@ def main() -> None:
                   "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "kv_dtype": str(KV_DTYPE),
                   "kv_layout": KV_LAYOUT},
         "decode_config": decode_config(HEAD_DIM, KV_DTYPE == torch.float8_e4m3fn).__dict__,
+        "decode_split_config": decode_config(HEAD_DIM, KV_DTYPE == torch.float8_e4m3fn, split=True).__dict__,
         "prefill_config": prefill_config(HEAD_DIM, KV_DTYPE == torch.float8_e4m3fn).__dict__,
     }  # fmt: skip
     copy_bytes = (2 << 30) if not args.smoke else (1 << 20)

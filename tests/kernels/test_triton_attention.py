@@ -8,11 +8,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference, triton_attention
-from kernels.triton_attention import AttentionConfig, choose_num_splits, paged_attention
+from kernels.triton_attention import (
+    DECODE_CONFIG,
+    DECODE_CONFIG_FP8,
+    DECODE_SPLIT_CONFIG,
+    AttentionConfig,
+    choose_num_splits,
+    decode_config,
+    paged_attention,
+)
 from tests.kernels.conftest import PagedBatch, assert_close_per_sequence, gpu, make_paged_batch
 
 # Tiles smaller than the defaults, so short test contexts span several query blocks and KV tiles.
 SMALL_TILES = AttentionConfig(block_m=32, tile_n=16, num_warps=4, num_stages=2)
+# The split-KV decode tiles' register prefetch (DECODE_SPLIT_CONFIG), on tiles short enough that each
+# program of a short test context reads several.
+PREFETCH_TILES = AttentionConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1, register_prefetch=True)
 
 
 def _reference(batch: PagedBatch) -> torch.Tensor:
@@ -52,6 +63,32 @@ def test_decode_matches_reference(
         device=device, seed=num_heads + block_size + num_splits,
     )  # fmt: skip
     _run_and_check(batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2), (16, 2)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_register_prefetch_matches_reference(
+    device: torch.device, num_heads: int, num_kv_heads: int, block_size: int, num_splits: int
+) -> None:
+    # Each program's next tile is loaded before the current one's math, its block-table entries a tile
+    # earlier: contexts of 1 to 10 tiles cover a program with no tile, one (only the speculative loads), two
+    # and many, and the masked loads past the end.
+    batch = make_paged_batch(
+        DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), num_heads, num_kv_heads, 64, block_size,
+        device=device, seed=7 * num_heads + block_size + num_splits,
+    )  # fmt: skip
+    _run_and_check(batch, num_splits=num_splits, config=PREFETCH_TILES)
+
+
+def test_decode_config_prefetches_in_registers_for_split_kv_at_large_heads() -> None:
+    assert decode_config(128, fp8=False, split=True) is DECODE_SPLIT_CONFIG
+    assert DECODE_SPLIT_CONFIG.register_prefetch and DECODE_SPLIT_CONFIG.num_stages == 1
+    assert (
+        decode_config(128, fp8=False, split=False) is DECODE_CONFIG
+    )  # unsplit batches: shared-memory pipeline
+    assert decode_config(64, fp8=False, split=True) is DECODE_CONFIG
+    assert decode_config(128, fp8=True, split=True) is DECODE_CONFIG_FP8
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -94,20 +131,25 @@ def test_decode_fused_combine_twice_with_the_same_buffers(device: torch.device, 
     assert (counters == 0).all()
 
 
-def test_decode_fused_combine_with_empty_splits(device: torch.device) -> None:
+@pytest.mark.parametrize("config", [SMALL_TILES, PREFETCH_TILES], ids=["small-tiles", "register-prefetch"])
+def test_decode_fused_combine_with_empty_splits(device: torch.device, config: AttentionConfig) -> None:
     # 16 splits of 16-token tiles over contexts of 1-40 tokens: most splits of every sequence hold no tile
     # (m = -inf, weight 0), including the last split, which combines.
     batch = make_paged_batch([1, 40, 17, 3], [1, 1, 1, 1], 8, 2, 64, 16, device=device, seed=11)
-    _run_and_check(batch, num_splits=16, config=SMALL_TILES)
+    _run_and_check(batch, num_splits=16, config=config)
 
 
-@pytest.mark.parametrize(("num_splits", "config"), [(1, None), (3, None), (8, SMALL_TILES)])
+@pytest.mark.parametrize(
+    ("num_splits", "config"),
+    [(1, None), (3, None), (8, SMALL_TILES), (1, PREFETCH_TILES), (3, PREFETCH_TILES)],
+)
 def test_decode_ignores_what_lies_outside_the_contexts(
     device: torch.device, num_splits: int, config: AttentionConfig | None
 ) -> None:
-    # Each decode program loads its first tile before it knows the sequence length: block-table entries
-    # past a sequence's blocks (here -1 and far out of range) and every cache slot outside the contexts
-    # (here NaN, as never-written memory may hold) are read but must not reach the output.
+    # Each decode program loads its first tile (with the register prefetch, also its second tile's block-table
+    # entries) before it knows the sequence length: block-table entries past a sequence's blocks (here -1
+    # and far out of range) and every cache slot outside the contexts (here NaN, as never-written memory
+    # may hold) are read but must not reach the output.
     clean = make_paged_batch([1, 40, 17, 130], [1, 1, 1, 1], 8, 2, 64, 16, device=device, seed=5)
     block_size = clean.k_cache.shape[1]
     outside = torch.ones(clean.k_cache.shape[:2], dtype=torch.bool, device=device)  # [num_blocks, block_size]
