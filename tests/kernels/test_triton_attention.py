@@ -12,6 +12,7 @@ from kernels.triton_attention import (
     DECODE_CONFIG,
     DECODE_CONFIG_FP8,
     DECODE_SPLIT_CONFIG,
+    DECODE_SPLIT_CONFIG_SMALL_HEADS,
     AttentionConfig,
     choose_num_splits,
     decode_config,
@@ -81,14 +82,16 @@ def test_decode_register_prefetch_matches_reference(
     _run_and_check(batch, num_splits=num_splits, config=PREFETCH_TILES)
 
 
-def test_decode_config_prefetches_in_registers_for_split_kv_at_large_heads() -> None:
+def test_decode_config_prefetches_in_registers_for_split_kv() -> None:
     assert decode_config(128, fp8=False, split=True) is DECODE_SPLIT_CONFIG
     assert DECODE_SPLIT_CONFIG.register_prefetch and DECODE_SPLIT_CONFIG.num_stages == 1
     assert (
         decode_config(128, fp8=False, split=False) is DECODE_CONFIG
     )  # unsplit batches: shared-memory pipeline
-    assert decode_config(64, fp8=False, split=True) is DECODE_CONFIG
-    assert decode_config(128, fp8=True, split=True) is DECODE_CONFIG_FP8
+    assert decode_config(64, fp8=False, split=True) is DECODE_SPLIT_CONFIG_SMALL_HEADS
+    assert DECODE_SPLIT_CONFIG_SMALL_HEADS.register_prefetch
+    assert decode_config(64, fp8=False, split=False) is DECODE_CONFIG
+    assert decode_config(128, fp8=True, split=True) is DECODE_CONFIG_FP8  # FP8: shared-memory pipeline
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
