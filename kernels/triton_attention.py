@@ -178,8 +178,9 @@ def _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE: t
 
 
 @triton.jit
-def _decode_kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr):  # fmt: skip
+def _decode_kv_offsets(
+    block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr
+):
     """[TILE_N, HEAD_DIM] element offsets of one KV head's K (or V) at context positions `pos`."""
     row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
     return row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
