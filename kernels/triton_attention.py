@@ -45,8 +45,9 @@ DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2
 # Split-KV decode (few programs, each reading a short stretch): tiles of 8 KB per KV head prefetched one
 # ahead in registers. H100, bf16, against DECODE_CONFIG: head size 128 (32-token tiles) batch 1 x 8k 18.6 ->
 # 17.4 us, 1 x 2k 9.5 -> 8.5, 8 x 512 11.8 -> 10.7, 8 x 2k 29.2 -> 28.2, 64 x 8k 720 -> 712; head size 64
-# (64-token tiles) 1 x 8k 13.0 -> 11.3, 1 x 2k 8.1 -> 6.5, 8 x 2k 17.7 -> 17.1. Unsplit batches lost 6% with
-# them (256 x 2k), and FP8 caches 5-32% at batch 8-64, so those keep the shared-memory pipeline.
+# (64-token tiles) 1 x 8k 13.0 -> 11.3, 1 x 2k 8.1 -> 6.5, 8 x 2k 17.7 -> 17.1, and the same tiles over FP8
+# caches 1 x 8k 12.3 -> 10.0, 1 x 2k 7.5 -> 6.1. Unsplit batches lost 6% with them (256 x 2k), and FP8 caches
+# at head size 128 5-32% at batch 8-64, so those keep the shared-memory pipeline.
 DECODE_SPLIT_CONFIG = AttentionConfig(
     block_m=16, tile_n=32, num_warps=4, num_stages=1, register_prefetch=True
 )
@@ -70,8 +71,8 @@ PREFILL_CONFIG_FP8_SMALL_HEADS = AttentionConfig(block_m=128, tile_n=64, num_war
 
 def decode_config(head_dim: int, fp8: bool, split: bool = False) -> AttentionConfig:
     """The tiles of the decode path for this head size and cache dtype, split-KV or not."""
-    if fp8:
-        return DECODE_CONFIG_FP8 if head_dim > 64 else DECODE_CONFIG
+    if fp8 and head_dim > 64:
+        return DECODE_CONFIG_FP8
     if split:
         return DECODE_SPLIT_CONFIG if head_dim > 64 else DECODE_SPLIT_CONFIG_SMALL_HEADS
     return DECODE_CONFIG

@@ -85,12 +85,14 @@ def test_decode_register_prefetch_matches_reference(
 def test_decode_config_prefetches_in_registers_for_split_kv() -> None:
     assert decode_config(128, fp8=False, split=True) is DECODE_SPLIT_CONFIG
     assert DECODE_SPLIT_CONFIG.register_prefetch and DECODE_SPLIT_CONFIG.num_stages == 1
-    # Unsplit batches, and FP8 caches, keep the shared-memory pipeline.
+    # Unsplit batches, and FP8 caches at head size 128, keep the shared-memory pipeline.
     assert decode_config(128, fp8=False, split=False) is DECODE_CONFIG
     assert decode_config(64, fp8=False, split=True) is DECODE_SPLIT_CONFIG_SMALL_HEADS
     assert DECODE_SPLIT_CONFIG_SMALL_HEADS.register_prefetch
     assert decode_config(64, fp8=False, split=False) is DECODE_CONFIG
     assert decode_config(128, fp8=True, split=True) is DECODE_CONFIG_FP8
+    assert decode_config(64, fp8=True, split=True) is DECODE_SPLIT_CONFIG_SMALL_HEADS
+    assert decode_config(64, fp8=True, split=False) is DECODE_CONFIG
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
