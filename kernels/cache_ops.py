@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.reference import FP8_MAX as _FP8_MAX
-from kernels.reference import is_fp8
+from kernels.reference import byte_view, is_fp8
 
 FP8_MAX: tl.constexpr = tl.constexpr(_FP8_MAX)
 FP8_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-6)
@@ -144,6 +144,7 @@ def copy_blocks(
     blocks."""
     if src.numel() == 0:
         return
+    pool = byte_view(pool)  # FP8 pools: bytes are bytes
     assert pool.is_contiguous() and src.shape == dst.shape
     num_layers, _, num_blocks = pool.shape[:3]
     flat = pool.view(num_layers * 2, num_blocks, -1)

@@ -32,6 +32,12 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8_DTYPE
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor's bytes as uint8 (the same memory), any other tensor as it is: copies of cached values
+    move bytes, and PyTorch has no float8 kernels for some ops (index_copy_ on the CPU, for one)."""
+    return t.view(torch.uint8) if is_fp8(t) else t
+
+
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """`x` as stored in a cache of `dtype`: FP8 holds x / scale (rounded to nearest, saturated; computed as
     a product with the float32 reciprocal, as the kernel does), other dtypes hold x."""

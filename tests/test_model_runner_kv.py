@@ -14,6 +14,7 @@ import torch
 from common.config import WorkerConfig
 from common.messages import Fork, NewSequence, StepOutput, StepPlan
 from kernels import reference
+from kernels.reference import byte_view
 from worker.kv_cache import kv_block_bytes
 from worker.loader import load_model_config
 from worker.model_runner import ModelRunner, PlanError
@@ -119,11 +120,6 @@ DEVICES = [
 ]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """FP8 pools compared (and indexed: PyTorch has no float8 index ops on the CPU) as their bytes."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(
@@ -132,7 +128,7 @@ def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(
     runner = make_runner(tiny_model_dir, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype, device=device)
     pool = runner.kv.device_pool  # [L, 2, num_blocks, Hkv, block_size, D]
     pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(0)))
-    pool = _bytes(pool)
+    pool = byte_view(pool)
     before = pool.clone()
     copies = [(3, 7), (3, 9), (0, 11), (5, 2)]
 
@@ -146,8 +142,8 @@ def test_block_copies_copy_exactly_the_listed_blocks_in_every_layer(
     assert torch.equal(pool, expected)
     for layer, (k_cache, v_cache) in enumerate(runner.kv.layers):  # what the model reads sees the copies
         # The layers' views index [num_blocks, block_size, Hkv, D]; the pool holds blocks head-major.
-        assert torch.equal(_bytes(k_cache)[9], before[layer, 0, 3].transpose(0, 1))
-        assert torch.equal(_bytes(v_cache)[2], before[layer, 1, 5].transpose(0, 1))
+        assert torch.equal(byte_view(k_cache)[9], before[layer, 0, 3].transpose(0, 1))
+        assert torch.equal(byte_view(v_cache)[2], before[layer, 1, 5].transpose(0, 1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -162,7 +158,7 @@ def test_swaps_copy_exactly_the_listed_blocks_between_the_pools(
     gen = torch.Generator().manual_seed(1)
     pool.copy_(torch.randn(pool.shape, generator=gen))
     cpu.copy_(torch.randn(cpu.shape, generator=gen))
-    pool, cpu = _bytes(pool), _bytes(cpu)
+    pool, cpu = byte_view(pool), byte_view(cpu)
     before, cpu_before = pool.clone(), cpu.clone()
     # CPU blocks 2, 3 are one run, 7 and 8 single ones (8 follows 7 but not in the list's order).
     swap_out = [(3, 7), (0, 2), (5, 3), (11, 0), (1, 8)]

@@ -21,7 +21,7 @@ import os
 import torch
 
 from common.config import WorkerConfig
-from kernels.reference import head_major, is_fp8
+from kernels.reference import byte_view, head_major
 from worker.loader import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V) of one layer, each [num_blocks, block_size, Hkv, D]
@@ -84,12 +84,6 @@ def determine_num_cpu_blocks(cfg: WorkerConfig, model_cfg: ModelConfig, dtype: t
     return int(cfg.swap_space * (1 << 30)) // kv_block_bytes(model_cfg, cfg.block_size, dtype)
 
 
-def _raw(pool: torch.Tensor) -> torch.Tensor:
-    """The pool's bytes as uint8 where its dtype is FP8: copies move bytes, and PyTorch's index ops have no
-    float8 kernels (index_copy_ on the CPU, for one)."""
-    return pool.view(torch.uint8) if is_fp8(pool) else pool
-
-
 def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Block `dst[i]` becomes a copy of block `src[i]` in every layer, K and V (copy-on-write).
 
@@ -97,7 +91,7 @@ def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
     read before any destination is written; `dst` must hold distinct ids. The one PyTorch op behind
     `KVPools.copy`, so that a kernel can take its place.
     """
-    pool = _raw(pool)
+    pool = byte_view(pool)
     pool.index_copy_(_BLOCK_DIM, dst, pool.index_select(_BLOCK_DIM, src))
 
 
@@ -127,7 +121,7 @@ def swap_out_blocks(device_pool: torch.Tensor, cpu_pool: torch.Tensor, pairs: li
     of consecutive CPU blocks. The stream orders everything that touches those bytes later (a swap in that
     reads the CPU block, a step that overwrites the device block), so nothing here waits for the copies.
     """
-    device_pool, cpu_pool = _raw(device_pool), _raw(cpu_pool)
+    device_pool, cpu_pool = byte_view(device_pool), byte_view(cpu_pool)
     src = _block_ids([s for s, _ in pairs], device_pool.device)
     moved = device_pool.movedim(_BLOCK_DIM, 0)[src].contiguous()  # [n, L, 2, Hkv, block_size, D]
     for start, first, n in _runs([d for _, d in pairs]):
@@ -140,7 +134,7 @@ def swap_in_blocks(cpu_pool: torch.Tensor, device_pool: torch.Tensor, pairs: lis
     One asynchronous copy out of pinned memory per run of consecutive CPU blocks into a staging tensor on
     the device, then one scatter into the pool, all queued on the stream.
     """
-    cpu_pool, device_pool = _raw(cpu_pool), _raw(device_pool)
+    cpu_pool, device_pool = byte_view(cpu_pool), byte_view(device_pool)
     staging = torch.empty((len(pairs), *cpu_pool.shape[1:]), dtype=cpu_pool.dtype, device=device_pool.device)
     for start, first, n in _runs([s for s, _ in pairs]):
         staging[start : start + n].copy_(cpu_pool[first : first + n], non_blocking=True)
@@ -193,7 +187,7 @@ class KVPools:
         if self.device_pool.is_cuda:  # the Triton kernel moves each byte once (the PyTorch op twice)
             from kernels.cache_ops import copy_blocks as copy_blocks_kernel
 
-            copy_blocks_kernel(_raw(self.device_pool), src, dst)
+            copy_blocks_kernel(self.device_pool, src, dst)
         else:
             copy_blocks(self.device_pool, src, dst)
 
