@@ -118,6 +118,15 @@ def _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _kv_offsets(
+    block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr
+):
+    """[TILE_N, HEAD_DIM] element offsets of one KV head's K (or V) at context positions `pos`."""
+    row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+    return row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+
+
+@triton.jit
 def _attend_tiles(
     acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
     l_i,  # [BLOCK_M] fp32 running sum of exponentials
@@ -142,16 +151,14 @@ def _attend_tiles(
     IEEE_DOT: tl.constexpr,  # float32 caches: exact float32 products instead of tf32
 ):
     offs_n = tl.arange(0, TILE_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     for t in range(tile_lo, tile_hi):
         pos = t * TILE_N + offs_n  # [TILE_N] context positions of the tile
         in_ctx = pos < kv_len
         if MASKED:
-            block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+            block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0)
         else:
-            block = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
-        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch  # [TILE_N]
-        kv_offs = row[:, None] + offs_d[None, :]  # [TILE_N, HEAD_DIM]
+            block = tl.load(table_ptr + pos // BLOCK_SIZE)
+        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
         if MASKED:
             k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
             v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
@@ -176,15 +183,6 @@ def _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE: t
     block-table row holds anything, so the entry index and the block id are clamped in bounds."""
     block = tl.load(table_ptr + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1))
     return tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-
-
-@triton.jit
-def _decode_kv_offsets(
-    block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr
-):
-    """[TILE_N, HEAD_DIM] element offsets of one KV head's K (or V) at context positions `pos`."""
-    row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-    return row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
 
 
 @triton.jit
@@ -234,16 +232,12 @@ def _attend_decode_tile(
     in_ctx = pos < seq_len
     if SPECULATIVE:
         block = _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE)
-        kv_offs = _decode_kv_offsets(
-            block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE
-        )
+        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
         v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
     else:
         block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0)
-        kv_offs = _decode_kv_offsets(
-            block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE
-        )
+        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
         v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
     return _decode_tile_math(acc, l_i, m_i, q, k, v, in_ctx, qk_scale, IEEE_DOT, SPECULATIVE)
@@ -280,7 +274,7 @@ def _attend_decode_tiles_prefetched(
     offs_n = tl.arange(0, TILE_N)
     pos = first_tile * TILE_N + offs_n
     block = _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE)
-    kv_offs = _decode_kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
+    kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
     k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
     v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
     next_block = _speculative_block_ids(table_ptr, pos + step * TILE_N, max_blocks, num_blocks, BLOCK_SIZE)
@@ -288,7 +282,7 @@ def _attend_decode_tiles_prefetched(
         pos = t * TILE_N + offs_n
         next_pos = pos + step * TILE_N
         next_in_ctx = next_pos < seq_len
-        kv_offs = _decode_kv_offsets(
+        kv_offs = _kv_offsets(
             next_block, next_pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE
         )
         next_k = tl.load(
