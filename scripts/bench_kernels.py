@@ -414,6 +414,7 @@ def main() -> None:
     HEAD_DIM, KV_LAYOUT = args.head_dim, args.kv_layout
     KV_DTYPE = torch.float8_e4m3fn if args.kv_dtype == "fp8" else DTYPE
 
+    fp8 = KV_DTYPE == torch.float8_e4m3fn
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         MAX_SETS = 2
@@ -424,9 +425,9 @@ def main() -> None:
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "kv_dtype": str(KV_DTYPE),
                   "kv_layout": KV_LAYOUT},
-        "decode_config": decode_config(HEAD_DIM, KV_DTYPE == torch.float8_e4m3fn).__dict__,
-        "decode_split_config": decode_config(HEAD_DIM, KV_DTYPE == torch.float8_e4m3fn, split=True).__dict__,
-        "prefill_config": prefill_config(HEAD_DIM, KV_DTYPE == torch.float8_e4m3fn).__dict__,
+        "decode_config": decode_config(HEAD_DIM, fp8).__dict__,
+        "decode_split_config": decode_config(HEAD_DIM, fp8, split=True).__dict__,
+        "prefill_config": prefill_config(HEAD_DIM, fp8).__dict__,
     }  # fmt: skip
     copy_bytes = (2 << 30) if not args.smoke else (1 << 20)
     copy_bw = measure_copy_bandwidth(device, copy_bytes)

@@ -73,9 +73,8 @@ def test_write_kv_fp8_rounds_and_saturates_as_the_cast_does(device: torch.device
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize(
-    "head_dim", [64, 128]
-)  # 128: FP8 tiles of 128 tokens; 64 with splits: register prefetch
+# Head size 128: FP8 tiles of 128 tokens; 64 with splits: the register prefetch.
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_over_an_fp8_cache(device: torch.device, num_splits: int, head_dim: int) -> None:
     seq_lens = [1, 17, 64, 33, 150, 300]
     batch = make_paged_batch(
