@@ -18,6 +18,8 @@ ENV_PREFIX = "PAGEDSERVE_"
 DEFAULT_SCHEDULER_ADDRESS = "tcp://127.0.0.1:5570"  # clients (api, ZeroMQ users) <-> scheduler
 DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5571"  # scheduler <-> workers
 DEFAULT_MODEL_DIR = "models/tiny-llama"  # what scripts/start makes and serves when no model is given
+# The cluster's CURVE key pair (common/security.py): made on first start, readable by its owner only
+DEFAULT_CLUSTER_KEY_FILE = "~/.config/pagedserve/cluster_key"
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class ApiConfig:
     model: str = ""  # checkpoint directory for the tokenizer; empty: the one the worker loaded
     served_model_name: str = ""  # name in /v1/models and responses; empty: the worker's
     max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused
+    # SIGTERM: refuse new requests (503), let those in flight finish this long, then end the rest
+    shutdown_timeout_s: float = 30.0
+    cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # the key the scheduler's sockets are locked with
     log_level: str = "info"
 
 
@@ -51,6 +56,9 @@ class SchedulerConfig:
     async_scheduling: bool = True  # plan step N+1 while the worker runs step N (no GPU idle between steps)
     heartbeat_timeout_s: float = 10.0  # a worker silent this long (no heartbeat, no output) is declared dead
     step_timeout_s: float = 600.0  # a step not answered this long declares the worker group hung
+    # SIGTERM: refuse new requests, let those in flight finish this long, then end the rest and stop the worker
+    shutdown_timeout_s: float = 30.0
+    cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # clients and workers must hold this key pair
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -99,6 +107,9 @@ class WorkerConfig:
     rank: int = 0  # this worker's rank in the group (0 talks to the scheduler)
     dist_init_method: str = "tcp://127.0.0.1:29500"  # torch.distributed rendezvous of the group
     heartbeat_interval_s: float = 1.0  # how often the worker tells the scheduler it is alive
+    # SIGTERM: keep serving the scheduler's plans this long (it drains its requests, then says Shutdown)
+    shutdown_timeout_s: float = 30.0
+    cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # the key pair that opens the scheduler's sockets
     step_trace: str = ""  # a file for one JSON line per step: host timestamps, GPU and idle time (rank 0)
     log_level: str = "info"
 
