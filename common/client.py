@@ -4,6 +4,12 @@ One DEALER socket carries every request of a client; one receive task decodes wh
 hands each sequence's new tokens to its request's queue, detokenized and checked for stop strings on the
 way. `AsyncEngineClient` is the asyncio API; `EngineClient` wraps it for plain threads.
 
+The socket is a CURVE client holding the cluster key (common/security.py), without which the scheduler
+refuses the connection. The client watches its connection: when the scheduler's connection closes (its
+process exited), every request in flight fails at once with UNAVAILABLE, and so do new ones until it is back
+(ZeroMQ reconnects by itself); when the scheduler stops answering (a hung process) for `liveness_timeout_s`,
+the requests in flight fail the same way.
+
     async with AsyncEngineClient("tcp://127.0.0.1:5570") as client:
         [handle] = await client.submit(["Hello"], SamplingParams(max_tokens=8))
         async for delta in handle:
@@ -16,6 +22,7 @@ import asyncio
 import itertools
 import os
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Iterator, Sequence
 from pathlib import Path
@@ -23,7 +30,9 @@ from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from common.config import default_cluster_key_file
 from common.log import get_logger
 from common.messages import (
     AbortRequest,
@@ -40,6 +49,7 @@ from common.messages import (
     encode,
 )
 from common.request_stream import RequestHandle, RequestResult, SequenceDelta, SequenceResult, _RequestState
+from common.security import load_cluster_key, secure_client
 
 __all__ = [
     "AsyncEngineClient",
@@ -58,6 +68,13 @@ __all__ = [
 Prompt = str | Sequence[int]  # text (tokenized here) or token ids (sent exactly as given)
 T = TypeVar("T")
 log = get_logger(component="client")
+LIVENESS_PING_S = 1.0  # with requests in flight and nothing heard for this long, the client asks for info
+CONNECTION_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
 
 
 class RequestRejected(Exception):
@@ -96,6 +113,7 @@ class AsyncEngineClient:
     `tokenizer` is a transformers tokenizer, a checkpoint directory to load one from, or None to load the
     one of the checkpoint the worker serves (InfoReply.model_root) when first needed. Without a tokenizer
     (or with detokenize=False) deltas carry no text, and text prompts and stop strings are refused.
+    `cluster_key_file` holds the cluster's CURVE key (None: PAGEDSERVE_CLUSTER_KEY_FILE, else the default).
     """
 
     def __init__(
@@ -105,8 +123,14 @@ class AsyncEngineClient:
         *,
         detokenize: bool = True,
         info_timeout: float = 5.0,
+        cluster_key_file: str | None = None,
+        liveness_timeout_s: float = 10.0,
     ) -> None:
         self.address = address
+        self._key_file = cluster_key_file or default_cluster_key_file()
+        self._liveness_timeout_s = liveness_timeout_s
+        self._connected = asyncio.Event()  # the scheduler's connection is up (handshake done)
+        self._last_heard = 0.0  # monotonic time of the scheduler's last message
         self._tokenizer_arg = tokenizer
         self._tokenizer: Any = tokenizer if not isinstance(tokenizer, str | Path | None) else None
         self._tokenizer_lock = asyncio.Lock()
@@ -119,7 +143,7 @@ class AsyncEngineClient:
         self._requests: dict[str, _RequestState] = {}
         self._info_waiters: dict[int, asyncio.Future[InfoReply]] = {}
         self._socket: zmq.asyncio.Socket | None = None
-        self._receiver: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []  # receiving, watching the connection, liveness pings
         self._closed = False
 
     async def start(self) -> None:
@@ -128,14 +152,21 @@ class AsyncEngineClient:
             raise ClientClosed("the client is closed")
         if self._socket is not None:
             return
+        key = await asyncio.to_thread(load_cluster_key, self._key_file)
         socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 1000)  # long enough to deliver the aborts that close() sends
         # No high-water marks: a dropped output would leave its request waiting forever.
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
+        secure_client(socket, key)
+        monitor = socket.get_monitor_socket(CONNECTION_EVENTS)
         socket.connect(self.address)
         self._socket = socket
-        self._receiver = asyncio.create_task(self._receive_loop(), name="engine-client-receive")
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="engine-client-receive"),
+            asyncio.create_task(self._watch_connection(monitor), name="engine-client-connection"),
+            asyncio.create_task(self._keep_alive(), name="engine-client-liveness"),
+        ]
 
     async def __aenter__(self) -> AsyncEngineClient:
         await self.start()
@@ -143,6 +174,11 @@ class AsyncEngineClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def connected(self) -> bool:
+        """Whether the scheduler's connection is up (it may still be hung: see `liveness_timeout_s`)."""
+        return self._connected.is_set()
 
     @property
     def num_unfinished(self) -> int:
@@ -159,6 +195,7 @@ class AsyncEngineClient:
         try:
             while True:
                 frames = await self._socket.recv_multipart()
+                self._last_heard = time.monotonic()
                 try:
                     msg = decode(frames)
                 except CodecError as e:
@@ -171,6 +208,53 @@ class AsyncEngineClient:
             for state in self._requests.values():
                 state.fail(ClientClosed("the client stopped receiving"))
             self._requests.clear()
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        """Follows the scheduler's connection: up after each handshake, down (and every request in flight
+        lost) when it closes."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._last_heard = time.monotonic()
+                    self._connected.set()
+                    log.info("scheduler_connected", address=self.address)
+                elif event == zmq.EVENT_DISCONNECTED:
+                    if self._connected.is_set():
+                        log.warning("scheduler_disconnected", address=self.address)
+                    self._connected.clear()
+                    self._fail_all("the scheduler went away; the request was lost")
+                else:  # a scheduler that does not hold our key, or no CURVE server at all
+                    log.error("scheduler_handshake_failed", address=self.address, event=int(event))
+        except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):
+            pass
+        finally:
+            monitor.close(linger=0)
+
+    async def _keep_alive(self) -> None:
+        """While requests are in flight, makes sure the scheduler still answers: it is asked for info when
+        quiet, and its requests fail when it stays silent for `liveness_timeout_s` (a hung process)."""
+        while True:
+            await asyncio.sleep(min(LIVENESS_PING_S, self._liveness_timeout_s / 4))
+            if not self._requests or not self._connected.is_set():
+                continue
+            silent = time.monotonic() - self._last_heard
+            if silent > self._liveness_timeout_s:
+                log.error(
+                    "scheduler_not_answering", silent_s=round(silent, 1), num_requests=len(self._requests)
+                )
+                self._fail_all(f"the scheduler did not answer for {silent:.0f} s; the request was lost")
+                self._last_heard = time.monotonic()  # the next requests get a full timeout of their own
+            elif silent > LIVENESS_PING_S:
+                self._send_nowait(InfoRequest(next(self._query_counter)))  # any answer counts
+
+    def _fail_all(self, message: str) -> None:
+        """Ends every request in flight with UNAVAILABLE (they are gone at the scheduler, or may be)."""
+        requests, self._requests = self._requests, {}
+        for request_id, state in requests.items():
+            state.fail(RequestRejected(ErrorKind.UNAVAILABLE, message, request_id))
+            if self._connected.is_set():  # a hung scheduler that comes back must not run them on
+                self._send_nowait(AbortRequest(request_id))
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, RequestOutputs):
@@ -262,6 +346,10 @@ class AsyncEngineClient:
         if problem is not None:
             raise RequestRejected(ErrorKind.INVALID_REQUEST, problem)
         await self.start()
+        try:
+            await asyncio.wait_for(self._connected.wait(), self._info_timeout)
+        except TimeoutError:
+            raise RequestRejected(ErrorKind.UNAVAILABLE, "the scheduler is not reachable") from None
         needs_text = bool(params.stop) or any(isinstance(p, str) for p in prompts)
         tokenizer = None
         if needs_text or self._detokenize:
@@ -347,9 +435,9 @@ class AsyncEngineClient:
             state.fail(ClientClosed("the client was closed"))
         self._requests.clear()
         await asyncio.sleep(0)  # let the queued aborts reach the socket before it closes
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._socket.close()
 
 

@@ -35,6 +35,15 @@ class ApiConfig:
     # SIGTERM: refuse new requests (503), let those in flight finish this long, then end the rest
     shutdown_timeout_s: float = 30.0
     cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # the key the scheduler's sockets are locked with
+    # Non-empty: every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise); /health and
+    # /metrics stay open
+    api_key: str = ""
+    # Sequences one HTTP request may create: prompts x n (x best_of, the beam width, with beam search)
+    max_seqs_per_request: int = 256
+    # Tokens one HTTP request's stream may hold waiting for a client that does not read; beyond, it is aborted
+    max_buffered_tokens: int = 16384
+    # A stream whose client takes nothing for this long is aborted (its KV freed) and its connection closed
+    stream_write_timeout_s: float = 30.0
     log_level: str = "info"
 
 
@@ -150,6 +159,11 @@ class WorkerConfig:
 
 
 C = TypeVar("C")
+
+
+def default_cluster_key_file() -> str:
+    """The cluster key file for code that has no config of its own (ZeroMQ clients, scripts)."""
+    return os.environ.get(ENV_PREFIX + "CLUSTER_KEY_FILE", DEFAULT_CLUSTER_KEY_FILE)
 
 
 def _flag(name: str) -> str:

@@ -1,4 +1,9 @@
-"""`python -m scheduler`: the scheduler process (CPU only; never imports torch)."""
+"""`python -m scheduler`: the scheduler process (CPU only; never imports torch).
+
+SIGTERM or SIGINT drains it (no new requests; those in flight finish for `--shutdown-timeout-s`, then end
+with an error; the worker is told to stop) and it exits with 0. Further signals change nothing: under a
+supervisor and honcho the same stop can arrive twice (the supervisor forwards it, honcho signals the group).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +14,26 @@ import uvloop
 
 from common.config import SchedulerConfig, parse_config
 from common.log import configure_logging
+from common.security import ClusterKeyError
 from scheduler.server import SchedulerServer
 
 
 async def _main(config: SchedulerConfig) -> None:
-    server_task = asyncio.create_task(SchedulerServer(config).run())
+    server = SchedulerServer(config)
+    server_task = asyncio.create_task(server.run())
+    stopping: list[asyncio.Task[None]] = []
+
+    async def drain_then_stop() -> None:
+        await server.drain(config.shutdown_timeout_s)
+        server_task.cancel()
+
+    def on_signal() -> None:
+        if not stopping:
+            stopping.append(asyncio.create_task(drain_then_stop()))
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server_task.cancel)
+        loop.add_signal_handler(sig, on_signal)
     try:
         await server_task
     except asyncio.CancelledError:
@@ -27,7 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(SchedulerConfig, argv, description="pagedserve scheduler")
     log = configure_logging("scheduler", config.log_level)
     log.info("scheduler_starting", **{k: getattr(config, k) for k in config.__dataclass_fields__})
-    uvloop.run(_main(config))
+    try:
+        uvloop.run(_main(config))
+    except ClusterKeyError as e:
+        log.error("cluster_key_unusable", error=str(e))
+        raise SystemExit(2) from None
     log.info("scheduler_stopped")
 
 

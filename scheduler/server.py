@@ -9,10 +9,21 @@ own work (update, schedule, the codec, streaming) happens while the GPU runs. Cl
 while steps are in flight; the core tolerates that (a sequence aborted mid-step just ignores its late
 token, and its blocks are reused only by a later plan, which the worker runs after the ones before it).
 
-A watchdog declares the worker dead when nothing (heartbeat, step output) came from it for
-`heartbeat_timeout_s`, or when a step went unanswered for `step_timeout_s`: its requests fail with
-UNAVAILABLE, the core goes with all its requests and KV bookkeeping, and new requests are refused until a
-worker announces itself again. A worker that re-announces itself is treated the same way, then accepted.
+Both sockets are CURVE servers locked with the cluster key (common/security.py): only processes holding it
+connect. Every message is decoded into its typed class (a malformed one is dropped and logged with its
+sender) and checked against the core's state before it touches anything; an exception while handling one
+request fails that request, never the process.
+
+The worker is declared dead the moment its connection closes (a killed process), when nothing (heartbeat,
+step output) came from it for `heartbeat_timeout_s` (a stopped process), or when a step went unanswered for
+`step_timeout_s` (a hung one): its requests fail with UNAVAILABLE, the core goes with all its requests and KV
+bookkeeping, and new requests are refused until a worker announces itself again. The same worker announcing
+itself again (it lost its connection, or reset itself) is accepted with an empty core; another worker
+announcing itself while one serves is refused. A client whose connection closes (an api that died) has its
+requests aborted, so their KV blocks go back to the pool at once.
+
+`drain()` (SIGTERM) stops admission, lets the requests in flight finish, ends the rest after a timeout, and
+tells the worker to shut down.
 """
 
 from __future__ import annotations
@@ -46,6 +57,8 @@ from common.messages import (
     decode,
     encode,
 )
+from common.security import ClusterKey, authenticate, load_cluster_key, secure_server
+from scheduler.peers import PeerConnections, source_fd, watch_disconnects
 from scheduler.scheduler import Output, Scheduler, SchedulerSettings
 
 log = structlog.get_logger(process="scheduler")
@@ -91,10 +104,12 @@ class WorkerWatch:
 class SchedulerServer:
     """Serves clients and drives the worker until cancelled."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, key: ClusterKey | None = None) -> None:
         self.config = config
+        self.key = key or load_cluster_key(config.cluster_key_file)
         self.core: Scheduler | None = None  # exists while a worker that announced itself is alive
         self.ready_msg: WorkerReady | None = None
+        self.draining = False  # SIGTERM: no new requests; the worker is told to stop once those in flight end
         self._ctx = zmq.asyncio.Context()
         self._clients = self._ctx.socket(zmq.ROUTER)
         self._workers = self._ctx.socket(zmq.ROUTER)
@@ -103,6 +118,9 @@ class SchedulerServer:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client must not block the loop
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            secure_server(sock, self.key)
+        self._client_peers = PeerConnections()
+        self._worker_peers = PeerConnections()
         self._worker_id: bytes | None = None  # the ZeroMQ identity that plans go to
         self._watch: WorkerWatch | None = None  # exists while a worker is accepted
         # step id -> its output's future, for the plans at the worker (one, or two with async scheduling)
@@ -110,50 +128,99 @@ class SchedulerServer:
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
+        auth = authenticate(self._ctx, self.key)
         self._clients.bind(self.config.scheduler_address)
         self._workers.bind(self.config.worker_address)
         log.info(
             "scheduler_listening",
             scheduler_address=self.config.scheduler_address,
             worker_address=self.config.worker_address,
+            cluster_key=self.key.fingerprint,
         )
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._serve_clients())
                 tasks.create_task(self._serve_workers())
+                tasks.create_task(watch_disconnects(self._clients, self._client_peers, self._on_client_gone))
+                tasks.create_task(watch_disconnects(self._workers, self._worker_peers, self._on_worker_gone))
                 tasks.create_task(self._engine_loop())
                 tasks.create_task(self._watchdog())
         finally:
+            auth.stop()
             self._clients.close()
             self._workers.close()
             self._ctx.term()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stops admission, waits up to `timeout_s` for the requests in flight, ends the rest with
+        UNAVAILABLE and tells the worker to shut down. The caller cancels `run()` afterwards."""
+        self.draining = True
+        core = self.core
+        num_live = len(core.live_requests()) if core is not None else 0
+        log.info("draining", num_requests=num_live, timeout_s=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.core is not None and self.core.live_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.core is not None:
+            ended = self.core.live_requests()
+            if ended:
+                log.warning("drain_timeout", num_requests_ended=len(ended))
+            for owner, request_id in ended:
+                self._send_client(
+                    owner, RequestError(request_id, ErrorKind.UNAVAILABLE, "the server is shutting down")
+                )
+            self._workers.send_multipart([self._worker_id, *encode(Shutdown("the scheduler is stopping"))])
+            self._drop_worker()
+        await asyncio.sleep(0.1)  # let the last messages leave before run() closes the sockets
 
     # ----------------------------------------------------------------------------------------------------
     # clients
 
     async def _serve_clients(self) -> None:
         while True:
-            identity, *frames = await self._clients.recv_multipart()
+            identity, *frames = await self._clients.recv_multipart(copy=False)
+            owner = identity.bytes
+            self._client_peers.seen(owner, source_fd(identity))
             try:
-                msg = decode(frames)
+                msg = decode([f.bytes for f in frames])
             except CodecError as e:
-                log.warning("bad_client_message", error=str(e))
+                log.warning("bad_client_message", client=owner.hex(), error=str(e))
                 continue
-            self._handle_client(identity, msg)
+            try:
+                self._handle_client(owner, msg)
+            except Exception:
+                self._client_message_failed(owner, msg)
+
+    def _client_message_failed(self, owner: bytes, msg: Message) -> None:
+        """A bug met while handling `msg`: it fails its own request, never the scheduler."""
+        request_id = getattr(msg, "request_id", None)
+        log.exception(
+            "client_message_failed", client=owner.hex(), type=type(msg).__name__, request_id=request_id
+        )
+        if not isinstance(request_id, str):
+            return
+        self._send_client(owner, RequestError(request_id, ErrorKind.INTERNAL, "the scheduler failed on it"))
+        if self.core is not None:
+            try:
+                self._send_outputs(self.core.abort(owner, request_id))
+            except Exception:
+                log.exception("abort_after_failure_failed", request_id=request_id)
 
     def _handle_client(self, owner: bytes, msg: Message) -> None:
         if isinstance(msg, SubmitRequest):
+            refusal = "the server is shutting down" if self.draining else None
             if self.core is None:
-                self._send_client(
-                    owner, RequestError(msg.request_id, ErrorKind.UNAVAILABLE, "no worker is ready yet")
-                )
+                refusal = refusal or "no worker is ready yet"
+            if refusal is not None:
+                self._send_client(owner, RequestError(msg.request_id, ErrorKind.UNAVAILABLE, refusal))
                 return
             error = self.core.add_request(owner, msg)
+            self._send_errors()
             if error is not None:
                 log.info("request_rejected", request_id=msg.request_id, reason=error.message)
                 self._send_client(owner, error)
                 return
-            log.info(
+            log.debug(
                 "request_queued",
                 request_id=msg.request_id,
                 num_prompt_tokens=len(msg.prompt_token_ids),
@@ -164,10 +231,23 @@ class SchedulerServer:
         elif isinstance(msg, AbortRequest):
             if self.core is not None:
                 self._send_outputs(self.core.abort(owner, msg.request_id, msg.index, msg.finish_reason))
+                self._send_errors()
         elif isinstance(msg, InfoRequest):
             self._send_client(owner, self._info(msg.query_id))
         else:
-            log.warning("unexpected_client_message", type=type(msg).__name__)
+            log.warning("unexpected_client_message", client=owner.hex(), type=type(msg).__name__)
+
+    def _on_client_gone(self, owner: bytes) -> None:
+        """A client's connection closed (an api that died, a ZeroMQ user that left): nobody reads its
+        requests any more, so they end now and their KV blocks go back to the pool."""
+        if self.core is None:
+            return
+        mine = [request_id for o, request_id in self.core.live_requests() if o == owner]
+        if mine:
+            log.warning("client_gone", client=owner.hex(), num_requests_aborted=len(mine))
+        for request_id in mine:
+            self.core.abort(owner, request_id)  # its final outputs would go nowhere
+        self._send_errors()
 
     def _info(self, query_id: int) -> InfoReply:
         ready = self.ready_msg
@@ -176,7 +256,7 @@ class SchedulerServer:
         settings = self.core.settings
         return InfoReply(
             query_id=query_id,
-            ready=True,
+            ready=not self.draining,
             model_root=ready.model_root,
             model_name=ready.model_name,
             max_model_len=settings.max_model_len,
@@ -194,7 +274,7 @@ class SchedulerServer:
         for owner, output in outputs:
             by_owner[owner].append(output)
             if output.finish_reason is not None:
-                log.info(
+                log.debug(
                     "sequence_finished",
                     request_id=output.request_id,
                     index=output.index,
@@ -203,25 +283,35 @@ class SchedulerServer:
         for owner, outs in by_owner.items():
             self._send_client(owner, RequestOutputs(outs))
 
+    def _send_errors(self) -> None:
+        """Sends the errors of the requests the core failed on an internal error (it ended them itself)."""
+        if self.core is None:
+            return
+        for owner, error in self.core.take_errors():
+            log.error("request_failed", request_id=error.request_id, reason=error.message)
+            self._send_client(owner, error)
+
     # ----------------------------------------------------------------------------------------------------
     # workers
 
     async def _serve_workers(self) -> None:
         while True:
-            identity, *frames = await self._workers.recv_multipart()
+            identity, *frames = await self._workers.recv_multipart(copy=False)
+            sender = identity.bytes
+            self._worker_peers.seen(sender, source_fd(identity))
             try:
-                msg = decode(frames)
+                msg = decode([f.bytes for f in frames])
             except CodecError as e:
-                log.error("bad_worker_message", error=str(e))
+                log.error("bad_worker_message", worker=sender.hex(), error=str(e))
                 continue
             if isinstance(msg, Heartbeat):
                 self._on_heartbeat(msg)
             elif isinstance(msg, StepOutput):
-                self._on_step_output(identity, msg)
+                self._on_step_output(sender, msg)
             elif isinstance(msg, WorkerReady):
-                self._on_worker_ready(identity, msg)
+                self._on_worker_ready(sender, msg)
             else:
-                log.warning("unexpected_worker_message", type=type(msg).__name__)
+                log.warning("unexpected_worker_message", worker=sender.hex(), type=type(msg).__name__)
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         # Beats come from the worker's heartbeat socket, another identity: they match on the announced id.
@@ -230,21 +320,41 @@ class SchedulerServer:
             watch.heard(time.monotonic())
 
     def _on_step_output(self, identity: bytes, msg: StepOutput) -> None:
-        if identity != self._worker_id or self._watch is None:  # a worker declared dead, or replaced
-            log.warning("stale_step_output_ignored", step_id=msg.step_id)
+        if identity != self._worker_id or self._watch is None or self.core is None:
+            log.warning("stale_step_output_ignored", worker=identity.hex(), step_id=msg.step_id)
             return
         pending = self._pending_steps.get(msg.step_id)
-        if pending is not None and not pending.done():
-            self._watch.step_answered(time.monotonic())
-            pending.set_result(msg)
-        else:
+        if pending is None or pending.done():
+            log.warning("unexpected_step_output", worker=identity.hex(), step_id=msg.step_id)
             self._watch.heard(time.monotonic())
+            return
+        problem = self.core.check_output(msg)
+        if problem is not None:
+            # The worker's state and the core's disagree: neither its tokens nor its next answers can be
+            # trusted. It is told to stop (its supervisor starts it afresh) and its requests fail.
+            log.error("bad_step_output", worker=identity.hex(), step_id=msg.step_id, problem=problem)
+            self._declare_dead(f"the worker answered step {msg.step_id} wrongly ({problem})")
+            return
+        self._watch.step_answered(time.monotonic())
+        pending.set_result(msg)
 
     def _on_worker_ready(self, identity: bytes, msg: WorkerReady) -> None:
         if self.core is not None:
-            # A worker that announces itself again has lost its state: what ran on it cannot continue.
+            assert self.ready_msg is not None and self._watch is not None
+            alive = self._watch.death_reason(time.monotonic()) is None
+            if msg.worker_id != self.ready_msg.worker_id and alive:
+                # One worker (group) serves a scheduler: a second one would take the first one's requests.
+                log.warning(
+                    "second_worker_refused", worker_id=msg.worker_id, serving=self.ready_msg.worker_id
+                )
+                self._workers.send_multipart(
+                    [identity, *encode(Shutdown("another worker serves this scheduler"))]
+                )
+                return
+            # The worker announces itself again: it has lost its state, so what ran on it cannot continue.
             log.warning("worker_restarted", num_failed_requests=len(self.core.live_requests()))
-            self._drop_worker("the worker restarted; the request was lost")
+            self._fail_requests(ErrorKind.UNAVAILABLE, "the worker restarted; the request was lost")
+            self._drop_worker()
         max_model_len = msg.max_model_len
         if self.config.max_model_len:
             max_model_len = min(max_model_len, self.config.max_model_len)
@@ -271,12 +381,19 @@ class SchedulerServer:
             "worker_ready", model=msg.model_root, worker_id=msg.worker_id, **dataclasses.asdict(settings)
         )
 
-    def _drop_worker(self, message: str) -> None:
-        """Fails every live request with UNAVAILABLE and forgets the worker, and the core with all its
-        requests and KV bookkeeping; new requests are refused until a worker announces itself."""
+    def _on_worker_gone(self, identity: bytes) -> None:
+        if identity == self._worker_id and self.core is not None:
+            self._declare_dead("the worker's connection closed (the process exited)")
+
+    def _fail_requests(self, kind: str, message: str) -> None:
+        """Ends every live request with an error to its client."""
         if self.core is not None:
             for owner, request_id in self.core.live_requests():
-                self._send_client(owner, RequestError(request_id, ErrorKind.UNAVAILABLE, message))
+                self._send_client(owner, RequestError(request_id, kind, message))
+
+    def _drop_worker(self) -> None:
+        """Forgets the worker, and the core with all its requests and KV bookkeeping (tell the clients
+        first); new requests are refused until a worker announces itself."""
         for pending in self._pending_steps.values():
             pending.cancel()
         self._pending_steps = {}
@@ -298,12 +415,13 @@ class SchedulerServer:
                 continue  # worker messages wait to be read (this loop was busy): judge once they are
             self._declare_dead(reason)
 
-    def _declare_dead(self, reason: str) -> None:
+    def _declare_dead(self, reason: str, kind: str = ErrorKind.UNAVAILABLE) -> None:
         assert self.core is not None and self._worker_id is not None
         log.error("worker_dead", reason=reason, num_failed_requests=len(self.core.live_requests()))
         # Should it come back (a stopped process continued), it must not serve plans of a core that is gone.
         self._workers.send_multipart([self._worker_id, *encode(Shutdown(f"declared dead: {reason}"))])
-        self._drop_worker(f"{reason}; the request was lost")
+        self._fail_requests(kind, f"{reason}; the request was lost")
+        self._drop_worker()
 
     # ----------------------------------------------------------------------------------------------------
     # the engine loop
@@ -312,7 +430,15 @@ class SchedulerServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self._run_steps()
+            try:
+                await self._run_steps()
+            except Exception:
+                # A bug in the core or here: its state, and so the worker's, cannot be trusted. The requests
+                # fail with an internal error, the worker is told to stop (its supervisor starts it afresh),
+                # and the scheduler goes on serving once a worker announces itself.
+                log.exception("engine_loop_failed")
+                if self.core is not None:
+                    self._declare_dead("the scheduler failed on a step", ErrorKind.INTERNAL)
 
     async def _run_steps(self) -> None:
         """Runs steps while there is work that can run, or until the worker goes away (a function of its
@@ -345,4 +471,5 @@ class SchedulerServer:
                 return  # (it went between the answer and now)
             del self._pending_steps[step.step_id]
             outputs = core.update(step)
+            self._send_errors()
         self._send_outputs(outputs)

@@ -13,15 +13,17 @@ import threading
 import zmq
 
 from common.messages import Heartbeat, encode
+from common.security import ClusterKey, secure_client
 
 
 class HeartbeatThread:
     """Sends `Heartbeat(worker_id)` to `address` every `interval_s` seconds between `start()` and `stop()`."""
 
-    def __init__(self, address: str, worker_id: str, interval_s: float) -> None:
+    def __init__(self, address: str, worker_id: str, interval_s: float, key: ClusterKey) -> None:
         if interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be positive, got {interval_s}")
         self.address = address
+        self.key = key
         self.worker_id = worker_id
         self.interval_s = interval_s
         self._stopped = threading.Event()
@@ -44,6 +46,7 @@ class HeartbeatThread:
         # Queue nothing while the scheduler is away: a beat only means something when it is fresh.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDHWM, 1)
+        secure_client(sock, self.key)
         sock.connect(self.address)
         frames = encode(Heartbeat(self.worker_id))
         try:

@@ -1,7 +1,17 @@
 """The worker process: load the model, announce it to the scheduler, then run every StepPlan it sends.
 
-The scheduler binds a ROUTER socket; the worker connects a DEALER, so each message is just the two frames of
-`common.messages.encode` (an empty delimiter frame, if a scheduler sends one, is ignored).
+The scheduler binds a ROUTER socket; the worker connects a DEALER (a CURVE client holding the cluster key,
+common/security.py), so each message is just the two frames of `common.messages.encode` (an empty delimiter
+frame, if a scheduler sends one, is ignored).
+
+The worker announces itself (WorkerReady) each time its connection to the scheduler is made. When that
+connection closes (the scheduler exited), the steps in flight are finished and every sequence forgotten, and
+the worker announces itself afresh to the scheduler that comes back on the same address. A plan that does
+not match the worker's state (ModelRunner.check_plan) is not run: the worker forgets everything and announces
+itself again, which makes the scheduler fail what ran and start over with an empty cache.
+
+SIGTERM does not stop the worker at once: it serves for `shutdown_timeout_s` more, while the scheduler lets
+its requests finish, and exits when the scheduler says Shutdown or goes away.
 """
 
 from __future__ import annotations
@@ -15,10 +25,12 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from common.config import WorkerConfig
 from common.log import configure_logging
 from common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode, encode
+from common.security import ClusterKey, ClusterKeyError, load_cluster_key, secure_client
 from worker.heartbeat import HeartbeatThread
 from worker.model_runner import ModelRunner
 from worker.parallel import ParallelContext, init_parallel
@@ -26,16 +38,55 @@ from worker.step_trace import StepTrace
 
 POLL_MS = 100  # how often the receive loop looks at the stop flag
 STEP_POLL_MS = 1  # while a step runs: how often the loop looks whether it is done (a plan wakes it at once)
+SHUTDOWN_GRACE_S = 5.0  # after SIGTERM, beyond shutdown_timeout_s: time for the scheduler's Shutdown to come
 
 
 class _StopFlag:
-    """Set by SIGTERM/SIGINT; the loop exits at its next poll instead of dying mid-step."""
+    """Set by SIGTERM/SIGINT: the loop serves until the scheduler's Shutdown, the scheduler's going away, or
+    `grace_s` after the first signal, never dying mid-step. Later signals change nothing (under a supervisor
+    and honcho the same stop arrives twice)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
         self.signum: int | None = None
+        self.deadline = float("inf")  # monotonic time after which the loop exits
 
     def set(self, signum: int, _frame: FrameType | None) -> None:
-        self.signum = signum
+        if self.signum is None:
+            self.signum = signum
+            self.deadline = time.monotonic() + self.grace_s
+
+    def due(self) -> bool:
+        return time.monotonic() > self.deadline
+
+
+class _Connection:
+    """The DEALER socket to the scheduler and what its monitor says about it."""
+
+    def __init__(self, address: str, key: ClusterKey) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, key)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        self.sock.connect(address)
+        self.up = False  # a scheduler is connected
+        self.ever_up = False
+
+    def events(self) -> list[int]:
+        """The connection events since the last call (never waits)."""
+        events = []
+        while self.monitor.poll(0):
+            events.append(int(parse_monitor_message(self.monitor.recv_multipart())["event"]))
+        return events
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()
+        self.ctx.term()
 
 
 def model_name(cfg: WorkerConfig) -> str:
@@ -85,14 +136,16 @@ def serve(cfg: WorkerConfig) -> int:
             runner.close()
             parallel.close(wait_for_others=code == 0)
 
+    try:
+        key = load_cluster_key(cfg.cluster_key_file)
+    except ClusterKeyError as e:
+        log.error("cluster_key_unusable", error=str(e))
+        return 2
     # Installed after loading: until then the default handlers end the process at once, which is right.
-    stop = _StopFlag()
+    stop = _StopFlag(cfg.shutdown_timeout_s + SHUTDOWN_GRACE_S)
     signal.signal(signal.SIGTERM, stop.set)
     signal.signal(signal.SIGINT, stop.set)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cfg.worker_address)
+    conn = _Connection(cfg.worker_address, key)
     ready = WorkerReady(
         num_kv_blocks=runner.num_kv_blocks,
         block_size=runner.block_size,
@@ -104,8 +157,7 @@ def serve(cfg: WorkerConfig) -> int:
         num_cpu_blocks=runner.num_cpu_blocks,
         worker_id=uuid.uuid4().hex,
     )
-    sock.send_multipart(encode(ready))
-    heartbeat = HeartbeatThread(cfg.worker_address, ready.worker_id, cfg.heartbeat_interval_s).start()
+    heartbeat = HeartbeatThread(cfg.worker_address, ready.worker_id, cfg.heartbeat_interval_s, key).start()
     log.info(
         "worker_ready", address=cfg.worker_address, model_name=ready.model_name, worker_id=ready.worker_id
     )
@@ -113,7 +165,7 @@ def serve(cfg: WorkerConfig) -> int:
     runner.trace_launches = trace is not None
     code = 1
     try:
-        code = _loop(sock, runner, stop, log, parallel, trace)
+        code = _loop(conn, ready, runner, stop, log, parallel, trace)
         return code
     finally:
         if trace is not None:
@@ -121,8 +173,7 @@ def serve(cfg: WorkerConfig) -> int:
         runner.close()
         parallel.close(wait_for_others=code == 0)
         heartbeat.stop()
-        sock.close()
-        ctx.term()
+        conn.close()
 
 
 def _next_plan_or_done(sock: zmq.Socket, runner: ModelRunner) -> bool:
@@ -149,7 +200,8 @@ def _answer(sock: zmq.Socket, runner: ModelRunner, trace: StepTrace | None) -> N
 
 
 def _loop(
-    sock: zmq.Socket,
+    conn: _Connection,
+    ready: WorkerReady,
     runner: ModelRunner,
     stop: _StopFlag,
     log: Any,
@@ -159,7 +211,12 @@ def _loop(
     """Receives plans and answers them. A plan that arrives while the previous step still runs is launched
     behind it before that step is answered, so the GPU has the next step queued when it finishes one; the
     new step's sampler is queued after that answer (its forward pass keeps the GPU busy meanwhile)."""
-    while stop.signum is None:
+    sock = conn.sock
+    while not stop.due():
+        for event in conn.events():
+            _on_connection_event(event, conn, ready, runner, log, parallel)
+        if stop.signum is not None and not conn.up:
+            break  # stopping, and no scheduler to drain for
         if runner.in_flight:
             if not _next_plan_or_done(sock, runner):
                 _answer(sock, runner, trace)
@@ -177,6 +234,12 @@ def _loop(
             log.error("bad_message", error=str(e))
             continue
         if isinstance(msg, StepPlan):
+            problem = runner.check_plan(msg)
+            if problem is not None:
+                # The scheduler's view of this worker and the worker's own differ: start both over.
+                log.error("bad_plan", step_id=msg.step_id, problem=problem)
+                _reannounce(conn, ready, runner, log, parallel, "a plan did not match the worker's state")
+                continue
             parallel.forward_to_followers(frames)  # every rank runs every step; rank 0 alone answers
             try:
                 # The step before it is answered once done, between this step's forward and its sampler:
@@ -189,7 +252,7 @@ def _loop(
                 if trace is not None:
                     trace.launched(msg, received, time.perf_counter(), runner.launch_marks)
             except Exception:
-                # The worker's state no longer matches the scheduler's: exit loudly rather than guess.
+                # The device's state is unknown after a failed step: exit loudly; the supervisor restarts.
                 # Launching msg or finishing the step before it: name every step involved.
                 steps_in_flight = [step.step_id for step in runner.in_flight]
                 log.exception("step_failed", step_id=msg.step_id, steps_in_flight=steps_in_flight)
@@ -201,9 +264,48 @@ def _loop(
             return 0
         else:
             log.error("unexpected_message", type=type(msg).__name__)
-    log.info("stopped_by_signal", signal=signal.Signals(stop.signum).name)
-    parallel.stop_followers("rank 0 stopped by a signal")
+    if stop.signum is not None:
+        log.info("stopped_by_signal", signal=signal.Signals(stop.signum).name)
+    parallel.stop_followers("rank 0 stopped")
     return 0
+
+
+def _on_connection_event(
+    event: int,
+    conn: _Connection,
+    ready: WorkerReady,
+    runner: ModelRunner,
+    log: Any,
+    parallel: ParallelContext,
+) -> None:
+    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        conn.up = True
+        if conn.ever_up:  # a scheduler that came back (or a new one) knows nothing of what this one holds
+            _reannounce(conn, ready, runner, log, parallel, "the scheduler's connection was made again")
+        else:
+            conn.sock.send_multipart(encode(ready))
+        conn.ever_up = True
+    elif event == zmq.EVENT_DISCONNECTED:
+        conn.up = False
+        log.warning("scheduler_disconnected", steps_in_flight=len(runner.in_flight))
+    else:
+        log.error("scheduler_refused_the_cluster_key", event=event)
+
+
+def _reannounce(
+    conn: _Connection, ready: WorkerReady, runner: ModelRunner, log: Any, parallel: ParallelContext, why: str
+) -> None:
+    """Forgets every sequence (after the steps in flight), drops the plans of the scheduler it served, and
+    announces itself again: the scheduler then starts over with an empty cache. The other ranks get the
+    announcement too, and reset with it."""
+    log.warning("reannouncing", reason=why, steps_in_flight=len(runner.in_flight))
+    _drain(runner)
+    runner.reset()
+    while conn.sock.poll(0):
+        conn.sock.recv_multipart()  # plans of the scheduler's old core
+    frames = encode(ready)
+    parallel.forward_to_followers(frames)
+    conn.sock.send_multipart(frames)
 
 
 def _drain(runner: ModelRunner) -> None:
@@ -239,6 +341,9 @@ def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any) -> int:
                 steps_in_flight = [step.step_id for step in runner.in_flight]
                 log.exception("step_failed", step_id=msg.step_id, steps_in_flight=steps_in_flight)
                 return 1
+        elif isinstance(msg, WorkerReady):  # rank 0 announced itself again: forget every sequence
+            _drain(runner)
+            runner.reset()
         elif isinstance(msg, Shutdown):
             log.info("shutdown", reason=msg.reason)
             _drain(runner)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from common.config import default_cluster_key_file
 from common.messages import (
     AbortRequest,
     CodecError,
@@ -32,6 +33,7 @@ from common.messages import (
     decode,
     encode,
 )
+from common.security import authenticate, load_cluster_key, secure_server
 
 
 @dataclass
@@ -97,8 +99,13 @@ class FakeScheduler:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> FakeScheduler:
-        self._socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        # Locked with the cluster key like the real one: the api's client holds it (common/security.py).
+        key = load_cluster_key(default_cluster_key_file())
+        self._ctx = zmq.asyncio.Context()
+        self._auth = authenticate(self._ctx, key)
+        self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        secure_server(self._socket, key)
         self._socket.bind("tcp://127.0.0.1:*")
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._step_loop())]
@@ -110,6 +117,8 @@ class FakeScheduler:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._socket is not None:
             self._socket.close()
+            self._auth.stop()
+            self._ctx.term()
 
     async def __aenter__(self) -> FakeScheduler:
         return await self.start()

@@ -1,0 +1,68 @@
+"""Which ZeroMQ peer spoke over which connection, so that a closed connection names the peers it ends.
+
+The scheduler's ROUTER sockets see identities, not connections; the socket monitor sees connections (their
+file descriptors), not identities. Each received message carries the descriptor it came over (ZMQ_SRCFD),
+which ties the two: a DISCONNECTED event for a descriptor means its peers are gone, at once, with no
+heartbeat timeout to wait for. (libzmq's ROUTER_NOTIFY would say this directly, but it is a draft option that
+pyzmq's wheels do not build.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+
+class PeerConnections:
+    """identity <-> connection descriptor, for the peers that sent something over a live connection."""
+
+    def __init__(self) -> None:
+        self._fd_of: dict[bytes, int] = {}
+        self._peers_on: dict[int, set[bytes]] = {}
+
+    def seen(self, identity: bytes, fd: int) -> None:
+        old = self._fd_of.get(identity)
+        if old == fd:
+            return
+        if old is not None:
+            self._peers_on[old].discard(identity)
+        self._fd_of[identity] = fd
+        self._peers_on.setdefault(fd, set()).add(identity)
+
+    def disconnected(self, fd: int) -> set[bytes]:
+        """Forgets the connection `fd` and returns the identities that spoke over it."""
+        peers = self._peers_on.pop(fd, set())
+        for identity in peers:
+            self._fd_of.pop(identity, None)
+        return peers
+
+    def __len__(self) -> int:
+        return len(self._fd_of)
+
+
+def source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection `frame` arrived over."""
+    return frame.get(zmq.SRCFD)
+
+
+async def watch_disconnects(
+    sock: zmq.asyncio.Socket, peers: PeerConnections, on_gone: Callable[[bytes], None]
+) -> None:
+    """Calls `on_gone(identity)` for every peer of every connection of `sock` that closes, until cancelled.
+
+    A descriptor can be reused by a new connection before its old one's event is read here; the new peer
+    would then be reported gone by mistake. The window is one event-loop turn, and every caller's reaction
+    to a wrong report is one a real disconnect would also cause (a re-announce, an aborted request).
+    """
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            for identity in peers.disconnected(int(event["value"])):
+                on_gone(identity)
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
