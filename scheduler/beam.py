@@ -10,8 +10,28 @@ or when the beams reach their length limit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+
+# Beyond this, length ** length_penalty (e ** this) would leave the float range and Python's `**` raises.
+_MAX_LOG_SCALE = 700.0
+
+
+def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """`cum_logprob / length ** length_penalty` for any finite penalty (length at least 1). Where the power
+    would leave the float range the score is its limit: 0 (with cum_logprob's sign) when the divisor is
+    huge, infinity (with its sign) when it is tiny. Scores keep their order; only hypotheses that are all
+    past the limit tie. Inside the range it is exactly the plain expression, so ordinary rankings are
+    unchanged."""
+    if length <= 1 or cum_logprob == 0.0:
+        return cum_logprob
+    log_scale = length_penalty * math.log(length)
+    if log_scale > _MAX_LOG_SCALE:
+        return math.copysign(0.0, cum_logprob)
+    if log_scale < -_MAX_LOG_SCALE:
+        return math.copysign(math.inf, cum_logprob)
+    return cum_logprob / length**length_penalty
 
 
 @dataclass
@@ -23,7 +43,7 @@ class Hypothesis:
     finish_reason: str
 
     def score(self, length_penalty: float) -> float:
-        return self.cum_logprob / max(1, len(self.token_ids)) ** length_penalty
+        return beam_score(self.cum_logprob, len(self.token_ids), length_penalty)
 
 
 @dataclass
@@ -83,7 +103,7 @@ def select(
     if not chosen:
         return [], True
     length = len(beams[0][0]) + 1  # beams advance together: every continuation has this many tokens
-    best_possible = max(c.cum_logprob for c in candidates) / length**group.length_penalty
+    best_possible = beam_score(max(c.cum_logprob for c in candidates), length, group.length_penalty)
     full = len(group.finished) >= group.width
     done = full and group.finished[-1].score(group.length_penalty) >= best_possible
     return chosen, done

@@ -3,12 +3,13 @@ unpaged search over the same candidates finds."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from common.messages import FinishReason, SamplingParams, SubmitRequest
-from scheduler.beam import BeamGroup, Hypothesis, select
+from scheduler.beam import BeamGroup, Hypothesis, beam_score, select
 from tests.scheduler.conftest import OWNER, make_harness
 from tests.scheduler.fake_worker import fake_candidates
 
@@ -129,3 +130,50 @@ def test_selection_rules():
     group.add_finished(Hypothesis([1, 2], -0.5, "stop"))
     _, done = select(group, [([1, 1], -9.0, [3], [-1.0])], frozenset())
     assert done
+
+
+def test_beam_score_is_the_plain_expression_for_ordinary_values():
+    rng = random.Random(5)
+    for _ in range(2000):
+        cum = -rng.uniform(0, 200)
+        length = rng.randint(1, 4096)
+        penalty = rng.uniform(-5, 5)
+        assert beam_score(cum, length, penalty) == cum / max(1, length) ** penalty
+
+
+@pytest.mark.parametrize(
+    "penalty", [100.0, -100.0, 1e308, -1e308, 1e-308, -1e-308, 5e3, -5e3, 1.7976931348623157e308]
+)
+def test_beam_scores_of_extreme_penalties_never_overflow_and_keep_their_order(penalty):
+    """Defect: `length ** length_penalty` raised OverflowError for length_penalty=1e308 inside update() and
+    ended the scheduler process."""
+    cums = [-0.5, -3.0, -40.0, -1e4, 0.0]
+    lengths = [1, 2, 17, 4096, 1 << 20]  # up to any max_model_len
+    for length in lengths:
+        scores = [beam_score(cum, length, penalty) for cum in cums]
+        assert not any(math.isnan(s) for s in scores)
+        for a, b in zip(sorted(cums), sorted(cums)[1:], strict=False):  # a higher sum never scores lower
+            assert beam_score(a, length, penalty) <= beam_score(b, length, penalty)
+    # for a positive penalty a negative sum's score rises (weakly) with its length, and falls for a negative
+    series = [beam_score(-2.0, length, penalty) for length in lengths]
+    assert series == sorted(series, reverse=penalty < 0)
+    group = BeamGroup(width=2, length_penalty=penalty)
+    beams = [([5] * 30, -1.0, [6, 7], [-0.1, -0.5]), ([7] * 30, -1.2, [8, 99], [-0.2, -3.0])]
+    chosen, _ = select(group, beams, frozenset({99}))
+    assert len(chosen) == 2
+
+
+@pytest.mark.parametrize("penalty", [100.0, -100.0, 1e308, -1e308, 1e-308, 0.0])
+def test_beam_search_with_any_finite_length_penalty_runs_to_the_end(penalty, monkeypatch):
+    """Defect: the search raised OverflowError in update() for length_penalty=1e308. SamplingParams.validate
+    now bounds the penalty, but within its bounds length ** 100 still overflows past 1,200 tokens (see the
+    test above); the core must survive any finite value, so the extreme ones bypass validation here."""
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: None)
+    h = make_harness(num_blocks=64, max_model_len=64)
+    _submit(h, "p", [1, 2, 3], width=2, n=2, max_tokens=12, length_penalty=penalty)
+    _submit(h, "q", [4, 5, 6], width=3, n=1, max_tokens=61, length_penalty=penalty)  # to max_model_len
+    h.run()
+    expected = reference_search([1, 2, 3], 2, 2, 12, length_penalty=penalty)
+    assert [(h.tokens[("p", i)], h.finish[("p", i)]) for i in range(2)] == expected
+    assert ("q", 0) in h.finish
+    assert h.scheduler.num_requests == 0 and h.scheduler.block_manager.num_free_blocks == 64
