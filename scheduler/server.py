@@ -32,7 +32,6 @@ import asyncio
 import dataclasses
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 import structlog
 import zmq
@@ -58,47 +57,13 @@ from common.messages import (
     encode,
 )
 from common.security import ClusterKey, authenticate, load_cluster_key, secure_server
-from scheduler.peers import PeerConnections, source_fd, watch_disconnects
+from scheduler.liveness import PeerConnections, WorkerWatch, source_fd, watch_disconnects
 from scheduler.scheduler import Output, Scheduler, SchedulerSettings
 
 log = structlog.get_logger(process="scheduler")
-
-
-@dataclass
-class WorkerWatch:
-    """When the worker was last heard from and since when a step waits for it: decides when it is dead.
-
-    Plain bookkeeping on the caller's clock, so that the rules are testable without sockets or sleeps.
-    """
-
-    heartbeat_timeout_s: float  # silence (no heartbeat, no step output) that counts as death
-    step_timeout_s: float  # a step unanswered this long counts as a hung worker (group)
-    last_heard: float  # the last heartbeat, step output or announcement
-    step_sent_at: float | None = None  # since when the oldest unanswered step runs; None between steps
-    steps_in_flight: int = 0
-
-    def heard(self, now: float) -> None:
-        self.last_heard = now
-
-    def step_sent(self, now: float) -> None:
-        if self.steps_in_flight == 0:
-            self.step_sent_at = now
-        self.steps_in_flight += 1
-
-    def step_answered(self, now: float) -> None:
-        """The oldest step in flight answered: the next one (the worker runs them in order) starts now."""
-        self.steps_in_flight = max(0, self.steps_in_flight - 1)
-        self.step_sent_at = now if self.steps_in_flight else None
-        self.last_heard = now
-
-    def death_reason(self, now: float) -> str | None:
-        """Why the worker counts as dead at `now`, or None while it does not."""
-        silent = now - self.last_heard
-        if silent > self.heartbeat_timeout_s:
-            return f"the worker stopped responding (nothing heard from it for {silent:.1f} s)"
-        if self.step_sent_at is not None and now - self.step_sent_at > self.step_timeout_s:
-            return f"the worker did not finish a step within {self.step_timeout_s:g} s"
-        return None
+# Messages queued for one client before it counts as not reading (a stopped process: its own socket takes
+# everything while it runs). Bounds the scheduler's memory per client.
+CLIENT_SNDHWM = 10_000
 
 
 class SchedulerServer:
@@ -115,10 +80,15 @@ class SchedulerServer:
         self._workers = self._ctx.socket(zmq.ROUTER)
         for sock in (self._clients, self._workers):
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished client must not block the loop
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             secure_server(sock, self.key)
+        self._workers.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished worker must not block the loop
+        # Sends to clients never wait (_send_client): one that went away or stopped reading is told apart by
+        # the error, and its requests end.
+        self._clients.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._clients.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
+        self._unreachable: set[bytes] = set()  # clients whose requests ended because sends to them failed
         self._client_peers = PeerConnections()
         self._worker_peers = PeerConnections()
         self._worker_id: bytes | None = None  # the ZeroMQ identity that plans go to
@@ -141,7 +111,7 @@ class SchedulerServer:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._serve_clients())
                 tasks.create_task(self._serve_workers())
-                tasks.create_task(watch_disconnects(self._clients, self._client_peers, self._on_client_gone))
+                tasks.create_task(watch_disconnects(self._clients, self._client_peers, self._on_client_left))
                 tasks.create_task(watch_disconnects(self._workers, self._worker_peers, self._on_worker_gone))
                 tasks.create_task(self._engine_loop())
                 tasks.create_task(self._watchdog())
@@ -181,6 +151,7 @@ class SchedulerServer:
             identity, *frames = await self._clients.recv_multipart(copy=False)
             owner = identity.bytes
             self._client_peers.seen(owner, source_fd(identity))
+            self._unreachable.discard(owner)
             try:
                 msg = decode([f.bytes for f in frames])
             except CodecError as e:
@@ -237,6 +208,10 @@ class SchedulerServer:
         else:
             log.warning("unexpected_client_message", client=owner.hex(), type=type(msg).__name__)
 
+    def _on_client_left(self, owner: bytes) -> None:
+        self._unreachable.discard(owner)  # nothing more will be sent to it: forget it
+        self._on_client_gone(owner)
+
     def _on_client_gone(self, owner: bytes) -> None:
         """A client's connection closed (an api that died, a ZeroMQ user that left): nobody reads its
         requests any more, so they end now and their KV blocks go back to the pool."""
@@ -267,7 +242,17 @@ class SchedulerServer:
         )
 
     def _send_client(self, owner: bytes, msg: Message) -> None:
-        self._clients.send_multipart([owner, *encode(msg)], copy=False)
+        """Sends without waiting; a client that is gone or does not read loses its requests instead."""
+        if owner in self._unreachable:
+            return
+        sent = self._clients.send_multipart([owner, *encode(msg)], copy=False, flags=zmq.NOBLOCK)
+        error = sent.exception() if sent.done() else None
+        if error is None:
+            return
+        self._unreachable.add(owner)
+        reason = "not reading" if isinstance(error, zmq.Again) else "gone"
+        log.warning("client_unreachable", client=owner.hex(), reason=reason)
+        self._on_client_gone(owner)
 
     def _send_outputs(self, outputs: list[Output]) -> None:
         by_owner: dict[bytes, list[SeqOutput]] = defaultdict(list)

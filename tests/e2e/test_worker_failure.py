@@ -110,7 +110,7 @@ def test_killed_worker_ends_the_stream_with_an_error_and_a_restarted_one_serves(
     assert rest[-1] == "[DONE]"
     [error] = [e for e in rest if isinstance(e, dict) and "error" in e]
     assert error["error"]["type"] == ErrorKind.UNAVAILABLE
-    assert "stopped responding" in error["error"]["message"]
+    assert "connection closed" in error["error"]["message"]  # seen at once, not after the heartbeat timeout
     generated = sum(len(e["choices"][0]["text"]) > 0 for e in rest if isinstance(e, dict) and "choices" in e)
     assert generated < LONG["max_tokens"]
     assert worker.wait(timeout=WAIT_S) == -signal.SIGKILL

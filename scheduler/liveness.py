@@ -1,4 +1,4 @@
-"""Which ZeroMQ peer spoke over which connection, so that a closed connection names the peers it ends.
+"""How the scheduler tells that a peer is gone: the worker's silence (WorkerWatch), and closed connections.
 
 The scheduler's ROUTER sockets see identities, not connections; the socket monitor sees connections (their
 file descriptors), not identities. Each received message carries the descriptor it came over (ZMQ_SRCFD),
@@ -10,10 +10,48 @@ pyzmq's wheels do not build.)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
+
+
+@dataclass
+class WorkerWatch:
+    """When the worker was last heard from and since when a step waits for it: decides when it is dead.
+
+    Plain bookkeeping on the caller's clock, so that the rules are testable without sockets or sleeps.
+    """
+
+    heartbeat_timeout_s: float  # silence (no heartbeat, no step output) that counts as death
+    step_timeout_s: float  # a step unanswered this long counts as a hung worker (group)
+    last_heard: float  # the last heartbeat, step output or announcement
+    step_sent_at: float | None = None  # since when the oldest unanswered step runs; None between steps
+    steps_in_flight: int = 0
+
+    def heard(self, now: float) -> None:
+        self.last_heard = now
+
+    def step_sent(self, now: float) -> None:
+        if self.steps_in_flight == 0:
+            self.step_sent_at = now
+        self.steps_in_flight += 1
+
+    def step_answered(self, now: float) -> None:
+        """The oldest step in flight answered: the next one (the worker runs them in order) starts now."""
+        self.steps_in_flight = max(0, self.steps_in_flight - 1)
+        self.step_sent_at = now if self.steps_in_flight else None
+        self.last_heard = now
+
+    def death_reason(self, now: float) -> str | None:
+        """Why the worker counts as dead at `now`, or None while it does not."""
+        silent = now - self.last_heard
+        if silent > self.heartbeat_timeout_s:
+            return f"the worker stopped responding (nothing heard from it for {silent:.1f} s)"
+        if self.step_sent_at is not None and now - self.step_sent_at > self.step_timeout_s:
+            return f"the worker did not finish a step within {self.step_timeout_s:g} s"
+        return None
 
 
 class PeerConnections:

@@ -1,0 +1,287 @@
+"""Kills and stops each process of a supervised stack under load and measures how the rest copes.
+
+The stack is the README's: `honcho start` on the Procfile, every process under `common.supervisor`, on
+127.0.0.1 ports of its own. For each process (worker, scheduler, api) and signal (SIGKILL; SIGSTOP for the
+worker), with requests streaming, it measures:
+  - error_s: from the signal to the in-flight streams' error event (worker, scheduler), or, for the api, to
+    the scheduler having aborted the dead api's requests and freed every KV block;
+  - health_503_s: from the signal to /health answering 503 (not for the api: it is the one answering);
+  - back_s: from the signal to a new request being served again.
+A SIGTERM to honcho then measures the graceful stop: the short requests in flight finish, honcho exits 0.
+
+    python scripts/chaos.py --out docs/results/chaos-cpu.json    # prints a table; tests/chaos use it too
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.client import EngineClient  # noqa: E402
+from scripts._servers import ROOT, free_port  # noqa: E402
+
+WAIT_S = 60.0  # bound on every wait: a missed recovery fails, it never hangs
+LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+
+@dataclass
+class Stream:
+    """One streamed completion read on a thread, with the time each event arrived."""
+
+    events: list[tuple[float, dict | str]] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.finished = threading.Event()
+
+    def first_error_at(self) -> float | None:
+        return next((t for t, e in self.events if isinstance(e, dict) and "error" in e), None)
+
+    @property
+    def ended_with_done(self) -> bool:
+        return bool(self.events) and self.events[-1][1] == "[DONE]"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(1 for _, e in self.events if isinstance(e, dict) and "choices" in e)
+
+
+class Stack:
+    """honcho on the Procfile, configured through PAGEDSERVE_* variables, on free 127.0.0.1 ports."""
+
+    def __init__(self, model_dir: Path, log_path: Path, **settings: object) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.scheduler_address = f"tcp://127.0.0.1:{free_port()}"
+        bin_dir = Path(sys.executable).parent
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+        env.update(
+            PATH=f"{bin_dir}:{env.get('PATH', '')}",
+            PAGEDSERVE_MODEL=str(model_dir),
+            PAGEDSERVE_PORT=str(self.port),
+            PAGEDSERVE_SCHEDULER_ADDRESS=self.scheduler_address,
+            PAGEDSERVE_WORKER_ADDRESS=f"tcp://127.0.0.1:{free_port()}",
+            PAGEDSERVE_DEVICE="cpu",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in settings.items()})
+        self.env = env
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.honcho = subprocess.Popen(
+                [str(bin_dir / "honcho"), "start"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def pid(self, name: str) -> int:
+        """The pid of the running `python -m NAME` (not its supervisor)."""
+        for proc in psutil.Process(self.honcho.pid).children(recursive=True):
+            try:
+                cmd = proc.cmdline()
+            except psutil.Error:
+                continue
+            if cmd[-2:] == ["-m", name] and proc.status() != psutil.STATUS_ZOMBIE:
+                return proc.pid
+        raise LookupError(f"no running {name} process:\n{self.logs()[-3000:]}")
+
+    def get(self, path: str, timeout: float = 2.0) -> int:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0  # not listening (the api is down)
+
+    def post(self, body: dict, timeout: float = WAIT_S) -> tuple[int, dict]:
+        req = urllib.request.Request(
+            self.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def wait_until(self, what: str, check, timeout: float = WAIT_S, period: float = 0.05) -> float:
+        """Polls `check()` until true; returns the monotonic time it first was. Raises on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.honcho.poll() is None, (
+                f"honcho exited while waiting for {what}:\n{self.logs()[-4000:]}"
+            )
+            if check():
+                return time.monotonic()
+            time.sleep(period)
+        raise TimeoutError(f"{what} did not happen within {timeout} s:\n{self.logs()[-4000:]}")
+
+    def serves(self) -> bool:
+        try:
+            status, body = self.post({"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}, timeout=10)
+        except OSError:
+            return False
+        return status == 200 and body["usage"]["completion_tokens"] == 4
+
+    def wait_serving(self, timeout: float = 180.0) -> float:
+        return self.wait_until("serving", lambda: self.get("/health") == 200 and self.serves(), timeout, 0.2)
+
+    def stream(self, body: dict = LONG_STREAM) -> Stream:
+        """Starts a streamed request on a thread; returns once its first token arrived."""
+        stream = Stream()
+
+        def read() -> None:
+            req = urllib.request.Request(
+                self.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=WAIT_S) as r:
+                    for line in r:
+                        if line.startswith(b"data: "):
+                            data = line[6:].strip()
+                            event = "[DONE]" if data == b"[DONE]" else json.loads(data)
+                            stream.events.append((time.monotonic(), event))
+            except BaseException as e:  # noqa: BLE001 (recorded for the caller to judge)
+                stream.error = e
+            finally:
+                stream.finished.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        self.wait_until("a first token", lambda: stream.num_tokens > 0 or stream.finished.is_set())
+        return stream
+
+    def kv_idle(self) -> bool:
+        """The scheduler reports no running request and no used KV block (asked over ZeroMQ, not the api)."""
+        try:
+            with EngineClient(self.scheduler_address, detokenize=False, info_timeout=1.0) as client:
+                text = client.info(timeout=1.0).metrics_text
+        except (TimeoutError, OSError):
+            return False
+        values = dict(line.split()[:2] for line in text.splitlines() if line and not line.startswith("#"))
+        return (
+            float(values["pagedserve_kv_blocks_used"]) == 0
+            and float(values["pagedserve_requests_running"]) == 0
+        )
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.honcho.poll() is None:
+            self.honcho.send_signal(signal.SIGTERM)
+        try:
+            return self.honcho.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.honcho.pid, signal.SIGKILL)
+            return self.honcho.wait()
+
+
+def measure_kill(stack: Stack, name: str, sig: signal.Signals = signal.SIGKILL) -> dict[str, object]:
+    """Signals process `name` with two streams in flight; returns the times (s) from the signal on."""
+    streams = [stack.stream() for _ in range(2)]
+    pid = stack.pid(name)
+    t0 = time.monotonic()
+    os.kill(pid, sig)
+    result: dict[str, object] = {"process": name, "signal": sig.name}
+    try:
+        if name == "api":  # its streams die with it; the scheduler must free what they held
+            result["error_s"] = stack.wait_until("the dead api's requests freed", stack.kv_idle) - t0
+        else:
+            stack.wait_until("error events", lambda: all(s.finished.is_set() for s in streams))
+            for s in streams:
+                at = s.first_error_at()
+                assert at is not None and s.ended_with_done, (
+                    f"stream ended without an error event: {s.events[-3:]}"
+                )
+            result["error_s"] = max(s.first_error_at() for s in streams) - t0  # type: ignore[type-var]
+            result["health_503_s"] = stack.wait_until("/health 503", lambda: stack.get("/health") == 503) - t0
+    finally:
+        if sig == signal.SIGSTOP:
+            os.kill(pid, signal.SIGCONT)  # it is told to shut down, exits, and its supervisor restarts it
+    result["back_s"] = stack.wait_serving() - t0
+    stack.wait_until("KV blocks all free", stack.kv_idle)
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
+
+
+def measure_graceful_stop(stack: Stack) -> dict[str, object]:
+    """SIGTERM to honcho while short streams run: they finish whole, then every process exits."""
+    body = {**LONG_STREAM, "max_tokens": 48}
+    streams = [stack.stream(body) for _ in range(2)]
+    t0 = time.monotonic()
+    stack.honcho.send_signal(signal.SIGTERM)
+    code = stack.honcho.wait(WAIT_S)
+    for s in streams:
+        s.finished.wait(WAIT_S)
+    return {
+        "process": "all (honcho)",
+        "signal": "SIGTERM",
+        "stopped_s": round(time.monotonic() - t0, 2),
+        "exit_code": code,
+        "streams_completed": sum(s.num_tokens == body["max_tokens"] and s.ended_with_done for s in streams),
+        "streams": len(streams),
+    }
+
+
+def run_all(model_dir: Path, log_dir: Path) -> list[dict[str, object]]:
+    stack = Stack(model_dir, log_dir / "honcho.log", **CHAOS_SETTINGS)
+    try:
+        stack.wait_serving()
+        rows = [
+            measure_kill(stack, "worker"),
+            measure_kill(stack, "scheduler"),
+            measure_kill(stack, "api"),
+            measure_kill(stack, "worker", signal.SIGSTOP),
+        ]
+        rows.append(measure_graceful_stop(stack))
+        return rows
+    finally:
+        stack.stop()
+
+
+# Heartbeats fast enough that a stopped worker is found within seconds on a loaded 2-core machine.
+CHAOS_SETTINGS: dict[str, object] = {
+    "num_kv_blocks": 256,
+    "max_num_seqs": 8,
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_timeout_s": 2.0,
+    "shutdown_timeout_s": 3.0,
+}
+
+
+def _table(rows: list[dict[str, object]]) -> Iterator[str]:
+    keys = ["process", "signal", "error_s", "health_503_s", "back_s", "stopped_s", "exit_code"]
+    yield "| " + " | ".join(keys) + " |"
+    yield "|" + "---|" * len(keys)
+    for row in rows:
+        yield "| " + " | ".join(str(row.get(k, "")) for k in keys) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=ROOT / "models/tiny-llama")
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pagedserve-chaos"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    rows = run_all(args.model, args.log_dir)
+    print("\n".join(_table(rows)))
+    if args.out is not None:
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
