@@ -1,4 +1,9 @@
-"""`python -m api`: the HTTP front end, on uvloop, in front of the scheduler named by ApiConfig."""
+"""`python -m api`: the HTTP front end, on uvloop, in front of the scheduler named by ApiConfig.
+
+SIGTERM (or SIGINT) drains: new generation requests get 503 and /health says "shutting down", requests in
+flight have shutdown_timeout_s to finish, the rest end with an error event and [DONE] (streams) or a 503;
+then the process exits with status 0.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import structlog
 import uvloop
 from aiohttp import web
 
-from api.server import create_app
+from api.server import create_app, drain
+from api.state import STATE
 from common.config import ApiConfig, parse_config
 from common.log import configure_logging
 
@@ -18,8 +24,10 @@ async def serve(config: ApiConfig) -> None:
     log = configure_logging("api", config.log_level)
     # Module loggers are made before logging is configured; this puts the process on their lines too.
     structlog.contextvars.bind_contextvars(process="api")
+    app = create_app(config)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its requests.
-    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
+    # shutdown_timeout: drain() has already waited; what still runs after it is cancelled soon.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     log.info("api_listening", host=config.host, port=config.port, scheduler=config.scheduler_address)
@@ -28,7 +36,9 @@ async def serve(config: ApiConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("api_stopping")
+    log.info("api_draining", in_flight=len(app[STATE].in_flight), timeout_s=config.shutdown_timeout_s)
+    ended = await drain(app, config.shutdown_timeout_s)
+    log.info("api_stopping", ended_in_flight=ended)
     await runner.cleanup()
 
 

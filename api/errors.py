@@ -30,6 +30,7 @@ class ApiError(Exception):
         type: str = ErrorKind.INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,12 +38,13 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
     def to_response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, dumps=json.dumps)
+        return web.json_response(self.body(), status=self.status, dumps=json.dumps, headers=self.headers)
 
     @classmethod
     def from_rejection(cls, e: RequestRejected) -> ApiError:
@@ -53,6 +55,19 @@ class ApiError(Exception):
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     """A 400 for a request that can never be served as sent."""
     return ApiError(400, message, param=param, code=code)
+
+
+def unauthorized(given: bool) -> ApiError:
+    """OpenAI's 401 bodies, word for word but for the key itself, which is never echoed."""
+    if not given:
+        message = (
+            "You didn't provide an API key. You need to provide your API key in an Authorization header "
+            "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+        )
+        return ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+    return ApiError(
+        401, "Incorrect API key provided.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 def unavailable(message: str) -> ApiError:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.client import RequestHandle, SequenceDelta
@@ -48,6 +48,8 @@ class Generation:
 
     Choice `p * n + i` is sequence i of prompt p, as in OpenAI's batched completions. `close()` aborts what
     has not finished, so that the scheduler frees its KV blocks when the HTTP client goes away.
+    Deltas wait in the handles' queues until taken (the merging queue holds one per prompt at most), so
+    `limit_buffer` bounds everything the request holds for its reader.
     """
 
     def __init__(self, handles: list[RequestHandle]) -> None:
@@ -69,15 +71,16 @@ class Generation:
             async for delta in self.handles[0]:
                 yield self._count(0, delta), delta
             return
-        queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        # Bounded, so that a pump waits for the reader and unread deltas stay in their handle's queue.
+        queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue(maxsize=len(self.handles))
 
         async def pump(prompt_index: int, handle: RequestHandle) -> None:
             try:
                 async for delta in handle:
-                    queue.put_nowait((prompt_index, delta))
-                queue.put_nowait((prompt_index, _DONE))
+                    await queue.put((prompt_index, delta))
+                await queue.put((prompt_index, _DONE))
             except Exception as e:
-                queue.put_nowait((prompt_index, e))
+                await queue.put((prompt_index, e))
 
         self._pumps = [asyncio.create_task(pump(p, h)) for p, h in enumerate(self.handles)]
         remaining = len(self.handles)
@@ -101,6 +104,25 @@ class Generation:
             choice.logprobs.extend(delta.logprobs or ())
             choice.finish_reason = delta.finish_reason or choice.finish_reason
         return choices
+
+    def limit_buffer(self, max_tokens: int, on_overflow: Callable[[], None]) -> None:
+        """Calls `on_overflow` once when more than `max_tokens` tokens (shared by the prompts) wait unread."""
+        called = False
+
+        def once() -> None:
+            nonlocal called
+            if not called:
+                called = True
+                on_overflow()
+
+        share = max(1, max_tokens // len(self.handles))
+        for handle in self.handles:
+            handle.limit_buffer(share, once)
+
+    def interrupt(self, error: BaseException) -> None:
+        """Aborts every request; the reader gets `error` (the server is shutting down, say)."""
+        for handle in self.handles:
+            handle.interrupt(error)
 
     def close(self) -> None:
         """Aborts every unfinished request (a no-op for finished ones) and stops the merging tasks."""

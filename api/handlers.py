@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Callable
@@ -9,17 +10,23 @@ from typing import Any
 
 from aiohttp import web
 
-from api.errors import ApiError, error_body, invalid
+from api.errors import ApiError, error_body, invalid, unavailable
 from api.generation import Generation
 from api.model import ServedModel
 from api.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from api.protocol import GenerationRequest, parse_chat, parse_completion
+from api.request_body import read_json
 from api.state import RECORD, STATE
 from common.client import ClientClosed, RequestRejected
+from common.config import ApiConfig
+from common.log import get_logger
 from common.messages import ErrorKind
+
+log = get_logger(component="api.handlers")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
+STALLED_GRACE_S = 1.0  # how long a stalled stream's error event and [DONE] may take before we hang up
 
 
 def dumps(obj: Any) -> str:
@@ -29,14 +36,6 @@ def dumps(obj: Any) -> str:
 def sse(obj: Any) -> bytes:
     """One server-sent event holding `obj` as JSON."""
     return f"data: {dumps(obj)}\n\n".encode()
-
-
-async def read_json(request: web.Request) -> Any:
-    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise invalid(f"the body is not valid JSON: {e}") from None
 
 
 def check_model(body: Any, model: ServedModel) -> None:
@@ -60,15 +59,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _serve(
     request: web.Request,
-    parse: Callable[[Any, ServedModel], GenerationRequest],
+    parse: Callable[[Any, ServedModel, int], GenerationRequest],
     format_cls: type[ResponseFormat],
     id_prefix: str,
 ) -> web.StreamResponse:
     state = request.app[STATE]
+    if state.draining:
+        raise unavailable("the server is shutting down")
     body = await read_json(request)
     model = await state.models.get()
     check_model(body, model)
-    req = parse(body, model)
+    loop = asyncio.get_running_loop()
+    max_seqs = state.config.max_seqs_per_request
+    req = await loop.run_in_executor(state.tokenizer_pool, parse, body, model, max_seqs)
     response_id = id_prefix + uuid.uuid4().hex
     record = request[RECORD]
     record.update(
@@ -93,21 +96,25 @@ async def _serve(
         raise
     record["request_ids"] = [h.request_id for h in handles]
     generation = Generation(handles)
+    state.in_flight.add(generation)
     fmt = format_cls(
         response_id, model, logprobs=req.num_logprobs is not None, include_usage_field=req.include_usage
     )
     try:
         if req.stream:
-            return await _stream(request, generation, fmt, req.include_usage)
+            return await _stream(request, generation, fmt, req.include_usage, state.config)
         choices = await generation.collect()
         return web.Response(
             text=dumps(fmt.response(choices, generation.usage)), content_type="application/json"
         )
     except RequestRejected as e:
         raise ApiError.from_rejection(e) from None
+    except ClientClosed as e:  # the scheduler connection is gone
+        raise unavailable(str(e)) from None
     finally:
         # Runs on normal ends, errors and cancellation (the client went away): the scheduler frees the KV.
         generation.close()
+        state.in_flight.discard(generation)
         usage = generation.usage
         record.update(
             prompt_tokens=usage.prompt_tokens,
@@ -117,26 +124,74 @@ async def _serve(
 
 
 async def _stream(
-    request: web.Request, generation: Generation, fmt: ResponseFormat, include_usage: bool
+    request: web.Request, generation: Generation, fmt: ResponseFormat, include_usage: bool, config: ApiConfig
 ) -> web.StreamResponse:
+    """Writes the events as they come. A client that takes nothing for stream_write_timeout_s, or leaves
+    more than max_buffered_tokens unread, has its request aborted and its stream ended (see _end_stalled)."""
     events = generation.stream()
     # Wait for the first delta before sending headers, so that a refusal still gets its HTTP status.
     pending = await anext(events, None)
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
+    loop = asyncio.get_running_loop()
+    stalled = "write_timeout"
+    writing = True
+
+    async def write(data: bytes) -> None:
+        guard.reschedule(loop.time() + config.stream_write_timeout_s)
+        await response.write(data)
+        guard.reschedule(None)
+
+    def overflow() -> None:
+        nonlocal stalled
+        if writing:
+            stalled = "buffer_full"
+            guard.reschedule(loop.time())  # ends whatever the handler awaits now
+
+    generation.limit_buffer(config.max_buffered_tokens, overflow)
     try:
-        while pending is not None:
-            chunk = fmt.chunk(*pending)
-            if chunk is not None:
-                await response.write(sse(chunk))
-            pending = await anext(events, None)
-        if include_usage:
-            await response.write(sse(fmt.usage_chunk(generation.usage)))
-        await response.write(SSE_DONE)
-    except (RequestRejected, ClientClosed) as e:  # too late for a status: report it inside the stream
-        kind = e.kind if isinstance(e, RequestRejected) else ErrorKind.UNAVAILABLE
-        await response.write(sse(error_body(str(e), kind)))
-        await response.write(SSE_DONE)
+        async with asyncio.timeout(None) as guard:
+            try:
+                while pending is not None:
+                    chunk = fmt.chunk(*pending)
+                    if chunk is not None:
+                        await write(sse(chunk))
+                    pending = await anext(events, None)
+                if include_usage:
+                    await write(sse(fmt.usage_chunk(generation.usage)))
+                await write(SSE_DONE)
+            except (RequestRejected, ClientClosed) as e:  # too late for a status: report it in the stream
+                kind = e.kind if isinstance(e, RequestRejected) else ErrorKind.UNAVAILABLE
+                message = e.message if isinstance(e, RequestRejected) else str(e)
+                request[RECORD]["error"] = message
+                await write(sse(error_body(message, kind)))
+                await write(SSE_DONE)
+            finally:
+                writing = False
+    except TimeoutError:
+        await _end_stalled(request, response, generation, stalled, config)
     except ConnectionResetError:
         request[RECORD]["outcome"] = "client_disconnected"
     return response
+
+
+async def _end_stalled(
+    request: web.Request, response: web.StreamResponse, generation: Generation, reason: str, config: ApiConfig
+) -> None:
+    """Aborts a stream's requests (the scheduler frees their KV now), then ends the stream with an error
+    event and [DONE] if the client takes them within STALLED_GRACE_S, else closes the connection."""
+    generation.close()
+    if reason == "buffer_full":
+        message = f"the client left more than {config.max_buffered_tokens} tokens unread"
+    else:
+        message = f"the client took no data for {config.stream_write_timeout_s} s"
+    record = request[RECORD]
+    record.update(outcome="stream_stalled", error=message)
+    log.warning("stream_aborted", reason=reason, response_id=record.get("response_id"), error=message)
+    try:
+        async with asyncio.timeout(min(STALLED_GRACE_S, config.stream_write_timeout_s)):
+            await response.write(sse(error_body(message, ErrorKind.INVALID_REQUEST, code="stream_stalled")))
+            await response.write(SSE_DONE)
+    except (TimeoutError, ConnectionResetError):
+        if request.transport is not None:
+            request.transport.abort()  # what the client did not take is dropped: nothing waits for it

@@ -27,6 +27,22 @@ class ServedModel:
     kv_capacity_tokens: int  # tokens the whole KV pool holds; 0 when the scheduler does not say
     tokenizer: Any
     token_strings: TokenStrings  # per-token text and bytes for logprobs
+    longest_token_chars: int = 64  # characters of the vocabulary's longest token (its piece, as stored)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text cannot fit the context: every token covers at most
+        longest_token_chars of it. Assumes the tokenizer's normalizer does not shrink text (collapsing
+        whitespace, say), which holds for the byte-level and SentencePiece tokenizers of LLMs."""
+        return self.max_model_len * self.longest_token_chars
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The length of the longest token piece, added tokens included. A piece holds at least as many
+    characters as its token stands for in the text: byte-level pieces have a character per byte, and
+    SentencePiece pieces keep the leading space as "\u2581"."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(p) for p in pieces if isinstance(p, str)), default=1) or 1
 
 
 class ModelState:
@@ -80,6 +96,7 @@ class ModelState:
             kv_capacity_tokens=info.num_kv_blocks * info.block_size,
             tokenizer=tokenizer,
             token_strings=TokenStrings(tokenizer),
+            longest_token_chars=await asyncio.to_thread(longest_token_chars, tokenizer),
         )
         log.info("model_ready", model=model.name, root=model.root, max_model_len=model.max_model_len)
         return model

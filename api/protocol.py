@@ -2,6 +2,10 @@
 
 A field we do not support is refused rather than ignored when it would change the output; fields that
 change nothing (`user`, `metadata`, ...) are accepted and dropped, because load generators send them.
+What one request may cost is bounded before any work is done: its sequences (prompts x n, or the beam
+width) by ApiConfig.max_seqs_per_request, and each text prompt by the most characters that could fit the
+model's context (ServedModel.max_prompt_chars), checked before it is tokenized. Parsing runs in the api's
+tokenizer thread (handlers.py), so nothing here blocks the event loop.
 """
 
 from __future__ import annotations
@@ -9,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from api.errors import invalid
+from api.errors import ApiError, invalid
+from api.fields import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_LENGTH_PENALTY,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_NAME_CHARS,
+    Fields,
+    is_int,
+)
 from api.model import ServedModel
 from common.messages import SamplingParams
 
@@ -37,7 +50,6 @@ COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"}
 CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion_tokens", "logprobs"}
 CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"}
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MAX_INT = 2**31 - 1  # bounds integers we forward, so they always fit the wire format
 
 
 @dataclass(frozen=True)
@@ -53,95 +65,29 @@ class GenerationRequest:
     cache_salt: str = ""  # non-empty: prefix-cache entries shared only with requests of the same salt
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class Fields:
-    """Typed access to a JSON object's fields; a wrong type is a 400 that names the field."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
-
-    def integer(
-        self, name: str, default: int | None = None, lo: int = -MAX_INT, hi: int = MAX_INT
-    ) -> int | None:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if not _is_int(value):
-            raise invalid(f"'{name}' must be an integer, got {value!r}", name)
-        if not lo <= value <= hi:
-            raise invalid(f"'{name}' must be between {lo} and {hi}, got {value}", name)
-        return value
-
-    def number(self, name: str, default: float) -> float:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise invalid(f"'{name}' must be a number, got {value!r}", name)
-        return float(value)
-
-    def boolean(self, name: str, default: bool = False) -> bool:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise invalid(f"'{name}' must be a boolean, got {value!r}", name)
-        return value
-
-    def neutral(self, name: str, *allowed: Any) -> None:
-        """Refuses any value but the ones that leave the output unchanged."""
-        value = self.body.get(name)
-        if value is not None and not any(value == a and type(value) is not bool for a in allowed):
-            raise invalid(f"'{name}' is not supported (only {allowed[0]!r}), got {value!r}", name)
-
-    def nonempty_string(self, name: str) -> str:
-        """A string field that must not be empty when given; "" when absent."""
-        value = self.body.get(name)
-        if value is None:
-            return ""
-        if not isinstance(value, str) or not value:
-            raise invalid(f"'{name}' must be a non-empty string, got {value!r}", name)
-        return value
-
-    def stop_strings(self) -> tuple[str, ...]:
-        value = self.body.get("stop")
-        if value is None:
-            return ()
-        stops = [value] if isinstance(value, str) else value
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise invalid("'stop' must be a non-empty string or a list of them", "stop")
-        return tuple(stops)
-
-    def token_ids(self, name: str, vocab_size: int) -> tuple[int, ...]:
-        value = self.body.get(name)
-        if value is None:
-            return ()
-        if not isinstance(value, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in value):
-            raise invalid(f"'{name}' must be a list of token ids in [0, {vocab_size})", name)
-        return tuple(value)
-
-
 def check_fields(body: Any, allowed: frozenset[str]) -> Fields:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed - IGNORED_FIELDS)
     if unknown:
-        raise invalid(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
+        raise invalid(f"unsupported parameter(s): {', '.join(unknown)[:200]}", unknown[0][:100])
     return Fields(body)
+
+
+def _too_long(what: str, num_tokens: int | None, model: ServedModel) -> ApiError:
+    size = f"{num_tokens} tokens" if num_tokens is not None else f"over {model.max_prompt_chars} characters"
+    return invalid(
+        f"the {what} is {size}, and this model's maximum context length is "
+        f"{model.max_model_len} tokens (prompt and output)",
+        "prompt" if what == "prompt" else "messages",
+        "context_length_exceeded",
+    )
 
 
 def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel) -> int:
     room = model.max_model_len - len(prompt)
     if room < 1:
-        raise invalid(
-            f"the prompt is {len(prompt)} tokens, and this model's maximum context length is "
-            f"{model.max_model_len} tokens (prompt and output)",
-            "prompt",
-            "context_length_exceeded",
-        )
+        raise _too_long("prompt", len(prompt), model)
     if requested is not None and requested > room:
         raise invalid(
             f"this model's maximum context length is {model.max_model_len} tokens, but you requested "
@@ -154,6 +100,15 @@ def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel) ->
     # By default, as much as fits: in the context, and (for one sequence) in the KV pool.
     pool_room = model.kv_capacity_tokens - len(prompt)
     return min(room, pool_room) if pool_room > 0 else room
+
+
+def _check_num_seqs(num_prompts: int, seqs_per_prompt: int, max_seqs: int) -> None:
+    if num_prompts * seqs_per_prompt > max_seqs:
+        raise invalid(
+            f"this request would create {num_prompts * seqs_per_prompt} sequences ({num_prompts} prompt(s) "
+            f"x {seqs_per_prompt}); at most {max_seqs} are allowed per request",
+            "n",
+        )
 
 
 def _generation_request(
@@ -170,10 +125,10 @@ def _generation_request(
     f.neutral("min_tokens", 0)
     f.neutral("logit_bias", {})
     top_k = f.integer("top_k", 0, lo=-1)
-    base = SamplingParams(
-        n=f.integer("n", 1, lo=1, hi=128),  # type: ignore[arg-type]
-        temperature=f.number("temperature", 0.0 if beam_width else 1.0),
-        top_p=f.number("top_p", 1.0),
+    sampling: dict[str, Any] = dict(
+        n=f.integer("n", 1, lo=1, hi=MAX_N),  # type: ignore[arg-type]
+        temperature=f.number("temperature", 0.0 if beam_width else 1.0, 0.0, 100.0),
+        top_p=f.number("top_p", 1.0, 0.0, 1.0),
         top_k=max(top_k or 0, 0),  # -1 means off, as in vLLM
         seed=f.integer("seed", None, lo=-(2**63), hi=2**64 - 1),
         stop_token_ids=f.token_ids("stop_token_ids", model.vocab_size),
@@ -181,14 +136,14 @@ def _generation_request(
         logprobs=num_logprobs,
         stop=f.stop_strings(),
         beam_width=beam_width,
-        length_penalty=f.number("length_penalty", 1.0) if beam_width else 1.0,
+        length_penalty=(
+            f.number("length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY) if beam_width else 1.0
+        ),
     )
-    problem = base.validate()
+    problem = SamplingParams(**sampling).validate()
     if problem is not None:
         raise invalid(problem)
-    params = [
-        SamplingParams(**{**base.__dict__, "max_tokens": _max_tokens(max_tokens, p, model)}) for p in prompts
-    ]
+    params = [SamplingParams(**sampling, max_tokens=_max_tokens(max_tokens, p, model)) for p in prompts]
     stream = f.boolean("stream")
     if stream and beam_width:
         raise invalid("beam search results are complete only at the end: 'stream' is not supported", "stream")
@@ -203,41 +158,44 @@ def _generation_request(
         include_usage,
         num_logprobs,
         priority=f.integer("priority", 0),  # type: ignore[arg-type]
-        cache_salt=f.nonempty_string("cache_salt"),
+        cache_salt=f.string("cache_salt", MAX_CACHE_SALT_CHARS),
     )
 
 
-def _prompt_ids(value: Any, model: ServedModel) -> list[int] | None:
-    """Token ids of one prompt (a string or a list of ids); None when `value` is neither."""
-    if isinstance(value, str):
-        return list(model.tokenizer(value, add_special_tokens=True)["input_ids"]) if value else []
-    if isinstance(value, list) and value and all(_is_int(t) for t in value):
-        if not all(0 <= t < model.vocab_size for t in value):
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
+
+
+def _completion_prompts(raw: Any, model: ServedModel, seqs_per_prompt: int, max_seqs: int) -> list[list[int]]:
+    """`prompt` as token ids: a string, a list of ids, or a list of either (a batch). The batch's size and
+    each text's length are checked before anything is tokenized."""
+    batch = [raw] if isinstance(raw, str) or _is_token_ids(raw) else raw
+    if not isinstance(batch, list) or not batch:
+        raise invalid("'prompt' must be a string, a list of token ids, or a list of those", "prompt")
+    _check_num_seqs(len(batch), seqs_per_prompt, max_seqs)
+    if any(p == "" or p == [] for p in batch):
+        raise invalid("the prompt must not be empty", "prompt")
+    if not all(isinstance(p, str) or _is_token_ids(p) for p in batch):
+        raise invalid("'prompt' must be a string, a list of token ids, or a list of those", "prompt")
+    texts = [p for p in batch if isinstance(p, str)]
+    if any(len(t) > model.max_prompt_chars for t in texts):
+        raise _too_long("prompt", None, model)
+    for ids in batch:
+        if isinstance(ids, list) and not all(0 <= t < model.vocab_size for t in ids):
             raise invalid(f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
-        return list(value)
-    return None
+    # One call for the whole batch: a fast tokenizer encodes a batch in parallel, without the GIL.
+    encoded = iter(model.tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else [])
+    return [list(next(encoded)) if isinstance(p, str) else list(p) for p in batch]
 
 
-def parse_completion(body: Any, model: ServedModel) -> GenerationRequest:
+def parse_completion(body: Any, model: ServedModel, max_seqs: int) -> GenerationRequest:
     """A /v1/completions body. `prompt` is a string, a list of token ids, or a list of either (a batch)."""
     f = check_fields(body, COMPLETION_FIELDS)
     if f.boolean("echo"):
         raise invalid("'echo' is not supported", "echo")
     f.neutral("suffix", "")
-    raw = body.get("prompt")
-    single = _prompt_ids(raw, model)
-    if single is not None:
-        prompts = [single]
-    elif isinstance(raw, list) and raw:
-        prompts = [_prompt_ids(p, model) for p in raw]  # type: ignore[misc]
-    else:
-        prompts = [None]  # type: ignore[list-item]
-    if any(p is None for p in prompts):
-        raise invalid("'prompt' must be a string, a list of token ids, or a list of those", "prompt")
-    if any(not p for p in prompts):
-        raise invalid("the prompt must not be empty", "prompt")
-    n = f.integer("n", 1)
-    best_of = f.integer("best_of")
+    n = f.integer("n", 1, lo=1, hi=MAX_N)
+    best_of = f.integer("best_of", None, lo=1, hi=SamplingParams.MAX_BEAM_WIDTH)
     beam_width = 0
     if f.boolean("use_beam_search"):
         beam_width = best_of if best_of is not None else n  # type: ignore[assignment]
@@ -247,6 +205,7 @@ def parse_completion(body: Any, model: ServedModel) -> GenerationRequest:
         f.neutral("length_penalty", 1)
     num_logprobs = f.integer("logprobs", None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
     max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)
+    prompts = _completion_prompts(body.get("prompt"), model, max(n, beam_width), max_seqs)  # type: ignore[type-var]
     return _generation_request(f, prompts, max_tokens, num_logprobs, model, beam_width)
 
 
@@ -270,27 +229,38 @@ def _message_content(message: dict[str, Any], i: int) -> str:
 
 def render_chat(messages: Any, model: ServedModel) -> list[int]:
     """The prompt's token ids: the messages through the chat template, special tokens not added twice."""
-    if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' must be a non-empty list", "messages")
+    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+        raise invalid(f"'messages' must be a non-empty list of at most {MAX_MESSAGES}", "messages")
     rendered = []
+    num_chars = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}", "messages")
         if m.get("tool_calls"):
             raise invalid("tool calls are not supported", "messages")
         name = m.get("name")
+        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS):
+            message = f"messages[{i}].name must be a string of 1 to {MAX_NAME_CHARS} characters"
+            raise invalid(message, "messages")
         entry = {"role": CHAT_ROLES[m["role"]], "content": _message_content(m, i)}
+        num_chars += len(entry["content"])
         rendered.append(entry if name is None else {**entry, "name": name})
+    if num_chars > model.max_prompt_chars:  # the template's output holds every message's text
+        raise _too_long("conversation", None, model)
     if not getattr(model.tokenizer, "chat_template", None):
         raise invalid("this model has no chat template")
     try:
         text = model.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the template rejects some conversations (role order, say) by raising
-        raise invalid(f"the chat template refused the messages: {e}", "messages") from e
+        raise invalid(f"the chat template refused the messages: {str(e)[:200]}", "messages") from e
+    if not isinstance(text, str):
+        raise invalid("the chat template did not render text", "messages")
+    if len(text) > model.max_prompt_chars:
+        raise _too_long("conversation", None, model)
     return list(model.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def parse_chat(body: Any, model: ServedModel) -> GenerationRequest:
+def parse_chat(body: Any, model: ServedModel, max_seqs: int) -> GenerationRequest:
     """A /v1/chat/completions body."""
     f = check_fields(body, CHAT_FIELDS)
     response_format = body.get("response_format")
@@ -299,6 +269,7 @@ def parse_chat(body: Any, model: ServedModel) -> GenerationRequest:
     if body.get("tools"):
         raise invalid("tools are not supported", "tools")
     f.neutral("tool_choice", "none", "auto")
+    _check_num_seqs(1, f.integer("n", 1, lo=1, hi=MAX_N), max_seqs)  # type: ignore[arg-type]
     max_tokens = f.integer("max_completion_tokens", None, lo=1, hi=2**63)
     if max_tokens is None:
         max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)

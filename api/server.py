@@ -1,25 +1,35 @@
-"""The aiohttp application: routes, the error and request-log middleware, and the small endpoints."""
+"""The aiohttp application: routes, the error and access-log middleware, the API key check, the small
+endpoints, and the drain that SIGTERM starts.
+
+With ApiConfig.api_key set, every route but /health and /metrics needs `Authorization: Bearer <key>`:
+/health is what load balancers and supervisors probe, and /metrics is what Prometheus scrapes, as in vLLM
+(neither shows a prompt or a completion). Keep the port off untrusted networks if /metrics should be
+private.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from api.errors import ApiError, error_body
+from api.errors import ApiError, error_body, unauthorized
 from api.handlers import chat_completions, completions, dumps
 from api.model import INFO_TIMEOUT_S, ModelState
 from api.state import RECORD, STATE, ApiState
-from common.client import AsyncEngineClient
+from common.client import AsyncEngineClient, RequestRejected
 from common.config import ApiConfig
 from common.log import get_logger
 from common.messages import ErrorKind
 
 log = get_logger(component="api")
 GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions"}
+OPEN_PATHS = {"/health", "/metrics"}  # answered without the API key
+PROBE_PATHS = {"/health", "/metrics"}  # logged at debug: probes would drown the access log
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -39,7 +49,8 @@ def _http_error(e: web.HTTPException, request: web.Request) -> web.Response:
 
 @web.middleware
 async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turns errors into OpenAI error bodies, counts requests, and logs one line per generation request."""
+    """Turns errors into OpenAI error bodies, counts requests, and logs one access line per request (at
+    debug for /health and /metrics): route, status, latency, tokens, and the error message of a 4xx/5xx."""
     start = time.perf_counter()
     record: dict[str, object] = {}
     request[RECORD] = record
@@ -50,17 +61,21 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         return response
     except ApiError as e:
         status = e.status
+        record["error"] = e.message
         return e.to_response()
     except web.HTTPException as e:
         status = e.status
         if status < 400:
             raise
-        return _http_error(e, request)
+        response = _http_error(e, request)
+        record["error"] = e.text or e.reason
+        return response
     except asyncio.CancelledError:
         record["outcome"] = "client_disconnected"
         raise
-    except Exception:
+    except Exception as e:
         log.exception("unhandled_error", path=request.path)
+        record["error"] = f"internal error: {type(e).__name__}"
         return ApiError(500, "internal error", type=ErrorKind.INTERNAL).to_response()
     finally:
         if record.get("outcome") == "client_disconnected":
@@ -69,13 +84,29 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         route = resource.canonical if resource is not None else "other"
         request.app[STATE].requests_total[(route, status)] += 1
         latency = round(time.perf_counter() - start, 4)
-        emit = log.info if route in GENERATION_ROUTES else log.debug  # health checks would drown the rest
-        emit("request", route=route, status=status, latency_s=latency, **record)
+        emit = log.debug if request.path in PROBE_PATHS else log.info
+        emit("request", method=request.method, route=route, status=status, latency_s=latency, **record)
+
+
+@web.middleware
+async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With an API key configured, refuses (401) any request but the open paths without `Bearer <key>`."""
+    key = request.app[STATE].config.api_key
+    if key and request.path not in OPEN_PATHS:
+        scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise unauthorized(given=False)
+        given = token.strip().encode("utf-8", "surrogatepass")
+        if not hmac.compare_digest(given, key.encode()):
+            raise unauthorized(given=True)
+    return await handler(request)
 
 
 async def health(request: web.Request) -> web.Response:
     """200 once the scheduler is ready (and the tokenizer loaded), 503 before or when it does not answer."""
     state = request.app[STATE]
+    if state.draining:
+        return _json({"status": "shutting down", "reason": "the server is shutting down"}, 503)
     try:
         info = await state.client.info(timeout=INFO_TIMEOUT_S)
     except TimeoutError:
@@ -122,6 +153,25 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+async def drain(app: web.Application, timeout_s: float, grace_s: float = 5.0) -> int:
+    """Stops admission (generation requests get 503, /health says "shutting down"), waits up to
+    `timeout_s` for the requests in flight, then ends the rest: streams with an error event and [DONE],
+    others with a 503. Returns how many had to be ended."""
+    state = app[STATE]
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while state.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    ended = list(state.in_flight)
+    for generation in ended:
+        generation.interrupt(RequestRejected(ErrorKind.UNAVAILABLE, "the server is shutting down"))
+    deadline = loop.time() + grace_s  # their handlers write the error; a client that reads nothing is cut
+    while state.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    return len(ended)
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     await state.client.start()
@@ -131,12 +181,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await warm_up
     await state.client.close()  # aborts whatever is still running
+    state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> web.Application:
     """The HTTP app for `config`; `client` replaces the scheduler connection it would make (tests)."""
     client = client or AsyncEngineClient(config.scheduler_address, config.model or None)
-    app = web.Application(middlewares=[observe], client_max_size=config.max_request_bytes)
+    app = web.Application(middlewares=[observe, authenticate], client_max_size=config.max_request_bytes)
     app[STATE] = ApiState(config, client, ModelState(config, client))
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from api.generation import Generation
 from api.model import ModelState
 from common.client import AsyncEngineClient
 from common.config import ApiConfig
@@ -20,6 +22,13 @@ class ApiState:
     models: ModelState
     started: int = field(default_factory=lambda: int(time.time()))
     requests_total: Counter[tuple[str, int]] = field(default_factory=Counter)  # (route, status) -> count
+    # Parsing, tokenizing and chat templates, off the event loop. One thread, as vLLM does: a fast tokenizer
+    # releases the GIL while it encodes, and one thread never shares it between two encodes.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="api-tokenizer")
+    )
+    draining: bool = False  # SIGTERM came: generation requests get 503, /health says "shutting down"
+    in_flight: set[Generation] = field(default_factory=set)  # submitted and not yet answered in full
 
     def metrics_text(self) -> str:
         """The api's own counters in Prometheus text format."""

@@ -60,7 +60,12 @@ _END = None  # queued after a request's last delta
 
 
 class _RequestState:
-    """Client-side state of one request; touched only by the event loop's thread."""
+    """Client-side state of one request; touched only by the event loop's thread.
+
+    Deltas wait in `queue` until the handle's reader takes them. By default nothing bounds that queue (a
+    ZeroMQ client reads as fast as it likes); a server that forwards deltas to a slower peer sets a bound
+    with `RequestHandle.limit_buffer` and is told once when it is passed.
+    """
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, tokenizer: Any) -> None:
         self.request_id = request_id
@@ -73,6 +78,19 @@ class _RequestState:
         self.finished = [False] * n
         self.num_unfinished = n
         self.num_cached_tokens = 0
+        self.num_buffered_tokens = 0  # tokens in queued deltas not yet taken (an empty delta counts as one)
+        self.max_buffered_tokens: int | None = None  # None: unbounded
+        self.on_overflow: Callable[[], None] | None = None  # called once, soon, when the bound is passed
+        self.interrupted: BaseException | None = None  # raised to the reader ahead of anything queued
+
+    def _put(self, delta: SequenceDelta) -> None:
+        self.queue.put_nowait(delta)
+        self.num_buffered_tokens += max(1, len(delta.token_ids))
+        limit = self.max_buffered_tokens
+        if limit is not None and self.num_buffered_tokens > limit and self.on_overflow is not None:
+            callback, self.on_overflow = self.on_overflow, None
+            # Not called here: we are inside the client's dispatch, which must not see the request aborted
+            asyncio.get_running_loop().call_soon(callback)
 
     @property
     def done(self) -> bool:
@@ -100,7 +118,7 @@ class _RequestState:
                 text += seq_text.finish()
             if seq_text.stopped:
                 finish_reason = FinishReason.STOP
-        self.queue.put_nowait(
+        self._put(
             SequenceDelta(
                 self.request_id,
                 i,
@@ -126,7 +144,7 @@ class _RequestState:
             if finished:
                 continue
             text = None if self.texts is None else self.texts[i].finish()
-            self.queue.put_nowait(
+            self._put(
                 SequenceDelta(
                     self.request_id,
                     i,
@@ -171,8 +189,14 @@ class RequestHandle:
     async def __anext__(self) -> SequenceDelta:
         if self._exhausted:
             raise StopAsyncIteration
-        item = await self._state.queue.get()
+        state = self._state
+        item = state.interrupted
+        if item is None:
+            item = await state.queue.get()
+        if state.interrupted is not None:
+            item = state.interrupted
         if isinstance(item, SequenceDelta):
+            state.num_buffered_tokens -= max(1, len(item.token_ids))
             return item
         self._exhausted = True
         if item is _END:
@@ -182,6 +206,23 @@ class RequestHandle:
     def abort(self) -> None:
         """Stops the request at the scheduler; unfinished sequences end with finish_reason "abort"."""
         self._abort(self.request_id)
+
+    @property
+    def num_buffered_tokens(self) -> int:
+        """Tokens received for this request and not yet taken by its reader."""
+        return self._state.num_buffered_tokens
+
+    def limit_buffer(self, max_tokens: int, on_overflow: Callable[[], None]) -> None:
+        """Calls `on_overflow` once (soon, from the event loop) when more than `max_tokens` tokens wait
+        unread; what to do about it (abort, usually) is the caller's choice. By default nothing is bounded."""
+        self._state.max_buffered_tokens = max_tokens
+        self._state.on_overflow = on_overflow
+
+    def interrupt(self, error: BaseException) -> None:
+        """Aborts the request and makes its reader raise `error` next, ahead of any deltas still queued."""
+        self._state.interrupted = error
+        self._state.queue.put_nowait(error)  # wakes a reader waiting on the queue
+        self.abort()
 
     async def result(self) -> RequestResult:
         """Consumes the remaining deltas and returns the finished request. Raises RequestRejected."""

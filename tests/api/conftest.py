@@ -25,8 +25,8 @@ def make_server(tiny_model_dir: Path) -> Iterator[Any]:
     """Builds servers with fake-scheduler options of their own, closed after the test."""
     made: list[ApiServer] = []
 
-    def make(config: ApiConfig | None = None, **fake_options: Any) -> ApiServer:
-        made.append(ApiServer(str(tiny_model_dir), config, **fake_options))
+    def make(config: ApiConfig | None = None, send_buffer: int = 0, **fake_options: Any) -> ApiServer:
+        made.append(ApiServer(str(tiny_model_dir), config, send_buffer, **fake_options))
         return made[-1]
 
     yield make

@@ -40,10 +40,16 @@ class BackgroundLoop:
 class ApiServer:
     """A FakeScheduler and the api app in front of it, on 127.0.0.1 with free ports."""
 
-    def __init__(self, model_dir: str, config: ApiConfig | None = None, **fake_options: Any) -> None:
+    def __init__(
+        self, model_dir: str, config: ApiConfig | None = None, send_buffer: int = 0, **fake_options: Any
+    ) -> None:
+        """`send_buffer` > 0 sets the accepted sockets' SO_SNDBUF (they inherit the listener's), so that
+        a client that reads nothing stalls the server's writes after a few KB, not a few MB."""
         self.background = BackgroundLoop()
         self.fake: FakeScheduler = self.background.run(self._start_fake(model_dir, fake_options))
         sock = socket.socket()
+        if send_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -68,12 +74,20 @@ class ApiServer:
         self.background.run(self.fake.stop())
         self.background.close()
 
-    def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> HttpReply:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> HttpReply:
         """One HTTP request; `raw` sends bytes as they are (malformed JSON, say)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
             data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=data, headers=headers)
             response = conn.getresponse()
             return HttpReply(
                 response.status, response.getheader("Content-Type") or "", response.read().decode()
@@ -81,11 +95,11 @@ class ApiServer:
         finally:
             conn.close()
 
-    def post(self, path: str, body: Any) -> HttpReply:
-        return self.request("POST", path, body)
+    def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> HttpReply:
+        return self.request("POST", path, body, headers=headers)
 
-    def get(self, path: str) -> HttpReply:
-        return self.request("GET", path)
+    def get(self, path: str, headers: dict[str, str] | None = None) -> HttpReply:
+        return self.request("GET", path, headers=headers)
 
     def stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         """The JSON events of a streamed response, after checking the SSE framing byte for byte."""
