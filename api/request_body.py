@@ -12,8 +12,6 @@ import json
 import math
 from typing import Any
 
-from aiohttp import web
-
 from api.errors import invalid
 
 
@@ -44,8 +42,3 @@ def parse_json(raw: bytes) -> Any:
     except RecursionError:
         raise invalid("the body is nested too deeply") from None
     return body
-
-
-async def read_json(request: web.Request) -> Any:
-    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    return parse_json(raw)

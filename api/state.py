@@ -22,8 +22,8 @@ class ApiState:
     models: ModelState
     started: int = field(default_factory=lambda: int(time.time()))
     requests_total: Counter[tuple[str, int]] = field(default_factory=Counter)  # (route, status) -> count
-    # Parsing, tokenizing and chat templates, off the event loop. One thread, as vLLM does: a fast tokenizer
-    # releases the GIL while it encodes, and one thread never shares it between two encodes.
+    # Parsing, tokenizing and chat templates of big bodies, off the event loop. One thread, as in vLLM: a
+    # fast tokenizer releases the GIL while it encodes, and one thread never shares it between two encodes.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="api-tokenizer")
     )
