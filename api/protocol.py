@@ -234,7 +234,7 @@ def render_chat(messages: Any, model: ServedModel) -> list[int]:
     rendered = []
     num_chars = 0
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}", "messages")
         if m.get("tool_calls"):
             raise invalid("tool calls are not supported", "messages")

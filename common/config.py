@@ -35,8 +35,8 @@ class ApiConfig:
     # SIGTERM: refuse new requests (503), let those in flight finish this long, then end the rest
     shutdown_timeout_s: float = 30.0
     cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # the key the scheduler's sockets are locked with
-    # Non-empty: every /v1/* route needs `Authorization: Bearer <api_key>` (401 otherwise); /health and
-    # /metrics stay open
+    # Non-empty: every route but /health and /metrics (so all of /v1/*) needs `Authorization: Bearer
+    # <api_key>`, else 401 with OpenAI's error body
     api_key: str = ""
     # Sequences one HTTP request may create: prompts x n (x best_of, the beam width, with beam search)
     max_seqs_per_request: int = 256
