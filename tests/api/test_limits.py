@@ -58,6 +58,7 @@ BAD_CHATS: list[tuple[str, Any]] = [
     ),
     ("lone surrogate in a name", {"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}),
     ("name not a string", {"messages": [{"role": "user", "content": "hi", "name": 5}]}),
+    ("role a list (found by the fuzzer: unhashable)", {"messages": [{"role": ["user"], "content": "hi"}]}),
     ("name a list", {"messages": [{"role": "user", "content": "hi", "name": ["a"]}]}),
     ("name too long", {"messages": [{"role": "user", "content": "hi", "name": "n" * 257}]}),
     ("too many messages", {"messages": USER * 4097}),
