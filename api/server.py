@@ -186,7 +186,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> web.Application:
     """The HTTP app for `config`; `client` replaces the scheduler connection it would make (tests)."""
-    client = client or AsyncEngineClient(config.scheduler_address, config.model or None)
+    client = client or AsyncEngineClient(
+        config.scheduler_address, config.model or None, cluster_key_file=config.cluster_key_file
+    )
     app = web.Application(middlewares=[observe, authenticate], client_max_size=config.max_request_bytes)
     app[STATE] = ApiState(config, client, ModelState(config, client))
     app.cleanup_ctx.append(_lifecycle)

@@ -236,6 +236,57 @@ def measure_graceful_stop(stack: Stack) -> dict[str, object]:
     }
 
 
+def _ttft(stack: Stack, body: dict) -> float:
+    """Seconds from sending a streamed request to its first token."""
+    t0 = time.monotonic()
+    stream = stack.stream({**body, "stream": True})
+    assert stream.num_tokens > 0, stream.events
+    return stream.events[0][0] - t0
+
+
+def measure_fair_ttft(stack: Stack, repeats: int = 5) -> dict[str, object]:
+    """The time to first token of a 4-token request alone, and beside a request of as many sequences as the
+    api allows (2 prompts x n=128), which alone would fill every seat the stack has (max_num_seqs)."""
+    small = {"prompt": "Hi there", "max_tokens": 4, "ignore_eos": True}
+    alone = sorted(_ttft(stack, small) for _ in range(repeats))
+    big = {"prompt": ["A long story", "Another one"], "n": 128, "max_tokens": 400, "ignore_eos": True}
+    stack.stream({**big, "stream": True})
+    beside = sorted(_ttft(stack, small) for _ in range(repeats))
+    stack.wait_until("the big request's end", stack.kv_idle, timeout=600)
+    return {
+        "ttft_alone_median_s": round(alone[len(alone) // 2], 3),
+        "ttft_beside_median_s": round(beside[len(beside) // 2], 3),
+        "ttft_beside_max_s": round(beside[-1], 3),
+        "repeats": repeats,
+    }
+
+
+def measure_slow_reader(stack: Stack, seconds: float = 60.0, every_s: float = 5.0) -> dict[str, object]:
+    """A client that sends a streamed n=128 request and then reads nothing: the api's and the scheduler's
+    memory over time, and whether the request was ended (its KV freed)."""
+    import socket
+
+    body = json.dumps({"prompt": "Tell me", "n": 128, "max_tokens": 2000, "ignore_eos": True, "stream": True})
+    api, scheduler = psutil.Process(stack.pid("api")), psutil.Process(stack.pid("scheduler"))
+    samples = [(0.0, api.memory_info().rss >> 20, scheduler.memory_info().rss >> 20)]
+    sock = socket.create_connection(("127.0.0.1", stack.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the api feels it at once
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    t0 = time.monotonic()
+    freed_at = None
+    try:
+        while time.monotonic() - t0 < seconds:
+            time.sleep(every_s)
+            at = round(time.monotonic() - t0, 1)
+            samples.append((at, api.memory_info().rss >> 20, scheduler.memory_info().rss >> 20))
+            if freed_at is None and stack.kv_idle():
+                freed_at = at
+    finally:
+        sock.close()
+    return {"rss_mib_over_time": samples, "request_ended_by_s": freed_at}
+
+
 def run_all(model_dir: Path, log_dir: Path) -> list[dict[str, object]]:
     stack = Stack(model_dir, log_dir / "honcho.log", **CHAOS_SETTINGS)
     try:
@@ -275,12 +326,25 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=ROOT / "models/tiny-llama")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pagedserve-chaos"))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--also", nargs="*", default=[], choices=["fair-ttft", "slow-reader"])
     args = parser.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    rows = run_all(args.model, args.log_dir)
-    print("\n".join(_table(rows)))
+    result: dict[str, object] = {"kills": run_all(args.model, args.log_dir)}
+    print("\n".join(_table(result["kills"])))  # type: ignore[arg-type]
+    if args.also:
+        stack = Stack(args.model, args.log_dir / "honcho-load.log", **{**CHAOS_SETTINGS, "max_num_seqs": 64})
+        try:
+            stack.wait_serving()
+            if "fair-ttft" in args.also:
+                result["fair_ttft"] = measure_fair_ttft(stack)
+                print("fair TTFT:", result["fair_ttft"])
+            if "slow-reader" in args.also:
+                result["slow_reader"] = measure_slow_reader(stack)
+                print("slow reader:", result["slow_reader"])
+        finally:
+            stack.stop()
     if args.out is not None:
-        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
