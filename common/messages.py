@@ -1,8 +1,12 @@
 """Every message that crosses a process boundary.
 
 A message travels as two ZeroMQ frames: one byte naming its type, then a msgpack array holding its fields
-in declaration order. Each class spells out its own `to_wire` / `from_wire`, so the wire format is visible
-here and never depends on reflection or pickle.
+in declaration order (nested messages are arrays too). Each class is a `msgspec.Struct` with
+`array_like=True`: its annotations are the wire format, so the format is visible here and never depends
+on pickle. Decoding is typed: a payload whose fields have the wrong types, or values outside the ranges
+that the `Meta` annotations below give every field, is a CodecError before any handler sees it. Ranges
+that depend on the other side's state (a seq id the worker holds, a token id below this model's vocab)
+are the receiver's to check.
 
 Processes and directions:
     client (api or a ZeroMQ user) -> scheduler: SubmitRequest, AbortRequest, InfoRequest
@@ -13,11 +17,11 @@ Processes and directions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar
+from typing import Annotated, ClassVar, Literal
 
-import msgpack
+import msgspec
+from msgspec import Meta
 
 
 class MsgType(IntEnum):
@@ -49,49 +53,119 @@ class FinishReason:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Field types with their ranges. A receiver may index, allocate or loop by any of these values, so each has
+# a bound that no honest sender reaches.
+
+MAX_N = 128  # sequences per prompt (SamplingParams.n)
+MAX_INT32 = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPT_TOKENS = 1 << 20
+# The scheduler's block manager keeps ~90 bytes of bookkeeping per block of each pool, allocated when a worker
+# announces itself: 1 << 20 blocks cost ~90 MB, where a fake WorkerReady claiming 1 << 24 would cost 1.5 GB.
+# At 16 tokens a block that is 16M tokens of KV, more than any real model's KV fits on one GPU (a 0.5B
+# Qwen2 needs 12 KiB a token: 192 GiB); a worker whose pool would be larger must cap it here.
+MAX_NUM_BLOCKS = 1 << 20
+MAX_PLAN_ITEMS = 1 << 20  # entries of any one list in a StepPlan / StepOutput / RequestOutputs
+MAX_TOP_LOGPROBS = 1024  # candidates reported per token (logprobs <= 20; beams ask for 2 x width <= 32)
+
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+# Signed or unsigned 64-bit (the worker masks it): msgpack's own int range, which msgspec cannot bound further
+Seed = int
+Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # a non-negative 64-bit int: an id, a step, a length
+TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]  # below the model's vocab_size: the receiver checks that
+SeqId = Count
+BlockId = Annotated[int, Meta(ge=0, lt=MAX_NUM_BLOCKS)]  # below the pool's size: the receiver checks that
+NumBlocks = Annotated[int, Meta(ge=0, le=MAX_NUM_BLOCKS)]
+Index = Annotated[int, Meta(ge=0, lt=MAX_N)]  # one of a request's sequences
+RequestId = Annotated[str, Meta(max_length=256)]
+Name = Annotated[str, Meta(max_length=4096)]  # a model name or path, a worker id, a reason
+Text = Annotated[str, Meta(max_length=1 << 16)]  # an error message
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]  # finite: the bounds refuse NaN and infinities too
+# A logprob is at most 0; -inf is a token of probability 0 (underflow), NaN is refused by the bound.
+Logprob = Annotated[float, Meta(le=0.0)]
+# The sampler's temperature and top_p of one sequence; the ranges SamplingParams.validate() checks.
+Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+FinishReasonValue = Literal["stop", "length", "abort"]  # a FinishReason value
+ErrorKindValue = Literal["invalid_request_error", "service_unavailable", "internal_error"]  # an ErrorKind
+
+TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
+SeqIds = Annotated[list[SeqId], Meta(max_length=MAX_PLAN_ITEMS)]
+BlockIds = Annotated[list[BlockId], Meta(max_length=MAX_PLAN_ITEMS)]
+Counts = Annotated[list[Count], Meta(max_length=MAX_PLAN_ITEMS)]
+BlockPairs = Annotated[list[tuple[BlockId, BlockId]], Meta(max_length=MAX_PLAN_ITEMS)]
+SeqPairs = Annotated[list[tuple[SeqId, SeqId]], Meta(max_length=MAX_PLAN_ITEMS)]
+SeqTokens = Annotated[list[tuple[SeqId, TokenId]], Meta(max_length=MAX_PLAN_ITEMS)]
+SeqBlocks = Annotated[list[tuple[SeqId, BlockIds]], Meta(max_length=MAX_PLAN_ITEMS)]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Sampling parameters
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks of generation. Validated by `validate()` in the scheduler, for every client."""
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
+    """What a request asks of generation. Validated by `validate()` in the scheduler, for every client; the
+    decoder already refuses a field outside its own range (the `Meta` bounds), `validate()` says why in words
+    for parameters built in-process and checks the rules that tie fields together."""
 
-    n: int = 1  # independent sequences per prompt
-    max_tokens: int = 16  # tokens to generate per sequence, at most
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
-    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
-    seed: int | None = None  # same seed, same output; None draws one per request
-    stop_token_ids: tuple[int, ...] = ()  # generating one of these ends the sequence (it is kept)
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # independent sequences per prompt
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_INT32)] = 16  # tokens to generate per sequence, at most
+    temperature: Temperature = 1.0  # 0 means greedy
+    top_p: TopP = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: TopK = 0  # keep the k most likely tokens; 0 keeps all
+    seed: Seed | None = None  # same seed, same output; None draws one per request
+    # generating one of these ends the sequence (it is kept)
+    stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()
     ignore_eos: bool = False  # keep going past the model's EOS tokens
-    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's logprob and the top k
-    stop: tuple[str, ...] = ()  # stop strings: applied by the client library, which sees text
-    beam_width: int = 0  # 0: sample; W >= n: beam search keeping W beams, returning the n best, at the end
-    length_penalty: float = 1.0  # beam search ranks finished beams by sum of logprobs / length ** this
+    # None: no logprobs; k >= 0: sampled token's logprob and the top k
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # stop strings: applied by the client library, which sees text
+    stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] = ()
+    # 0: sample; W >= n: beam search keeping W beams, returning the n best, at the end
+    beam_width: Annotated[int, Meta(ge=0, le=16)] = 0
+    # beam search ranks finished beams by sum of logprobs / length ** this
+    length_penalty: Annotated[float, Meta(ge=-100.0, le=100.0)] = 1.0
 
     MAX_LOGPROBS: ClassVar[int] = 20
     MAX_BEAM_WIDTH: ClassVar[int] = 16
 
     def validate(self) -> str | None:
-        """Returns why these parameters are unusable, or None when they are fine."""
-        if not 1 <= self.n <= 128:
-            return f"n must be between 1 and 128, got {self.n}"
-        if self.max_tokens < 1:
-            return f"max_tokens must be at least 1, got {self.max_tokens}"
+        """Returns why these parameters are unusable, or None when they are fine. Every comparison is
+        written so that NaN fails it."""
+        if not 1 <= self.n <= MAX_N:
+            return f"n must be between 1 and {MAX_N}, got {self.n}"
+        if not 1 <= self.max_tokens <= MAX_INT32:
+            return f"max_tokens must be between 1 and {MAX_INT32}, got {self.max_tokens}"
         if not 0.0 <= self.temperature <= 100.0:
             return f"temperature must be between 0 and 100, got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:
             return f"top_p must be in (0, 1], got {self.top_p}"
-        if self.top_k < 0:
-            return f"top_k must be 0 (off) or positive, got {self.top_k}"
+        if not 0 <= self.top_k <= MAX_INT32:
+            return f"top_k must be 0 (off) or positive, at most {MAX_INT32}, got {self.top_k}"
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             return f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}"
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             return f"seed must fit in 64 bits, got {self.seed}"
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            return f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}"
+        if any(not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            return f"stop token ids must be between 0 and {MAX_INT32}"
+        if len(self.stop) > MAX_STOP_STRINGS:
+            return f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
         if any(not s for s in self.stop):
             return "stop strings must not be empty"
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            return f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters"
+        if not 0 <= self.beam_width <= self.MAX_BEAM_WIDTH:
+            return f"beam width must be between 0 and {self.MAX_BEAM_WIDTH}, got {self.beam_width}"
+        if not -100.0 <= self.length_penalty <= 100.0:
+            return f"length_penalty must be between -100 and 100, got {self.length_penalty}"
         if self.beam_width:
-            if not self.n <= self.beam_width <= self.MAX_BEAM_WIDTH:
+            if not self.n <= self.beam_width:
                 limit = self.MAX_BEAM_WIDTH
                 return f"beam width must be between n ({self.n}) and {limit}, got {self.beam_width}"
             if self.temperature != 0.0:
@@ -100,288 +174,137 @@ class SamplingParams:
                 return "logprobs are not available with beam search"
         return None
 
-    def to_wire(self) -> list[Any]:
-        return [
-            self.n,
-            self.max_tokens,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.seed,
-            list(self.stop_token_ids),
-            self.ignore_eos,
-            self.logprobs,
-            list(self.stop),
-            self.beam_width,
-            self.length_penalty,
-        ]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> SamplingParams:
-        return cls(f[0], f[1], f[2], f[3], f[4], f[5], tuple(f[6]), f[7], f[8], tuple(f[9]), f[10], f[11])
-
 
 # ---------------------------------------------------------------------------------------------------------
 # client <-> scheduler
 
 
-@dataclass
-class SubmitRequest:
+class SubmitRequest(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
-    request_id: str  # unique per client connection; outputs and errors carry it back
-    prompt_token_ids: list[int]  # used exactly as given, nothing prepended
+    request_id: RequestId  # unique per client connection; outputs and errors carry it back
+    prompt_token_ids: TokenIds  # used exactly as given, nothing prepended
     params: SamplingParams
-    priority: int = 0  # with --scheduling-policy priority: lower runs first, ties by arrival
-    cache_salt: str = ""  # mixed into the prefix-cache hash of the first block: tenants share no cache
-
-    def to_wire(self) -> list[Any]:
-        return [self.request_id, self.prompt_token_ids, self.params.to_wire(), self.priority, self.cache_salt]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> SubmitRequest:
-        return cls(f[0], f[1], SamplingParams.from_wire(f[2]), f[3], f[4])
+    priority: Int64 = 0  # with --scheduling-policy priority: lower runs first, ties by arrival
+    cache_salt: Name = ""  # mixed into the prefix-cache hash of the first block: tenants share no cache
 
 
-@dataclass
-class AbortRequest:
+class AbortRequest(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.ABORT
-    request_id: str
-    index: int | None = None  # one sequence of the request (a stop string hit it), or None for all
-    finish_reason: str = FinishReason.ABORT  # reported for the aborted sequences
-
-    def to_wire(self) -> list[Any]:
-        return [self.request_id, self.index, self.finish_reason]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> AbortRequest:
-        return cls(f[0], f[1], f[2])
+    request_id: RequestId
+    index: Index | None = None  # one sequence of the request (a stop string hit it), or None for all
+    finish_reason: FinishReasonValue = FinishReason.ABORT  # reported for the aborted sequences
 
 
-@dataclass
-class InfoRequest:
+class InfoRequest(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.INFO_REQUEST
-    query_id: int  # echoed in the reply
-
-    def to_wire(self) -> list[Any]:
-        return [self.query_id]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> InfoRequest:
-        return cls(f[0])
+    query_id: Int64  # echoed in the reply
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
+class TokenLogprobs(msgspec.Struct, array_like=True):
     """Logprobs of one generated token under the model's raw distribution."""
 
-    logprob: float  # of the sampled token
-    top_token_ids: list[int] = field(default_factory=list)  # the k most likely tokens, best first
-    top_logprobs: list[float] = field(default_factory=list)
-
-    def to_wire(self) -> list[Any]:
-        return [self.logprob, self.top_token_ids, self.top_logprobs]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> TokenLogprobs:
-        return cls(f[0], f[1], f[2])
+    logprob: Logprob  # of the sampled token
+    # the k most likely tokens, best first
+    top_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_TOP_LOGPROBS)] = msgspec.field(
+        default_factory=list
+    )
+    top_logprobs: Annotated[list[Logprob], Meta(max_length=MAX_TOP_LOGPROBS)] = msgspec.field(
+        default_factory=list
+    )
 
 
-@dataclass(slots=True)
-class SeqOutput:
+class SeqOutput(msgspec.Struct, array_like=True):
     """New tokens of one sequence of a request since its last output."""
 
-    request_id: str
-    index: int  # which of the request's n sequences
-    token_ids: list[int]  # new tokens, in order
-    logprobs: list[TokenLogprobs] | None  # one per new token when the request asked for logprobs
-    finish_reason: str | None  # set on the sequence's last output
-    num_prompt_tokens: int  # for usage
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-    def to_wire(self) -> list[Any]:
-        lp = None if self.logprobs is None else [x.to_wire() for x in self.logprobs]
-        return [
-            self.request_id,
-            self.index,
-            self.token_ids,
-            lp,
-            self.finish_reason,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-        ]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> SeqOutput:
-        lp = None if f[3] is None else [TokenLogprobs.from_wire(x) for x in f[3]]
-        return cls(f[0], f[1], f[2], lp, f[4], f[5], f[6])
+    request_id: RequestId
+    index: Index  # which of the request's n sequences
+    token_ids: TokenIds  # new tokens, in order
+    # one per new token when the request asked for logprobs
+    logprobs: Annotated[list[TokenLogprobs], Meta(max_length=MAX_PROMPT_TOKENS)] | None
+    finish_reason: FinishReasonValue | None  # set on the sequence's last output
+    num_prompt_tokens: Count  # for usage
+    num_cached_tokens: Count = 0  # prompt tokens served from the prefix cache
 
 
-@dataclass
-class RequestOutputs:
+class RequestOutputs(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.REQUEST_OUTPUTS
-    outputs: list[SeqOutput]  # everything one step produced for one client
-
-    def to_wire(self) -> list[Any]:
-        return [o.to_wire() for o in self.outputs]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> RequestOutputs:
-        return cls([SeqOutput.from_wire(o) for o in f])
+    # everything one step produced for one client
+    outputs: Annotated[list[SeqOutput], Meta(max_length=MAX_PLAN_ITEMS)]
 
 
-@dataclass
-class RequestError:
+class RequestError(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.REQUEST_ERROR
-    request_id: str
-    kind: str  # an ErrorKind value
-    message: str  # for a person to read
-
-    def to_wire(self) -> list[Any]:
-        return [self.request_id, self.kind, self.message]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> RequestError:
-        return cls(f[0], f[1], f[2])
+    request_id: RequestId
+    kind: ErrorKindValue  # an ErrorKind value
+    message: Text  # for a person to read
 
 
-@dataclass
-class InfoReply:
+class InfoReply(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.INFO_REPLY
-    query_id: int
+    query_id: Int64
     ready: bool  # a worker has announced itself and requests are admitted
-    model_root: str  # the checkpoint directory the worker loaded ("" before ready)
-    model_name: str  # the name clients use in the "model" field
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_kv_blocks: int
-    metrics_text: str  # the scheduler's metrics in Prometheus text format
-
-    def to_wire(self) -> list[Any]:
-        return [
-            self.query_id,
-            self.ready,
-            self.model_root,
-            self.model_name,
-            self.max_model_len,
-            self.vocab_size,
-            self.block_size,
-            self.num_kv_blocks,
-            self.metrics_text,
-        ]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> InfoReply:
-        return cls(*f)
+    model_root: Name  # the checkpoint directory the worker loaded ("" before ready)
+    model_name: Name  # the name clients use in the "model" field
+    max_model_len: Count  # these four are 0 before ready
+    vocab_size: Count
+    block_size: Count
+    num_kv_blocks: NumBlocks
+    metrics_text: Annotated[str, Meta(max_length=1 << 24)]  # the scheduler's metrics, Prometheus text format
 
 
 # ---------------------------------------------------------------------------------------------------------
 # worker <-> scheduler
 
 
-@dataclass
-class WorkerReady:
+class WorkerReady(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_READY
-    num_kv_blocks: int  # blocks in the worker's KV pool
-    block_size: int  # tokens per block
-    max_model_len: int  # longest sequence (prompt + output) the worker serves
-    vocab_size: int  # token ids must be below this
-    eos_token_ids: list[int]  # ids that end a sequence unless ignore_eos
-    model_root: str  # the checkpoint directory
-    model_name: str  # served model name
-    num_cpu_blocks: int = 0  # blocks in the worker's CPU swap pool (0: no swapping)
-    worker_id: str = ""  # random per worker process; its heartbeats carry it ("": sends none)
-
-    def to_wire(self) -> list[Any]:
-        return [
-            self.num_kv_blocks,
-            self.block_size,
-            self.max_model_len,
-            self.vocab_size,
-            self.eos_token_ids,
-            self.model_root,
-            self.model_name,
-            self.num_cpu_blocks,
-            self.worker_id,
-        ]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> WorkerReady:
-        return cls(*f)
+    num_kv_blocks: Annotated[int, Meta(ge=1, le=MAX_NUM_BLOCKS)]  # blocks in the worker's KV pool
+    block_size: Annotated[int, Meta(ge=1, le=1 << 16)]  # tokens per block
+    # longest sequence (prompt + output) the worker serves
+    max_model_len: Annotated[int, Meta(ge=1, le=1 << 24)]
+    vocab_size: Annotated[int, Meta(ge=1, le=MAX_INT32 + 1)]  # token ids must be below this
+    # ids that end a sequence unless ignore_eos
+    eos_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+    model_root: Name  # the checkpoint directory
+    model_name: Name  # served model name
+    num_cpu_blocks: NumBlocks = 0  # blocks in the worker's CPU swap pool (0: no swapping)
+    # random per worker process; its heartbeats carry it ("": sends none)
+    worker_id: Annotated[str, Meta(max_length=256)] = ""
 
 
-@dataclass
-class Heartbeat:
+class Heartbeat(msgspec.Struct, array_like=True):
     """The worker is alive, even in the middle of a long step. Sent from its own socket, so the scheduler's
     ROUTER sees another identity than the worker's: `worker_id` is what ties the beat to the worker."""
 
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
-    worker_id: str  # the WorkerReady.worker_id of the process that beats
-
-    def to_wire(self) -> list[Any]:
-        return [self.worker_id]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> Heartbeat:
-        return cls(f[0])
+    worker_id: Annotated[str, Meta(max_length=256)]  # the WorkerReady.worker_id of the process that beats
 
 
-@dataclass
-class NewSequence:
+class NewSequence(msgspec.Struct, array_like=True):
     """A sequence the worker has not seen, or one that comes back after preemption by recompute."""
 
-    seq_id: int
-    token_ids: list[int]  # every token known so far: the prompt, then any tokens generated before preemption
-    block_table: list[int]  # KV blocks allocated so far, in order
-    num_computed_tokens: int  # tokens whose KV is already in the cache (always 0 in this cut)
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int  # the sequence's own seed; the worker's randomness depends only on it and the position
-    num_logprobs: int  # -1: none; k >= 0: sampled token's logprob and the top k
+    seq_id: SeqId
+    token_ids: TokenIds  # every token known so far: the prompt, then any tokens generated before preemption
+    block_table: BlockIds  # KV blocks allocated so far, in order
+    num_computed_tokens: Count  # tokens whose KV is already in the cache (always 0 in this cut)
+    temperature: Temperature
+    top_p: TopP
+    top_k: TopK
+    seed: Seed  # the sequence's own seed; the worker's randomness depends only on it and the position
+    # -1: none; k >= 0: sampled token's logprob and the top k
+    num_logprobs: Annotated[int, Meta(ge=-1, le=MAX_TOP_LOGPROBS)]
     beam: bool = False  # a beam: report its top candidates but append nothing (the scheduler chooses)
 
-    def to_wire(self) -> list[Any]:
-        return [
-            self.seq_id,
-            self.token_ids,
-            self.block_table,
-            self.num_computed_tokens,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.seed,
-            self.num_logprobs,
-            self.beam,
-        ]
 
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> NewSequence:
-        return cls(*f)
-
-
-@dataclass
-class Fork:
+class Fork(msgspec.Struct, array_like=True):
     """A sequence that starts as a copy of another one, sharing its KV blocks by reference."""
 
-    parent_seq_id: int  # must sample in the same step
-    child_seq_id: int
-    seed: int  # the child's own seed; its other sampling settings are the parent's
-
-    def to_wire(self) -> list[Any]:
-        return [self.parent_seq_id, self.child_seq_id, self.seed]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> Fork:
-        return cls(f[0], f[1], f[2])
+    parent_seq_id: SeqId  # must sample in the same step
+    child_seq_id: SeqId
+    seed: Seed  # the child's own seed; its other sampling settings are the parent's
 
 
-def _pairs(f: list[Any]) -> list[tuple[int, int]]:
-    return [(a, b) for a, b in f]
-
-
-@dataclass
-class StepPlan:
+class StepPlan(msgspec.Struct, array_like=True):
     """One iteration: what to forget, move, copy and add, and how many tokens each sequence computes.
 
     The worker applies a plan in this order:
@@ -402,95 +325,37 @@ class StepPlan:
     """
 
     TYPE: ClassVar[MsgType] = MsgType.STEP_PLAN
-    step_id: int
-    freed_seq_ids: list[int]  # drop their state (applied first)
-    new_seqs: list[NewSequence]
-    new_block_ids: list[tuple[int, list[int]]]  # (seq_id, blocks to append to its block table)
-    scheduled_seq_ids: list[int]  # the sequences that run this step, in batch order
-    num_scheduled_tokens: list[int]  # per scheduled sequence
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
-    new_block_tables: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, whole new table)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block), GPU pool
-    forks: list[Fork] = field(default_factory=list)
-    clones: list[tuple[int, int]] = field(default_factory=list)  # (parent seq_id, new child seq_id)
-    appended_tokens: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, token id)
-
-    def to_wire(self) -> list[Any]:
-        return [
-            self.step_id,
-            self.freed_seq_ids,
-            [s.to_wire() for s in self.new_seqs],
-            [[seq_id, blocks] for seq_id, blocks in self.new_block_ids],
-            self.scheduled_seq_ids,
-            self.num_scheduled_tokens,
-            self.swap_out,
-            self.swap_in,
-            [[seq_id, table] for seq_id, table in self.new_block_tables],
-            self.block_copies,
-            [fork.to_wire() for fork in self.forks],
-            self.clones,
-            self.appended_tokens,
-        ]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> StepPlan:
-        return cls(
-            f[0],
-            f[1],
-            [NewSequence.from_wire(s) for s in f[2]],
-            [(seq_id, blocks) for seq_id, blocks in f[3]],
-            f[4],
-            f[5],
-            _pairs(f[6]),
-            _pairs(f[7]),
-            [(seq_id, table) for seq_id, table in f[8]],
-            _pairs(f[9]),
-            [Fork.from_wire(x) for x in f[10]],
-            _pairs(f[11]),
-            _pairs(f[12]),
-        )
+    step_id: Count
+    freed_seq_ids: SeqIds  # drop their state (applied first)
+    new_seqs: Annotated[list[NewSequence], Meta(max_length=MAX_PLAN_ITEMS)]
+    new_block_ids: SeqBlocks  # (seq_id, blocks to append to its block table)
+    scheduled_seq_ids: SeqIds  # the sequences that run this step, in batch order
+    num_scheduled_tokens: Counts  # per scheduled sequence
+    swap_out: BlockPairs = msgspec.field(default_factory=list)  # (gpu block, cpu block)
+    swap_in: BlockPairs = msgspec.field(default_factory=list)  # (cpu block, gpu block)
+    new_block_tables: SeqBlocks = msgspec.field(default_factory=list)  # (seq_id, whole new table)
+    block_copies: BlockPairs = msgspec.field(default_factory=list)  # (src block, dst block), GPU pool
+    forks: Annotated[list[Fork], Meta(max_length=MAX_PLAN_ITEMS)] = msgspec.field(default_factory=list)
+    clones: SeqPairs = msgspec.field(default_factory=list)  # (parent seq_id, new child seq_id)
+    appended_tokens: SeqTokens = msgspec.field(default_factory=list)  # (seq_id, token id)
 
 
-@dataclass
-class StepOutput:
+class StepOutput(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.STEP_OUTPUT
-    step_id: int  # the plan this answers
-    seq_ids: list[int]  # the sequences that sampled a token this step
-    token_ids: list[int]  # one per sequence in seq_ids
-    logprobs: list[TokenLogprobs | None]  # one per sequence; None where it asked for none
-    gpu_time_s: float = 0.0  # the step's time on the GPU (CUDA events around it; 0 off CUDA)
+    step_id: Count  # the plan this answers
+    seq_ids: SeqIds  # the sequences that sampled a token this step
+    token_ids: Annotated[list[TokenId], Meta(max_length=MAX_PLAN_ITEMS)]  # one per sequence in seq_ids
+    # one per sequence; None where it asked for none
+    logprobs: Annotated[list[TokenLogprobs | None], Meta(max_length=MAX_PLAN_ITEMS)]
+    gpu_time_s: Seconds = 0.0  # the step's time on the GPU (CUDA events around it; 0 off CUDA)
     # The GPU's idle time from the end of the worker's previous step to this step's start, on the GPU's
     # own clock (0 for the first step, and off CUDA)
-    gpu_idle_before_s: float = 0.0
-
-    def to_wire(self) -> list[Any]:
-        return [
-            self.step_id,
-            self.seq_ids,
-            self.token_ids,
-            [None if lp is None else lp.to_wire() for lp in self.logprobs],
-            self.gpu_time_s,
-            self.gpu_idle_before_s,
-        ]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> StepOutput:
-        logprobs = [None if lp is None else TokenLogprobs.from_wire(lp) for lp in f[3]]
-        return cls(f[0], f[1], f[2], logprobs, f[4], f[5])
+    gpu_idle_before_s: Seconds = 0.0
 
 
-@dataclass
-class Shutdown:
+class Shutdown(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
-    reason: str
-
-    def to_wire(self) -> list[Any]:
-        return [self.reason]
-
-    @classmethod
-    def from_wire(cls, f: list[Any]) -> Shutdown:
-        return cls(f[0])
+    reason: Name
 
 
 Message = (
@@ -524,6 +389,12 @@ MESSAGE_CLASSES: dict[MsgType, type] = {
     )
 }
 
+_ENCODER = msgspec.msgpack.Encoder()
+# One typed decoder per type byte, built once: msgspec compiles the checks of a type when its decoder is made.
+_DECODERS: dict[int, msgspec.msgpack.Decoder] = {
+    int(t): msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_CLASSES.items()
+}
+
 
 class CodecError(ValueError):
     """A frame pair that is not a message of ours."""
@@ -531,19 +402,18 @@ class CodecError(ValueError):
 
 def encode(msg: Message) -> list[bytes]:
     """The two frames for `msg`: its type byte and its msgpack-encoded fields."""
-    return [bytes((msg.TYPE,)), msgpack.packb(msg.to_wire(), use_bin_type=True)]
+    return [bytes((msg.TYPE,)), _ENCODER.encode(msg)]
 
 
 def decode(frames: list[bytes]) -> Message:
-    """The message in `frames` (type byte, payload). Raises CodecError on anything else."""
+    """The message in `frames` (type byte, payload), its fields of the declared types and inside their
+    ranges. Raises CodecError on anything else: frames from a foreign client must not kill the server."""
     if len(frames) != 2 or len(frames[0]) != 1:
         raise CodecError(f"expected 2 frames (type, payload), got {len(frames)}")
+    decoder = _DECODERS.get(frames[0][0])
+    if decoder is None:
+        raise CodecError(f"unknown message type {frames[0][0]}")
     try:
-        cls = MESSAGE_CLASSES[MsgType(frames[0][0])]
-    except ValueError as e:
-        raise CodecError(f"unknown message type {frames[0][0]}") from e
-    try:
-        fields = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
-        return cls.from_wire(fields)
-    except Exception as e:  # malformed payloads from a foreign client must not kill the server
-        raise CodecError(f"malformed {cls.__name__}: {e}") from e
+        return decoder.decode(frames[1])
+    except msgspec.MsgspecError as e:  # malformed msgpack, trailing bytes, a wrong type, a value off range
+        raise CodecError(f"malformed {MESSAGE_CLASSES[MsgType(frames[0][0])].__name__}: {e}") from e

@@ -1,11 +1,16 @@
-"""Every message type round-trips through the codec; foreign frames give a CodecError, not a crash."""
+"""Every message type round-trips through the codec; foreign frames, wrong field types and values outside a
+field's range give a CodecError, not a crash. (tests/chaos/test_wire_fuzz.py fuzzes the same codec.)"""
 
 from __future__ import annotations
 
+import math
+
 import msgpack
+import msgspec
 import pytest
 
 from common.messages import (
+    MAX_NUM_BLOCKS,
     MESSAGE_CLASSES,
     AbortRequest,
     CodecError,
@@ -92,6 +97,8 @@ def test_round_trip(msg):
         [b"\x01", b"\xc1not msgpack"],
         [b"\x01", msgpack.packb(["only-an-id"])],
         [b"", b""],
+        [b"\x02", msgpack.packb(["req-1", None, "abort"]) + b"\x00"],  # trailing bytes
+        [b"\x02", msgpack.packb(["req-1"]), b""],  # three frames
     ],
 )
 def test_foreign_frames_raise_codec_error(frames):
@@ -109,3 +116,130 @@ def test_sampling_params_validation():
     assert "beam width" in SamplingParams(n=3, beam_width=2, temperature=0.0).validate()
     assert "temperature" in SamplingParams(beam_width=2).validate()
     assert SamplingParams(n=2, beam_width=4, temperature=0.0).validate() is None
+
+
+def _payload(value: object) -> list:
+    return msgpack.unpackb(msgspec.msgpack.encode(value))
+
+
+def _frames(msg_type: int, fields: list) -> list[bytes]:
+    return [bytes((msg_type,)), msgpack.packb(fields, use_bin_type=True)]
+
+
+@pytest.mark.parametrize(
+    "msg_type, fields",
+    [
+        (2, [["req-1"], None, "abort"]),  # an AbortRequest whose request id is a list killed the scheduler
+        (2, ["req-1", True, "abort"]),  # a bool where an int goes
+        (2, ["req-1", 0, "finished-somehow"]),  # not a finish reason
+        (1, ["r", [1, "2"], _payload(PARAMS), 0, ""]),  # a string token id
+        (1, ["r", [1], _payload(PARAMS)[:3] + ["1.0"] + _payload(PARAMS)[4:], 0, ""]),  # top_p a string
+        (30, [1, [], [], [], ["9"], [1]]),  # a StepPlan whose seq ids are strings
+        (30, [1, [], [], [[2, 8]], [2], [1]]),  # new_block_ids pairs (seq_id, [blocks]) with an int
+        (21, [7, [9], [100], [[-0.5, [1], ["x"]]]]),  # a string logprob
+        (11, ["r", "some_new_kind", "msg"]),  # not an ErrorKind
+        (20, [512, 16, 2048, 4096, [2], "/m", "x", 0, 5]),  # a worker id that is an int
+    ],
+)
+def test_well_framed_messages_with_wrong_field_types_raise_codec_error(msg_type: int, fields: list) -> None:
+    """9 of 14 such crafted messages killed the scheduler: the typed decoder refuses them all."""
+    with pytest.raises(CodecError):
+        decode(_frames(msg_type, fields))
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        SubmitRequest("r", [1], SamplingParams(temperature=math.nan)),
+        SubmitRequest("r", [1], SamplingParams(top_p=math.inf)),
+        SubmitRequest("r", [1], SamplingParams(n=2, beam_width=2, temperature=0.0, length_penalty=1e308)),
+        SubmitRequest("r", [1], SamplingParams(n=0)),
+        SubmitRequest("r", [1], SamplingParams(stop=("x",) * 17)),
+        SubmitRequest("r", [1], SamplingParams(stop=("x" * 1025,))),
+        SubmitRequest("r", [1], SamplingParams(stop_token_ids=(2**31,))),
+        SubmitRequest("r" * 257, [1], SamplingParams()),
+        SubmitRequest("r", [-1], SamplingParams()),
+        AbortRequest("r", -1),
+        WorkerReady(MAX_NUM_BLOCKS + 1, 16, 2048, 4096, [2], "/m", "x"),
+        WorkerReady(512, 16, 2048, 4096, [2], "/m", "x", num_cpu_blocks=MAX_NUM_BLOCKS + 1),
+        WorkerReady(512, 0, 2048, 4096, [2], "/m", "x"),
+        StepPlan(1, [], [], [(0, [MAX_NUM_BLOCKS])], [0], [1]),
+        StepPlan(1, [-1], [], [], [], []),
+        StepOutput(1, [0], [5], [TokenLogprobs(math.nan)]),
+        StepOutput(1, [0], [5], [None], gpu_time_s=-1.0),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_values_outside_a_fields_range_raise_codec_error(msg) -> None:
+    """A fake WorkerReady claiming millions of KV blocks made the scheduler allocate hundreds of MB; a
+    length_penalty of 1e308 overflowed the scheduler's beam scores. Bounds are checked at decode."""
+    with pytest.raises(CodecError):
+        decode(encode(msg))
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"n": 129}, "n must"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": ("x",) * 17}, "stop strings"),
+        ({"stop": ("x" * 1025,)}, "stop strings"),
+        ({"stop_token_ids": (0,) * 1025}, "stop token ids"),
+        ({"stop_token_ids": (-1,)}, "stop token ids"),
+        ({"stop_token_ids": (2**31,)}, "stop token ids"),
+        ({"beam_width": 17, "temperature": 0.0}, "beam width"),
+        ({"beam_width": -1}, "beam width"),
+        ({"length_penalty": 1e308}, "length_penalty"),
+        ({"length_penalty": -1e308}, "length_penalty"),
+        ({"length_penalty": math.nan}, "length_penalty"),
+        ({"n": 2, "beam_width": 2, "temperature": 0.0, "length_penalty": 1e308}, "length_penalty"),
+    ],
+)
+def test_every_sampling_field_has_a_finite_range(change: dict, problem: str) -> None:
+    """`{"use_beam_search": true, "length_penalty": 1e308}` killed the server: every field is bounded and
+    NaN fails every float's check."""
+    assert problem in SamplingParams(**change).validate()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"n": 128},
+        {"max_tokens": 2**31 - 1},
+        {"temperature": 100.0},
+        {"top_p": 1e-9},
+        {"top_k": 2**31 - 1},
+        {"seed": 2**64 - 1},
+        {"seed": -(2**63)},
+        {"logprobs": 20},
+        {"stop": ("x" * 1024,) * 16},
+        {"stop_token_ids": tuple(range(1024))},
+        {"n": 2, "beam_width": 16, "temperature": 0.0, "length_penalty": -100.0},
+    ],
+)
+def test_sampling_params_at_their_bounds_are_valid_and_cross_the_wire(change: dict) -> None:
+    """validate() and the decoder's bounds agree at each edge: what the api accepts, the scheduler decodes."""
+    params = SamplingParams(**change)
+    assert params.validate() is None
+    assert decode(encode(SubmitRequest("r", [1], params))).params == params
+
+
+def test_messages_build_by_position_and_keyword_and_sampling_params_stay_frozen() -> None:
+    assert AbortRequest("r", 1, "stop") == AbortRequest(request_id="r", index=1, finish_reason="stop")
+    assert StepPlan(1, [], [], [], [], []).swap_out == []
+    a, b = StepPlan(1, [], [], [], [], []), StepPlan(2, [], [], [], [], [])
+    a.forks.append(Fork(1, 2, 3))
+    assert b.forks == []  # each message gets its own default list
+    with pytest.raises(AttributeError):
+        PARAMS.n = 4  # type: ignore[misc]
+    assert hash(PARAMS) == hash(SamplingParams(**msgspec.structs.asdict(PARAMS)))
+    assert msgspec.structs.replace(PARAMS, max_tokens=3).max_tokens == 3
