@@ -21,6 +21,12 @@ class SchedulerInspection:
         return sum(1 for _, s in self._waiting if s.status is SeqStatus.WAITING)
 
     @property
+    def num_queued_seqs(self) -> int:
+        """Live sequences not running (waiting, forks waiting for their prompt, swapped out): what
+        `max_waiting_seqs` bounds."""
+        return len(self._seqs) - len(self._running)
+
+    @property
     def num_swapped_seqs(self) -> int:
         return sum(1 for _, s in self._swapped if s.status is SeqStatus.SWAPPED)
 

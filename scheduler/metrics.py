@@ -46,6 +46,8 @@ class SchedulerMetrics:
     generated_tokens_total: int = 0
     requests_finished_total: int = 0
     requests_rejected_total: int = 0
+    requests_overloaded_total: int = 0  # refused because the waiting queue was full (503)
+    requests_failed_total: int = 0  # ended by an internal fault while the core handled them
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of which found
     swap_outs_total: int = 0
@@ -70,6 +72,14 @@ class SchedulerMetrics:
             "pagedserve_generated_tokens_total": (self.generated_tokens_total, "Tokens generated"),
             "pagedserve_requests_finished_total": (self.requests_finished_total, "Requests finished"),
             "pagedserve_requests_rejected_total": (self.requests_rejected_total, "Requests refused"),
+            "pagedserve_requests_overloaded_total": (
+                self.requests_overloaded_total,
+                "Requests refused because too many sequences were waiting",
+            ),
+            "pagedserve_requests_failed_total": (
+                self.requests_failed_total,
+                "Requests ended by an internal fault",
+            ),
             "pagedserve_prefix_cache_queries_total": (
                 self.prefix_cache_queries_total,
                 "Prompt tokens looked up in the prefix cache",

@@ -33,30 +33,43 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import structlog
+
 from common.messages import (
     ErrorKind,
     FinishReason,
     Fork,
     NewSequence,
     RequestError,
+    SamplingParams,
     SeqOutput,
     StepOutput,
     StepPlan,
     SubmitRequest,
+    TokenLogprobs,
 )
 from scheduler.beam import BeamGroup
 from scheduler.block_manager import Allocation, BlockManager
 from scheduler.inspection import SchedulerInspection
 from scheduler.metrics import SchedulerMetrics
+from scheduler.output_check import check_step_output
 from scheduler.request import Request, SeqStatus, Sequence
 from scheduler.search import BeamSearchSteps
 
+log = structlog.get_logger(process="scheduler")
+
 Output = tuple[bytes, SeqOutput]  # (owner, output)
+Error = tuple[bytes, RequestError]  # (owner, error)
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) over distinct seeds
 # Under preemption_mode "auto", a victim with at least this many computed tokens is swapped: recomputing
 # its KV would cost more than copying it over PCIe and back.
 SWAP_MIN_TOKENS = 256
+
+
+def _num_seqs(params: SamplingParams) -> int:
+    """The sequences a request comes to have at once: n, or a beam search's width."""
+    return params.beam_width or params.n
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ class SchedulerSettings:
     preemption_mode: str = "recompute"  # recompute | swap | auto
     scheduling_policy: str = "fcfs"  # fcfs | priority
     kv_policy: str = "paged"  # paged | reserved | reserved-max
+    max_waiting_seqs: int = 4096  # sequences queued and not running, at most; beyond it requests get 503
 
     @property
     def watermark_blocks(self) -> int:
@@ -138,24 +152,54 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         self._next_step_id = 0
         self._eos = frozenset(settings.eos_token_ids)
         self._decode_only_steps: set[int] = set()  # plans in flight whose every chunk is one token
+        self._sampling: dict[
+            int, list[int]
+        ] = {}  # step id of a plan in flight -> sequences that sample in it
+        self._errors: list[Error] = []  # requests ended by an internal fault, for take_errors()
 
     # ----------------------------------------------------------------------------------------------------
     # requests in and out
 
     def add_request(self, owner: bytes, msg: SubmitRequest) -> RequestError | None:
-        """Queues the request, or returns why it can never be served (nothing is queued then)."""
-        problem = self._validate(owner, msg)
+        """Queues the request, or returns why not (nothing of it is kept then): INVALID_REQUEST when it can
+        never be served as sent, UNAVAILABLE when `max_waiting_seqs` sequences would be waiting with it
+        (retry later), INTERNAL when queueing it failed."""
+        try:
+            problem = self._validate(owner, msg)
+        except Exception as e:  # a field of the wrong type
+            problem = f"malformed request ({type(e).__name__})"
         if problem is not None:
             self.metrics.requests_rejected_total += 1
             return RequestError(msg.request_id, ErrorKind.INVALID_REQUEST, problem)
+        if self.num_queued_seqs + _num_seqs(msg.params) > self.settings.max_waiting_seqs:
+            self.metrics.requests_overloaded_total += 1
+            return RequestError(
+                msg.request_id, ErrorKind.UNAVAILABLE, "the server is overloaded; retry later"
+            )
         params = msg.params
         prompt = list(msg.prompt_token_ids)
         request = Request(owner, msg.request_id, prompt, params, self._clock(), msg.priority, msg.cache_salt)
+        try:
+            self._queue_request(request)
+        except Exception as e:
+            log.error("request_failed", request_id=msg.request_id, exc_info=True)
+            for seq in request.seqs:  # forget what was made; its queue entries are skipped as finished
+                seq.status = SeqStatus.FINISHED
+                self._seqs.pop(seq.seq_id, None)
+            if self._requests.get(request.key) is request:
+                del self._requests[request.key]
+            self.metrics.requests_failed_total += 1
+            return RequestError(msg.request_id, ErrorKind.INTERNAL, f"internal error ({type(e).__name__})")
+        return None
+
+    def _queue_request(self, request: Request) -> None:
+        params = request.params
+        prompt = request.prompt_token_ids
         eos = frozenset() if params.ignore_eos else self._eos
         request.stop_ids = frozenset(params.stop_token_ids) | eos
         request.max_total_len = min(len(prompt) + params.max_tokens, self.settings.max_model_len)
         base_seed = params.seed if params.seed is not None else random.getrandbits(63)
-        priority = msg.priority if self.settings.scheduling_policy == "priority" else 0
+        priority = request.priority if self.settings.scheduling_policy == "priority" else 0
         order = self._next_seq_id
         if params.beam_width:
             request.beam = BeamGroup(params.beam_width, params.length_penalty)
@@ -163,19 +207,21 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             seed = (base_seed * _SEED_MIX + index) % (1 << 63) if index else base_seed % (1 << 63)
             seq_id = self._next_seq_id
             self._next_seq_id += 1
-            seq = Sequence(seq_id, request, index, seed, list(prompt), sort_key=(priority, order, seq_id))
+            # a fork child shares the request's prompt list until it is forked (it gets its own list then)
+            shared = index > 0 and not self.settings.reserved
+            tokens = prompt if shared else list(prompt)
+            seq = Sequence(seq_id, request, index, seed, tokens, sort_key=(priority, order, seq_id))
             request.seqs.append(seq)
             if request.beam:
                 request.live_beams.append(seq)
             self._seqs[seq_id] = seq
-            if index == 0 or self.settings.reserved:  # reserved mode shares nothing, as pre-paging servers
+            if not shared:  # reserved mode shares nothing, as pre-paging servers
                 heapq.heappush(self._waiting, (seq.sort_key, seq))
             else:
                 seq.status = SeqStatus.FORK_PENDING
                 request.seqs[0].fork_children.append(seq)
         self._requests[request.key] = request
         self.metrics.prompt_tokens_total += len(prompt)
-        return None
 
     def _validate(self, owner: bytes, msg: SubmitRequest) -> str | None:
         if (owner, msg.request_id) in self._requests:
@@ -198,6 +244,11 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
                 f"this model's maximum context length is {self.settings.max_model_len} tokens, but "
                 f"{total} were requested ({len(prompt)} in the prompt, {msg.params.max_tokens} to generate)"
             )
+        if _num_seqs(msg.params) > self.settings.max_waiting_seqs:
+            return (
+                f"this request makes {_num_seqs(msg.params)} sequences; at most "
+                f"{self.settings.max_waiting_seqs} may wait in the scheduler"
+            )
         room = self.settings.room(len(prompt), msg.params.max_tokens)
         if self.block_manager.blocks_for(room) > self.settings.num_kv_blocks:
             return (
@@ -209,10 +260,19 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
     def abort(
         self, owner: bytes, request_id: str, index: int | None = None, finish_reason: str = FinishReason.ABORT
     ) -> list[Output]:
-        """Ends one sequence of a request (or all of them); returns their final outputs."""
+        """Ends one sequence of a request (or all of them); returns their final outputs. Should that fail,
+        the request is ended with an error (take_errors) and nothing is returned."""
         request = self._requests.get((owner, request_id))
         if request is None:
             return []
+        try:
+            return self._abort(request, index, finish_reason)
+        except Exception:
+            self._fail_request(request, "internal error while aborting the request", exc_info=True)
+            return []
+
+    def _abort(self, request: Request, index: int | None, finish_reason: str) -> list[Output]:
+        owner, request_id = request.key
         if request.beam is not None:  # a search is all or nothing: end every beam, report n empty results
             for seq in list(request.live_beams):
                 self._finish(seq, finish_reason)
@@ -234,6 +294,75 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
     def live_requests(self) -> list[tuple[bytes, str]]:
         """(owner, request_id) of every request not yet finished."""
         return list(self._requests)
+
+    def take_errors(self) -> list[Error]:
+        """Errors of requests that the core ended because handling them failed (a bug, or a worker's output
+        it could not use): each request's sequences are finished and their blocks freed, and its client gets
+        one RequestError (INTERNAL) and nothing more. The server sends them after each call of `abort`,
+        `update` and `fail_step` (after that call's outputs); the other requests go on."""
+        errors, self._errors = self._errors, []
+        return errors
+
+    def check_output(self, step: StepOutput) -> str | None:
+        """What is wrong with a worker's step output, checked before `update` touches any state: its step is
+        one in flight, its lists agree in length, its sequences are exactly those that sample in that step
+        (some may have finished or been aborted since), its token ids lie in [0, vocab_size), and the logprobs
+        and beam candidates have the shape their requests asked for. None: `update` may take it."""
+        sampling = self._sampling.get(step.step_id) if type(step.step_id) is int else None
+        return check_step_output(step, sampling, self._seqs, self.settings.vocab_size)
+
+    def fail_step(self, step_id: int) -> StepOutput:
+        """For a step in flight whose output `check_output` refused: ends every request with a sequence that
+        samples in that step, with an error (take_errors) -- the worker appended their tokens itself, so
+        they cannot go on without them -- and returns an empty output that the server passes to `update`
+        in the refused one's place, which closes the step."""
+        for seq_id in self._sampling.get(step_id, []):
+            seq = self._seqs.get(seq_id)
+            if seq is not None:
+                self._fail_request(seq.request, "the worker's output for this request was malformed")
+        return StepOutput(step_id, [], [], [])
+
+    def _fail_request(self, request: Request, message: str, exc_info: bool = False) -> None:
+        """Ends every sequence of `request`, frees its blocks and queues an INTERNAL error for its client.
+        Works on state that the failure may have left half changed: a sequence that cannot be finished the
+        ordinary way is dropped by force, and the seat counts are recounted."""
+        log.error("request_failed", request_id=request.request_id, reason=message, exc_info=exc_info)
+        self.metrics.requests_failed_total += 1
+        for seq in reversed(request.seqs):  # fork children before their parent
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            try:
+                self._finish(seq, FinishReason.ABORT)
+            except Exception:
+                self._drop(seq)
+        if self._requests.get(request.key) is request:
+            del self._requests[request.key]
+        self._running = [s for s in self._running if s.status is SeqStatus.RUNNING]
+        self._recount_seats()
+        self._errors.append((request.owner, RequestError(request.request_id, ErrorKind.INTERNAL, message)))
+
+    def _drop(self, seq: Sequence) -> None:
+        """Forgets a sequence whose ordinary ending failed half way."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = FinishReason.ABORT
+        seq.fork_children = []
+        if seq in seq.request.live_beams:
+            seq.request.live_beams.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        if seq.on_worker:
+            self._freed_seq_ids.append(seq.seq_id)
+            seq.on_worker = False
+        self._seqs.pop(seq.seq_id, None)
+
+    def _recount_seats(self) -> None:
+        """Seat counts from the sequences themselves, after a failure may have left them off."""
+        self._pending_forks = sum(len(s.fork_children) for s in self._running)
+        self._beam_reserve = 0
+        for request in {s.request.key: s.request for s in self._seqs.values() if s.request.beam}.values():
+            group = request.beam
+            running = sum(1 for b in request.live_beams if b.status is SeqStatus.RUNNING)
+            group.seats_held, group.running_beams = (group.width if running else 0), running
+            self._beam_reserve += group.seats_held - running
 
     # ----------------------------------------------------------------------------------------------------
     # one step
@@ -258,12 +387,14 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             if not self._swapped:
                 self._schedule_waiting(step, budget)
         bs = self.settings.block_size
+        sampling: list[int] = []
         for seq, num_tokens in step.scheduled:
             before = seq.num_computed_tokens
             computed = seq.num_computed_tokens = before + num_tokens
             known = len(seq.token_ids)
             samples = computed == known + seq.num_pending_tokens
             if samples:
+                sampling.append(seq.seq_id)
                 if seq.request.beam is None:
                     seq.num_pending_tokens += 1
                 else:  # a beam reports candidates; its next token comes from the search, after the update
@@ -274,6 +405,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
                     seq.seq_id, seq.token_ids, min(computed, known), seq.request.cache_salt
                 )
             if seq.fork_children and samples:
+                sampling += [child.seq_id for child in seq.fork_children]
                 self._fork_children(seq, step)
         # frees ride on a plan that runs; an empty plan is not sent
         freed = self._freed_seq_ids if step.scheduled else []
@@ -296,8 +428,10 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             clones=clones,
             appended_tokens=appends,
         )
-        if step.scheduled and all(n == 1 for _, n in step.scheduled):
-            self._decode_only_steps.add(plan.step_id)
+        if step.scheduled:
+            self._sampling[plan.step_id] = sampling
+            if all(n == 1 for _, n in step.scheduled):
+                self._decode_only_steps.add(plan.step_id)
         self._next_step_id += 1
         return plan
 
@@ -546,6 +680,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             seq.fork_children = []
             heir.fork_children = rest
             heir.status = SeqStatus.WAITING
+            heir.token_ids = list(heir.token_ids)  # it shared the request's prompt list
             heapq.heappush(self._waiting, (heir.sort_key, heir))
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -564,59 +699,80 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
 
     def update(self, step: StepOutput) -> list[Output]:
         """Appends the sampled tokens, ends finished sequences and returns what to send to clients. Every
-        token goes out in the update that brings it, so an output carries exactly one new token."""
+        token goes out in the update that brings it, so an output carries exactly one new token. The output
+        must have passed `check_output`. A sequence aborted or finished since the step was planned is
+        skipped; a request whose handling fails is ended with an error (take_errors), the others go on."""
         now = self._clock()
+        self._sampling.pop(step.step_id, None)
         self._observe_step_time(step, now)
         outputs: list[Output] = []
         any_finished = False
-        running = SeqStatus.RUNNING
-        itl = self.metrics.inter_token_latency
         generated = 0
         for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
             seq = self._seqs.get(seq_id)
             if seq is None:
                 continue  # finished (aborted, or stopped by a token of an earlier step) while in flight
-            if seq.request.beam is not None:
-                seq.num_pending_reports -= 1
-                if seq.status is running:  # (a beam preempted since then reports again once recomputed)
-                    seq.candidates = logprobs
-                    any_finished |= self._advance_search(seq.request, outputs, now)
-                continue
-            # Running, or preempted after this step was sent: the token is the one it would produce anyway.
-            assert seq.num_pending_tokens > 0, f"step {step.step_id}: unexpected token for seq {seq_id}"
-            seq.num_pending_tokens -= 1
-            seq.token_ids.append(token)
-            generated += 1
-            if seq.last_token_time is None:
-                self._observe_token(seq, now)
-            else:
-                itl.observe(now - seq.last_token_time)
-                seq.last_token_time = now
-            request = seq.request
-            if token in request.stop_ids:
-                self._finish(seq, FinishReason.STOP)
+            try:
+                if seq.request.beam is not None:
+                    any_finished |= self._take_report(seq, logprobs, outputs, now)
+                    continue
+                any_finished |= self._take_token(seq, token, logprobs, outputs, now)
+                generated += 1
+            except Exception:
+                self._fail_request(seq.request, "internal error while handling the request", exc_info=True)
                 any_finished = True
-            elif len(seq.token_ids) >= request.max_total_len:
-                self._finish(seq, FinishReason.LENGTH)
-                any_finished = True
-            outputs.append(
-                (
-                    request.owner,
-                    SeqOutput(
-                        request.request_id,
-                        seq.index,
-                        [token],
-                        None if request.params.logprobs is None else [logprobs],
-                        seq.finish_reason,
-                        len(request.prompt_token_ids),
-                        seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0,
-                    ),
-                )
-            )
         self.metrics.generated_tokens_total += generated
         if any_finished:
             self._running = [s for s in self._running if s.status is SeqStatus.RUNNING]
         return outputs
+
+    def _take_report(
+        self, seq: Sequence, report: TokenLogprobs | None, outputs: list[Output], now: float
+    ) -> bool:
+        """A beam's candidates; returns whether a beam ended."""
+        seq.num_pending_reports -= 1
+        if seq.status is not SeqStatus.RUNNING:  # (a beam preempted since then reports again once recomputed)
+            return False
+        seq.candidates = report
+        return self._advance_search(seq.request, outputs, now)
+
+    def _take_token(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, outputs: list[Output], now: float
+    ) -> bool:
+        """A sampled token, streamed at once; returns whether the sequence ended."""
+        # Running, or preempted after this step was sent: the token is the one it would produce anyway.
+        if seq.num_pending_tokens <= 0:
+            raise RuntimeError(f"unexpected token for seq {seq.seq_id}")
+        seq.num_pending_tokens -= 1
+        seq.token_ids.append(token)
+        if seq.last_token_time is None:
+            self._observe_token(seq, now)
+        else:
+            self.metrics.inter_token_latency.observe(now - seq.last_token_time)
+            seq.last_token_time = now
+        request = seq.request
+        ended = False
+        if token in request.stop_ids:
+            self._finish(seq, FinishReason.STOP)
+            ended = True
+        elif len(seq.token_ids) >= request.max_total_len:
+            self._finish(seq, FinishReason.LENGTH)
+            ended = True
+        outputs.append(
+            (
+                request.owner,
+                SeqOutput(
+                    request.request_id,
+                    seq.index,
+                    [token],
+                    None if request.params.logprobs is None else [logprobs],
+                    seq.finish_reason,
+                    len(request.prompt_token_ids),
+                    seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0,
+                ),
+            )
+        )
+        return ended
 
     def _observe_step_time(self, step: StepOutput, now: float) -> None:
         """GPU time of every step; for decode-only steps also their span on the GPU's clock, from the end

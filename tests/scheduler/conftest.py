@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from common.messages import SamplingParams, SeqOutput, StepOutput, SubmitRequest
+from common.messages import RequestError, SamplingParams, SeqOutput, StepOutput, SubmitRequest
 from scheduler.scheduler import Scheduler, SchedulerSettings
 from tests.scheduler.fake_worker import FakeWorker
 
@@ -30,6 +30,7 @@ class Harness:
     # (request_id, index) -> tokens streamed so far, and the finish reason once finished
     tokens: dict[tuple[str, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     finish: dict[tuple[str, int], str] = field(default_factory=dict)
+    errors: dict[str, RequestError] = field(default_factory=dict)  # request_id -> the error that ended it
     steps: int = 0
     # Async scheduling as the server does it: plan N+1 is made before step N's output is applied (the fake
     # worker runs each plan at once; its output waits in `in_flight`, as it would on the wire).
@@ -44,9 +45,13 @@ class Harness:
         for _, out in outputs:
             key = (out.request_id, out.index)
             assert key not in self.finish, f"output for {key} after it finished"
+            assert out.request_id not in self.errors, f"output for {out.request_id} after its error"
             self.tokens[key].extend(out.token_ids)
             if out.finish_reason is not None:
                 self.finish[key] = out.finish_reason
+        for _, error in self.scheduler.take_errors():
+            assert error.request_id not in self.errors, f"two errors for {error.request_id}"
+            self.errors[error.request_id] = error
 
     def step(self) -> None:
         plan = self.scheduler.schedule()

@@ -1,0 +1,82 @@
+"""What a worker's StepOutput must look like before the scheduler lets it touch any state.
+
+The worker is trusted to run plans, not to be right: a step output that answers no step in flight, names
+sequences that did not sample in that step, or carries token ids outside the vocabulary would corrupt the
+core (or raise inside it). `check_step_output` says what is wrong, or None; the server drops a bad output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from common.messages import StepOutput, TokenLogprobs
+from scheduler.request import Sequence
+
+
+def _is_number(x: Any) -> bool:
+    return type(x) in (int, float)
+
+
+def _token_ok(token: Any, vocab_size: int) -> bool:
+    return type(token) is int and 0 <= token < vocab_size
+
+
+def check_step_output(
+    step: StepOutput, sampling: list[int] | None, seqs: dict[int, Sequence], vocab_size: int
+) -> str | None:
+    """`sampling`: the sequences that sample in the step `step` answers, None when that step is not in
+    flight; `seqs`: the live sequences (one absent was aborted or finished since, and is not looked at)."""
+    if sampling is None:
+        return f"step {step.step_id!r} is not in flight"
+    if not all(isinstance(f, list) for f in (step.seq_ids, step.token_ids, step.logprobs)):
+        return "seq_ids, token_ids and logprobs must be lists"
+    n = len(step.seq_ids)
+    if len(step.token_ids) != n or len(step.logprobs) != n:
+        return f"{n} seq ids, {len(step.token_ids)} token ids and {len(step.logprobs)} logprobs"
+    for x in (step.gpu_time_s, step.gpu_idle_before_s):
+        if not _is_number(x) or not math.isfinite(x) or x < 0:
+            return f"step times must be finite and not negative, got {x!r}"
+    if not all(type(s) is int for s in step.seq_ids):
+        return "seq ids must be integers"
+    got = set(step.seq_ids)
+    if len(got) != n:
+        return "a sequence appears twice"
+    if got != set(sampling):
+        missing, unexpected = sorted(set(sampling) - got)[:5], sorted(got - set(sampling))[:5]
+        return f"the sequences differ from those that sample in step {step.step_id}: missing {missing}, " + (
+            f"unexpected {unexpected}"
+        )
+    for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
+        if not _token_ok(token, vocab_size):
+            return f"seq {seq_id}: token id {token!r} is outside the vocabulary [0, {vocab_size})"
+        seq = seqs.get(seq_id)
+        if seq is None:
+            continue
+        params = seq.request.params
+        if seq.request.beam is not None:
+            problem = _check_logprobs(logprobs, 2 * params.beam_width, vocab_size, need_one=True)
+        elif params.logprobs is not None:
+            problem = _check_logprobs(logprobs, params.logprobs, vocab_size, need_one=False)
+        else:
+            continue  # asked for none: whatever came is dropped unread
+        if problem is not None:
+            return f"seq {seq_id}: {problem}"
+    return None
+
+
+def _check_logprobs(lp: Any, k: int, vocab_size: int, need_one: bool) -> str | None:
+    """A TokenLogprobs with at most k top tokens (a beam's candidates: at least one, all distinct)."""
+    if not isinstance(lp, TokenLogprobs):
+        return "logprobs are missing"
+    tokens, values = lp.top_token_ids, lp.top_logprobs
+    if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) != len(values):
+        return "top tokens and top logprobs differ in length"
+    if len(tokens) > k or (need_one and not tokens):
+        return f"{len(tokens)} top tokens, expected {'1 to ' if need_one else 'at most '}{k}"
+    if not all(_token_ok(t, vocab_size) for t in tokens) or (need_one and len(set(tokens)) != len(tokens)):
+        return "a top token id is outside the vocabulary or repeated"
+    # -inf is a real logprob (a token the model rules out); NaN and +inf are not
+    if not all(_is_number(v) and not math.isnan(v) and v != math.inf for v in [lp.logprob, *values]):
+        return "a logprob is not a number below +inf"
+    return None
