@@ -33,6 +33,7 @@ from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, d
 from worker.loader import ModelConfig, load_model_config, load_weights
 from worker.model import LlamaModel
 from worker.parallel import ParallelContext
+from worker.plan_check import PlanLimits, check_plan
 from worker.sampler import MASK64, SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
 
 
@@ -257,6 +258,32 @@ class ModelRunner:
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self.model_config.eos_token_ids)
+
+    def check_plan(self, plan: StepPlan) -> str | None:
+        """Why `plan` contradicts this runner's state as it will be when the plan is applied (after the step
+        in flight, if any), or None when `launch` can apply it. Changes nothing (worker/plan_check.py)."""
+        limits = PlanLimits(
+            num_kv_blocks=self.num_kv_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            vocab_size=self.vocab_size,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_blocks_per_seq=self.tables.max_blocks_per_seq,
+        )
+        return check_plan(plan, self.seqs, limits)
+
+    def reset(self) -> None:
+        """Finishes the steps in flight, dropping their outputs, and forgets every sequence: the runner is as
+        freshly started, for a new scheduler. The KV pools stay allocated; what they hold is garbage that no
+        sequence points to any more."""
+        while self.in_flight:
+            self.finish()
+        self.seqs.clear()
+        self.tables = BlockTableArray(self.tables.max_blocks_per_seq)
+        self._last_ended = None
+        self.last_step_gpu_s = 0.0
+        self.num_tokens_fed = 0
+        self.launch_marks = {}
 
     # -----------------------------------------------------------------------------------------------------
     # Plan application: steps 0 to 4 of the StepPlan order, then the checks of steps 5 and 6

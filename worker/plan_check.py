@@ -1,0 +1,202 @@
+"""A StepPlan checked whole against the worker's state before any of it is applied.
+
+`ModelRunner` applies a plan in the StepPlan order and raises PlanError at the first contradiction, by which
+time the parts before it have changed its state. `check_plan` walks the same order over a shadow of only the
+sequences the plan touches and changes nothing, so that the worker can refuse a plan and still hold exactly
+the state it had.
+
+With a step in flight (launched, not finished) a sequence that samples in it counts the token on its way as
+pending: `len(token_ids) + pending` is what the sequence will know when this plan is applied, whether or not
+the step finishes first. Call it between launches, not between one step's `launch_forward` and its
+`launch_sampling` (the fork children and pending tokens of that step do not exist yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from common.messages import StepPlan
+
+if TYPE_CHECKING:
+    from worker.model_runner import SeqState
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """The runner's sizes that every id and count in a plan must fit."""
+
+    num_kv_blocks: int  # device pool
+    num_cpu_blocks: int  # swap pool
+    vocab_size: int
+    block_size: int
+    max_model_len: int
+    max_blocks_per_seq: int  # the width of the runner's block table array
+
+
+@dataclass(slots=True)
+class _Shadow:
+    """What the check needs of one sequence, as the plan changes it."""
+
+    num_known: int  # tokens the sequence knows, a pending one included
+    num_computed: int
+    num_blocks: int
+    pending: int  # tokens sampled by the step in flight and not yet appended
+
+
+class _Walk:
+    """The runner's sequences with the plan's changes laid over them; the runner's own are only read."""
+
+    def __init__(self, seqs: Mapping[int, SeqState]) -> None:
+        self.seqs = seqs
+        self.changed: dict[int, _Shadow | None] = {}  # None: freed by the plan
+
+    def get(self, seq_id: int) -> _Shadow | None:
+        if seq_id in self.changed:
+            return self.changed[seq_id]
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return None
+        num_known = len(seq.token_ids) + seq.pending
+        return _Shadow(num_known, seq.num_computed_tokens, len(seq.block_table), seq.pending)
+
+    def edit(self, seq_id: int) -> _Shadow | None:
+        """The sequence's shadow, kept in `changed` so that later parts of the plan see the edits."""
+        shadow = self.get(seq_id)
+        if shadow is not None:
+            self.changed[seq_id] = shadow
+        return shadow
+
+
+def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], limits: PlanLimits) -> str | None:
+    """Why `plan` cannot be applied to the sequences `seqs` of a runner of `limits`, or None when it can."""
+    walk = _Walk(seqs)
+    problem = _check_changes(plan, walk, limits) or _check_step(plan, walk, limits)
+    return None if problem is None else f"step {plan.step_id}: {problem}"
+
+
+def _check_changes(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | None:
+    """Steps 0 to 4 of the StepPlan order."""
+    for parent_id, child_id in plan.clones:
+        parent = walk.get(parent_id)
+        if parent is None:
+            return f"clone parent {parent_id} is unknown"
+        if parent.pending:
+            return f"clone parent {parent_id} has a sampled token in flight (the clone would miss it)"
+        if walk.get(child_id) is not None:
+            return f"clone {child_id} already exists"
+        walk.changed[child_id] = replace(parent)
+    for seq_id, token in plan.appended_tokens:
+        if not 0 <= token < limits.vocab_size:
+            return f"appended token {token} is outside the vocab"
+        seq = walk.edit(seq_id)
+        if seq is None:
+            return f"appended token for unknown sequence {seq_id}"
+        if seq.pending:
+            return f"appended token for sequence {seq_id} would go before its token in flight"
+        seq.num_known += 1
+    for seq_id in plan.freed_seq_ids:
+        if walk.get(seq_id) is None:
+            return f"freed sequence {seq_id} is unknown"
+        walk.changed[seq_id] = None
+
+    problem = _pairs("swap_out", plan.swap_out, limits.num_kv_blocks, limits.num_cpu_blocks) or _pairs(
+        "swap_in", plan.swap_in, limits.num_cpu_blocks, limits.num_kv_blocks
+    )
+    if problem:
+        return problem
+    for seq_id, table in plan.new_block_tables:
+        seq = walk.edit(seq_id)
+        if seq is None:
+            return f"new block table for unknown sequence {seq_id}"
+        if problem := _blocks(seq_id, table, len(table), limits):
+            return problem
+        seq.num_blocks = len(table)
+
+    for new in plan.new_seqs:
+        if walk.get(new.seq_id) is not None:
+            return f"new sequence {new.seq_id} already exists"
+        if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+            return f"sequence {new.seq_id} has bad num_computed_tokens"
+        if new.num_computed_tokens > len(new.block_table) * limits.block_size:
+            return f"sequence {new.seq_id} has {new.num_computed_tokens} computed tokens but few blocks"
+        if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < limits.vocab_size:
+            return f"sequence {new.seq_id} has token ids outside the vocab"
+        if not -1 <= new.num_logprobs <= limits.vocab_size:
+            return f"sequence {new.seq_id} asks for {new.num_logprobs} logprobs"
+        if problem := _blocks(new.seq_id, new.block_table, len(new.block_table), limits):
+            return problem
+        shadow = _Shadow(len(new.token_ids), new.num_computed_tokens, len(new.block_table), pending=0)
+        walk.changed[new.seq_id] = shadow
+    for seq_id, block_ids in plan.new_block_ids:
+        seq = walk.edit(seq_id)
+        if seq is None:
+            return f"new blocks for unknown sequence {seq_id}"
+        if problem := _blocks(seq_id, block_ids, seq.num_blocks + len(block_ids), limits):
+            return problem
+        seq.num_blocks += len(block_ids)
+
+    if problem := _pairs("block_copies", plan.block_copies, limits.num_kv_blocks, limits.num_kv_blocks):
+        return problem
+    if {src for src, _ in plan.block_copies} & {dst for _, dst in plan.block_copies}:
+        return "block_copies writes a block it also reads"
+    return None
+
+
+def _check_step(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | None:
+    """Steps 5 and 6: the scheduled sequences' tokens and slots, and the forks."""
+    scheduled = plan.scheduled_seq_ids
+    if len(scheduled) != len(plan.num_scheduled_tokens):
+        return "scheduled_seq_ids and num_scheduled_tokens lengths differ"
+    if len(set(scheduled)) != len(scheduled):
+        return "a sequence is scheduled twice"
+    sampling: dict[int, _Shadow] = {}  # the scheduled sequences that sample this step
+    for seq_id, n in zip(scheduled, plan.num_scheduled_tokens, strict=True):
+        seq = walk.get(seq_id)
+        if seq is None:
+            return f"scheduled sequence {seq_id} is unknown"
+        end = seq.num_computed + n
+        if n < 1 or end > seq.num_known:
+            return f"sequence {seq_id} scheduled {n} tokens from {seq.num_computed} but knows {seq.num_known}"
+        if seq.pending and n != 1:
+            return f"sequence {seq_id} has a token pending, computes {n}"
+        if end > limits.max_model_len:
+            return f"sequence {seq_id} reaches {end} > max_model_len"
+        if seq.num_blocks * limits.block_size < end:
+            return f"sequence {seq_id} needs {end} slots but its block table has {seq.num_blocks} blocks"
+        if end == seq.num_known:
+            sampling[seq_id] = seq
+
+    children = [fork.child_seq_id for fork in plan.forks]
+    if len(set(children)) != len(children):
+        return "a fork child id appears twice"
+    for fork in plan.forks:
+        parent = sampling.get(fork.parent_seq_id)
+        if parent is None:
+            return f"fork parent {fork.parent_seq_id} does not sample this step"
+        if parent.pending:
+            # The child would count the parent's token in flight as its own, and never receive it.
+            return f"fork parent {fork.parent_seq_id} has a sampled token in flight"
+        if walk.get(fork.child_seq_id) is not None:
+            return f"fork child {fork.child_seq_id} already exists"
+    return None
+
+
+def _pairs(name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> str | None:
+    """Source ids inside their pool, destination ids inside theirs and distinct (one write per block)."""
+    for src, dst in pairs:
+        if not (0 <= src < num_src and 0 <= dst < num_dst):
+            return f"{name} pair ({src}, {dst}) is outside the pools ({num_src} -> {num_dst} blocks)"
+    if len({dst for _, dst in pairs}) != len(pairs):
+        return f"{name} writes a block twice"
+    return None
+
+
+def _blocks(seq_id: int, block_ids: list[int], table_len: int, limits: PlanLimits) -> str | None:
+    """`block_ids` inside the device pool, and a table of `table_len` blocks that fits the runner's rows."""
+    if block_ids and not 0 <= min(block_ids) <= max(block_ids) < limits.num_kv_blocks:
+        return f"sequence {seq_id} got block ids outside the KV pool"
+    if table_len > limits.max_blocks_per_seq:
+        return f"sequence {seq_id} would hold {table_len} blocks, past max_model_len"
+    return None
