@@ -315,11 +315,10 @@ class SchedulerServer:
             return
         problem = self.core.check_output(msg)
         if problem is not None:
-            # The worker's state and the core's disagree: neither its tokens nor its next answers can be
-            # trusted. It is told to stop (its supervisor starts it afresh) and its requests fail.
+            # Never trusted: the requests that sample in that step fail (the worker drops them with the next
+            # plan), and the step closes empty so that the others go on.
             log.error("bad_step_output", worker=identity.hex(), step_id=msg.step_id, problem=problem)
-            self._declare_dead(f"the worker answered step {msg.step_id} wrongly ({problem})")
-            return
+            msg = self.core.fail_step(msg.step_id)
         self._watch.step_answered(time.monotonic())
         pending.set_result(msg)
 
