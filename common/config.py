@@ -62,6 +62,15 @@ class SchedulerConfig:
     # paged: blocks on demand. Baselines that claim a request's room up front, as pre-paging servers did:
     # reserved (prompt + max_tokens), reserved-max (max_model_len, whatever the request asks for).
     kv_policy: str = "paged"
+    # Sequences queued and not running (n and beam width count), at most; a request that would pass it gets
+    # 503 ("overloaded; retry later"). 4096 = 8 batches of the default max_num_seqs: minutes of backlog, and
+    # a bound on the scheduler's memory (20,000 prompts x n=128 took 1.3 GB unbounded).
+    max_waiting_seqs: int = 4096
+    # Fair admission (docs/scheduler.md): within a priority level, a request holding fewer seats goes first,
+    # then the earlier one; while other requests wait, a request's first sequence takes at most this many
+    # seats with it (its n > 1 samples forked from the prompt), the rest are admitted in turn.
+    # 0: max_num_seqs // 8
+    request_seat_quota: int = 0
     async_scheduling: bool = True  # plan step N+1 while the worker runs step N (no GPU idle between steps)
     heartbeat_timeout_s: float = 10.0  # a worker silent this long (no heartbeat, no output) is declared dead
     step_timeout_s: float = 600.0  # a step not answered this long declares the worker group hung

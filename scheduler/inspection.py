@@ -18,7 +18,7 @@ class SchedulerInspection:
 
     @property
     def num_waiting_seqs(self) -> int:
-        return sum(1 for _, s in self._waiting if s.status is SeqStatus.WAITING)
+        return sum(1 for s in self._waiting if s.status is SeqStatus.WAITING)
 
     @property
     def num_queued_seqs(self) -> int:
@@ -58,7 +58,7 @@ class SchedulerInspection:
         """Raises AssertionError when the queues, the sequences and the block manager disagree."""
         bm = self.block_manager
         bm.check_invariants()
-        waiting = [s for _, s in self._waiting if s.status is SeqStatus.WAITING]
+        waiting = [s for s in self._waiting if s.status is SeqStatus.WAITING]
         parked = [  # beams that reported, then were preempted: out of the queue until their search selects
             s for s in self._seqs.values() if s.status is SeqStatus.WAITING and s.candidates is not None
         ]

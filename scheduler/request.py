@@ -33,6 +33,10 @@ class Request:
     max_total_len: int = 0  # prompt + max_tokens, capped by max_model_len: a sequence ends at this length
     beam: BeamGroup | None = None  # beam search state, for a beam search request
     live_beams: list[Sequence] = field(default_factory=list)  # its beams still searching
+    # its sequences in the waiting queue, a heap by sort key (scheduler/waiting.py), and the version of its
+    # entry there
+    waiting: list[tuple[tuple[int, int, int], Sequence]] = field(default_factory=list)
+    queue_version: int = 0
 
     @property
     def key(self) -> tuple[bytes, str]:

@@ -55,6 +55,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.output_check import check_step_output
 from scheduler.request import Request, SeqStatus, Sequence
 from scheduler.search import BeamSearchSteps
+from scheduler.waiting import WaitingQueue
 
 log = structlog.get_logger(process="scheduler")
 
@@ -89,11 +90,18 @@ class SchedulerSettings:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     kv_policy: str = "paged"  # paged | reserved | reserved-max
     max_waiting_seqs: int = 4096  # sequences queued and not running, at most; beyond it requests get 503
+    # while other requests wait, a request's first sequence takes at most this many seats with it (itself
+    # and the n > 1 samples forked from its prompt); 0: max_num_seqs // 8
+    request_seat_quota: int = 0
 
     @property
     def watermark_blocks(self) -> int:
         # Admission leaves this many blocks free so running sequences can grow a while before preempting.
         return self.num_kv_blocks // 100
+
+    @property
+    def seat_quota(self) -> int:
+        return self.request_seat_quota or max(1, self.max_num_seqs // 8)
 
     @property
     def reserved(self) -> bool:
@@ -140,7 +148,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         self._clock = clock
         self._requests: dict[tuple[bytes, str], Request] = {}
         self._seqs: dict[int, Sequence] = {}
-        self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []  # heap by sort key
+        self._waiting = WaitingQueue()  # fair between requests (scheduler/waiting.py)
         self._swapped: list[tuple[tuple[int, int, int], Sequence]] = []  # heap by sort key
         self._running: list[Sequence] = []  # sorted by sort key: the first preemption victim is last
         self._pending_forks = 0  # fork children of running parents: seats they will take
@@ -216,7 +224,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
                 request.live_beams.append(seq)
             self._seqs[seq_id] = seq
             if not shared:  # reserved mode shares nothing, as pre-paging servers
-                heapq.heappush(self._waiting, (seq.sort_key, seq))
+                self._waiting.push(seq)
             else:
                 seq.status = SeqStatus.FORK_PENDING
                 request.seqs[0].fork_children.append(seq)
@@ -527,13 +535,15 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
 
     def _schedule_waiting(self, step: _Step, budget: int) -> None:
         bm = self.block_manager
-        while self._waiting and budget > 0:
-            seq = self._waiting[0][1]
-            if seq.status is not SeqStatus.WAITING:  # aborted while waiting
-                heapq.heappop(self._waiting)
-                continue
+        while budget > 0:
+            seq = self._waiting.head()
+            if seq is None:
+                break
             if seq.num_pending_tokens or seq.num_pending_reports:
                 break  # preempted with a token (report) in flight: it is recomputed once that is in
+            quota = self.settings.seat_quota
+            if len(seq.fork_children) >= quota and self._waiting.others_wait(seq.request):
+                self._queue_surplus_children(seq, quota - 1)
             if self._seats_taken() + self._seats_needed(seq) > self.settings.max_num_seqs:
                 break
             hits = bm.find_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
@@ -544,7 +554,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             watermark = self.settings.watermark_blocks if self._running else 0
             if needed > bm.num_free_blocks - watermark:
                 break  # in queue order: nobody overtakes the head of the queue
-            heapq.heappop(self._waiting)
+            self._waiting.pop(seq)
             bm.allocate_prefix(seq.seq_id, hits)
             allocation = bm.allocate_slots(seq.seq_id, num_computed, num_tokens, reserve)
             assert allocation is not None and not allocation.copies
@@ -562,13 +572,22 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
     # ----------------------------------------------------------------------------------------------------
     # helpers
 
+    def _queue_surplus_children(self, seq: Sequence, keep: int) -> None:
+        """While other requests wait, a request's first sequence takes at most `seat_quota` seats with it:
+        the fork children past `keep` wait as sequences of their own (they find the prompt's blocks in the
+        prefix cache), admitted in turn with other requests' sequences."""
+        surplus = seq.fork_children[keep:]
+        del seq.fork_children[keep:]
+        for child in surplus:
+            child.status = SeqStatus.WAITING
+            child.token_ids = list(child.token_ids)  # it shared the request's prompt list
+            self._waiting.push(child)
+
     def _has_queued(self) -> bool:
         """Whether a sequence waits or is swapped out (dropping queue heads that were aborted)."""
-        while self._waiting and self._waiting[0][1].status is not SeqStatus.WAITING:
-            heapq.heappop(self._waiting)
         while self._swapped and self._swapped[0][1].status is not SeqStatus.SWAPPED:
             heapq.heappop(self._swapped)
-        return bool(self._waiting or self._swapped)
+        return self._waiting.head() is not None or bool(self._swapped)
 
     def _tokens_in_flight(self) -> bool:
         return any(s.num_pending_tokens or s.num_pending_reports for s in self._running)
@@ -662,10 +681,11 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING
             if seq.candidates is None:
-                heapq.heappush(self._waiting, (seq.sort_key, seq))
+                self._waiting.push(seq)
             # else: a beam that already reported waits outside the queue until its search selects (_park)
         if seq.request.beam is not None:
             self._rebalance_beam_seats(seq.request)
+        self._waiting.touch(seq.request)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FORK_PENDING:  # never started: its parent forgets it
@@ -681,7 +701,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             heir.fork_children = rest
             heir.status = SeqStatus.WAITING
             heir.token_ids = list(heir.token_ids)  # it shared the request's prompt list
-            heapq.heappush(self._waiting, (heir.sort_key, heir))
+            self._waiting.push(heir)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if seq.request.beam is not None:
@@ -693,6 +713,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             seq.on_worker = False
         del self._seqs[seq.seq_id]
         request = seq.request
+        self._waiting.touch(request)
         if request.finished:
             del self._requests[request.key]
             self.metrics.requests_finished_total += 1

@@ -9,7 +9,6 @@ blocks), appended tokens and frees for the worker's next plan.
 from __future__ import annotations
 
 import bisect
-import heapq
 from typing import TYPE_CHECKING
 
 from common.messages import FinishReason, SeqOutput
@@ -91,13 +90,13 @@ class BeamSearchSteps:
             child.status = SeqStatus.RUNNING
             bisect.insort(self._running, child, key=lambda s: s.sort_key)
         else:  # the parent's KV is not on the GPU: the child computes its own
-            heapq.heappush(self._waiting, (child.sort_key, child))
+            self._waiting.push(child)
 
     def _extend_beam(self, beam: Sequence, cand: Candidate) -> None:
         if beam.on_worker:
             self._pending_appends.append((beam.seq_id, cand.token))
         if beam.status is SeqStatus.WAITING:  # it was preempted after reporting: back into the queue
-            heapq.heappush(self._waiting, (beam.sort_key, beam))
+            self._waiting.push(beam)
         beam.token_ids.append(cand.token)
         beam.cum_logprob = cand.cum_logprob
         beam.candidates = None
