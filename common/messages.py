@@ -160,6 +160,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
             return "stop strings must not be empty"
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             return f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters"
+        if not all(s.isascii() or _encodes(s) for s in self.stop):
+            return "stop strings must be valid Unicode (a lone surrogate cannot cross the wire)"
         if not 0 <= self.beam_width <= self.MAX_BEAM_WIDTH:
             return f"beam width must be between 0 and {self.MAX_BEAM_WIDTH}, got {self.beam_width}"
         if not -100.0 <= self.length_penalty <= 100.0:
@@ -173,6 +175,15 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
             if self.logprobs is not None:
                 return "logprobs are not available with beam search"
         return None
+
+
+def _encodes(text: str) -> bool:
+    """Whether `text` has a UTF-8 form, as msgpack needs (JSON can carry a lone surrogate, UTF-8 cannot)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -193,6 +193,7 @@ def test_values_outside_a_fields_range_raise_codec_error(msg) -> None:
         ({"logprobs": -1}, "logprobs"),
         ({"stop": ("x",) * 17}, "stop strings"),
         ({"stop": ("x" * 1025,)}, "stop strings"),
+        ({"stop": ("a\ud800",)}, "surrogate"),
         ({"stop_token_ids": (0,) * 1025}, "stop token ids"),
         ({"stop_token_ids": (-1,)}, "stop token ids"),
         ({"stop_token_ids": (2**31,)}, "stop token ids"),
