@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.config import SchedulerConfig
+from common.config import SchedulerConfig, default_cluster_key_file
 from common.messages import (
     ErrorKind,
     Heartbeat,
@@ -32,6 +32,7 @@ from common.messages import (
     decode,
     encode,
 )
+from common.security import load_cluster_key, secure_client, secure_server
 from scheduler.server import SchedulerServer, WorkerWatch
 from scripts._servers import free_port
 from tests.scheduler.fake_worker import FakeWorker
@@ -85,8 +86,10 @@ def test_heartbeat_thread_beats_with_its_worker_id_until_stopped():
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    key = load_cluster_key(default_cluster_key_file())
+    secure_server(router, key)  # (no authenticator here: the handshake alone shows the thread uses CURVE)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    beats = HeartbeatThread(f"tcp://127.0.0.1:{port}", "w-1", interval_s=0.02).start()
+    beats = HeartbeatThread(f"tcp://127.0.0.1:{port}", "w-1", interval_s=0.02, key=key).start()
     try:
         for _ in range(3):
             assert router.poll(int(WAIT_S * 1000)), "no heartbeat came"
@@ -109,6 +112,7 @@ class Peer:
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, load_cluster_key(default_cluster_key_file()))  # the server's key too
         self.sock.connect(address)
 
     async def send(self, msg: Message) -> None:
@@ -306,13 +310,15 @@ def test_reannouncing_worker_fails_running_requests_and_starts_empty(late: bool)
             await client.send(SubmitRequest("in-flight", [1, 2, 3], PARAMS))
             plan = await worker.recv()
             assert isinstance(plan, StepPlan)
+            # The same worker from a new connection (it reconnected and reset itself); another worker id
+            # would be refused while this one lives (tests/chaos/test_scheduler_server.py).
             restarted = Peer(ctx, cfg.worker_address)
-            await restarted.send(_ready("w-2"))
+            await restarted.send(_ready("w-1"))
             error = await client.recv()
             assert isinstance(error, RequestError) and error.kind == ErrorKind.UNAVAILABLE
             if late:  # the old process's answer to step 0 must not be taken for the new core's step 0
                 await worker.send(StepOutput(plan.step_id, [0], [7], [None]))
-            serving = asyncio.create_task(_serve_like_a_worker(restarted, "w-2"))
+            serving = asyncio.create_task(_serve_like_a_worker(restarted, "w-1"))
             try:
                 assert len(await _generate(client, "after")) == PARAMS.max_tokens
                 assert _metric(await client.info(), "pagedserve_kv_blocks_used") == 0
