@@ -65,6 +65,7 @@ def run(max_num_seqs: int, num_requests: int, steps: int, seed: int, kv_policy: 
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(8192, 2 * max_num_seqs),
         kv_policy=kv_policy,
+        max_waiting_seqs=num_requests,  # every request queued at once
     )
     scheduler = Scheduler(settings)
     worker = SamplingOnlyWorker()
