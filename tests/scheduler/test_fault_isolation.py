@@ -242,3 +242,54 @@ def test_requests_beyond_max_waiting_seqs_are_refused_as_unavailable():
     h.run()
     assert len(h.finish) == 6 + 2 + 3
     _assert_nothing_left(h)
+
+
+def test_a_fault_even_in_finishing_a_sequence_drops_it_by_force(monkeypatch):
+    finish = Scheduler._finish
+
+    def faulty(self, seq, reason):
+        if seq.request.request_id == "bad":
+            raise RuntimeError("injected")
+        return finish(self, seq, reason)
+
+    monkeypatch.setattr(Scheduler, "_finish", faulty)
+    h = make_harness(num_blocks=40, preemption_mode="recompute")
+    _submit_mix(h)
+    assert h.submit("d", [1] * 9, max_tokens=20, n=2) is None
+    h.run()
+    assert set(h.errors) == {"bad"}
+    assert {k[0] for k in h.finish} == {"a", "c", "d"}
+    _assert_nothing_left(h, num_blocks=40)
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_random_faults_in_random_requests_leave_the_rest_exact(monkeypatch, trial):
+    """Faults injected into random requests (their tokens, their searches) while others run, preempt, swap and
+    abort: every other request streams exactly what it would have without them, and every block returns."""
+    import random
+
+    from tests.scheduler.test_memory_management import _random_arrivals, _run_arrivals
+
+    rng = random.Random(2000 + trial)
+    arrivals = _random_arrivals(rng)
+    reference = _run_arrivals(arrivals, 1024, aborts=False, enable_prefix_caching=False)
+    doomed = {a[1] for a in arrivals if rng.random() < 0.3}
+    take = Scheduler._take_token
+
+    def faulty(self, seq, token, logprobs, outputs, now):
+        if seq.request.request_id in doomed and rng.random() < 0.2:
+            raise ValueError("injected")
+        return take(self, seq, token, logprobs, outputs, now)
+
+    monkeypatch.setattr(Scheduler, "_take_token", faulty)
+    for config in (
+        dict(num_blocks=24, enable_prefix_caching=True),
+        dict(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64, pipelined=True),
+    ):
+        h = _run_arrivals(arrivals, aborts=False, **config)  # (it checks that every block came back)
+        assert h.errors and set(h.errors) <= doomed
+        for key, tokens in reference.tokens.items():
+            if key[0] in h.errors:
+                assert h.tokens[key] == tokens[: len(h.tokens[key])], (config, key)
+            else:
+                assert h.tokens[key] == tokens and h.finish[key] == reference.finish[key], (config, key)
