@@ -31,6 +31,7 @@ class WaitingQueue:
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, int, int, Request]] = []
+        self._compact_at = 64  # past this many entries, stale ones are dropped (they may sink for long)
 
     def __bool__(self) -> bool:
         return bool(self._heap)
@@ -85,3 +86,11 @@ class WaitingQueue:
         priority, order, _ = request.waiting[0][0]
         entry = (priority, seats_held(request), order, request.queue_version, request)
         heapq.heappush(self._heap, entry)
+        if len(self._heap) > self._compact_at:
+            self._heap = [e for e in self._heap if e[3] == e[4].queue_version]
+            heapq.heapify(self._heap)
+            self._compact_at = 2 * len(self._heap) + 64
+
+    def __len__(self) -> int:
+        """Entries in the heap, stale ones included (for tests)."""
+        return len(self._heap)

@@ -88,3 +88,17 @@ def test_priority_still_comes_before_fairness():
         h.step()
     h.run()
     assert len(h.finish) == 17 and h.scheduler.block_manager.num_free_blocks == 1024
+
+
+def test_the_waiting_queue_keeps_few_stale_entries():
+    """Every seat change of a request with sequences waiting re-keys it: stale keys are compacted away."""
+    h = make_harness(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=128)
+    _big_requests(h, count=2, n=100)
+    for i in range(8):
+        assert h.submit(f"s{i}", [i + 1] * 3, max_tokens=5) is None
+    largest = 0
+    while h.busy:
+        h.step()
+        largest = max(largest, len(h.scheduler._waiting))
+    assert largest <= 2 * 10 + 64
+    assert h.scheduler.block_manager.num_free_blocks == 1024
