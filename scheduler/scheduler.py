@@ -137,6 +137,8 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
     def __init__(self, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic) -> None:
         if settings.max_num_seqs < 1 or settings.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if settings.max_waiting_seqs < 1 or settings.request_seat_quota < 0:
+            raise ValueError("max_waiting_seqs must be positive and request_seat_quota not negative")
         self.settings = settings
         self.block_manager = BlockManager(
             settings.num_kv_blocks,
