@@ -356,6 +356,8 @@ class SchedulerServer:
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,
             kv_policy=config.kv_policy,
+            max_waiting_seqs=config.max_waiting_seqs,
+            request_seat_quota=config.request_seat_quota,
         )
         self.core = Scheduler(settings)
         self.ready_msg = msg

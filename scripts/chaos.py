@@ -57,6 +57,17 @@ class Stream:
         return bool(self.events) and self.events[-1][1] == "[DONE]"
 
     @property
+    def completed(self) -> bool:
+        """It ran to its end (a finish reason, no error event) and closed with [DONE]."""
+        reasons = [
+            c.get("finish_reason")
+            for _, e in self.events
+            if isinstance(e, dict)
+            for c in e.get("choices", [])
+        ]
+        return self.ended_with_done and self.first_error_at() is None and any(reasons)
+
+    @property
     def num_tokens(self) -> int:
         return sum(1 for _, e in self.events if isinstance(e, dict) and "choices" in e)
 
@@ -190,12 +201,24 @@ class Stack:
             return self.honcho.wait()
 
 
+def _watch_health(stack: Stack, stop: threading.Event, seen: list[tuple[float, int]]) -> None:
+    while not stop.is_set():
+        seen.append((time.monotonic(), stack.get("/health", timeout=1.0)))
+        time.sleep(0.05)
+
+
 def measure_kill(stack: Stack, name: str, sig: signal.Signals = signal.SIGKILL) -> dict[str, object]:
-    """Signals process `name` with two streams in flight; returns the times (s) from the signal on."""
+    """Signals process `name` with two streams in flight; returns the times (s) from the signal on.
+    health_503_s is None when /health never said 503 (service came back before a poll could see it)."""
     streams = [stack.stream() for _ in range(2)]
     pid = stack.pid(name)
+    health: list[tuple[float, int]] = []
+    stop_polling = threading.Event()
+    poller = threading.Thread(target=_watch_health, args=(stack, stop_polling, health), daemon=True)
     t0 = time.monotonic()
     os.kill(pid, sig)
+    if name != "api":  # the api is the one that answers /health
+        poller.start()
     result: dict[str, object] = {"process": name, "signal": sig.name}
     try:
         if name == "api":  # its streams die with it; the scheduler must free what they held
@@ -203,35 +226,44 @@ def measure_kill(stack: Stack, name: str, sig: signal.Signals = signal.SIGKILL) 
         else:
             stack.wait_until("error events", lambda: all(s.finished.is_set() for s in streams))
             for s in streams:
-                at = s.first_error_at()
-                assert at is not None and s.ended_with_done, (
-                    f"stream ended without an error event: {s.events[-3:]}"
-                )
+                ok = s.first_error_at() is not None and s.ended_with_done
+                assert ok, f"a stream ended without an error event and [DONE]: {s.events[-3:]}"
             result["error_s"] = max(s.first_error_at() for s in streams) - t0  # type: ignore[type-var]
-            result["health_503_s"] = stack.wait_until("/health 503", lambda: stack.get("/health") == 503) - t0
     finally:
         if sig == signal.SIGSTOP:
             os.kill(pid, signal.SIGCONT)  # it is told to shut down, exits, and its supervisor restarts it
     result["back_s"] = stack.wait_serving() - t0
+    stop_polling.set()
+    if poller.is_alive():
+        poller.join()
+        result["health_503_s"] = next((t - t0 for t, status in health if status == 503), None)
     stack.wait_until("KV blocks all free", stack.kv_idle)
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
 
 
 def measure_graceful_stop(stack: Stack) -> dict[str, object]:
-    """SIGTERM to honcho while short streams run: they finish whole, then every process exits."""
+    """SIGTERM to honcho while short streams run: they finish whole, then every process exits. (honcho's
+    own exit code is 128 + SIGTERM whatever its processes did: the processes' codes come from their
+    supervisors' `stopped` lines.)"""
     body = {**LONG_STREAM, "max_tokens": 48}
     streams = [stack.stream(body) for _ in range(2)]
     t0 = time.monotonic()
     stack.honcho.send_signal(signal.SIGTERM)
-    code = stack.honcho.wait(WAIT_S)
+    honcho_code = stack.honcho.wait(WAIT_S)
     for s in streams:
         s.finished.wait(WAIT_S)
+    codes = {}
+    for line in stack.logs().splitlines():
+        if '"event": "stopped"' in line and '"process": "supervisor"' in line:
+            entry = json.loads(line[line.index("{") :])
+            codes[entry["child"]] = entry["exit_code"]
     return {
         "process": "all (honcho)",
         "signal": "SIGTERM",
         "stopped_s": round(time.monotonic() - t0, 2),
-        "exit_code": code,
-        "streams_completed": sum(s.num_tokens == body["max_tokens"] and s.ended_with_done for s in streams),
+        "exit_code": codes,
+        "honcho_exit_code": honcho_code,
+        "streams_completed": sum(s.completed for s in streams),
         "streams": len(streams),
     }
 

@@ -36,7 +36,11 @@ def stack(tiny_model_dir, tmp_path_factory) -> Iterator[Stack]:
 def test_killed_process_errors_streams_in_seconds_and_is_restarted(stack: Stack, name: str):
     row = measure_kill(stack, name)
     assert row["error_s"] <= ERROR_S, row
-    assert row["health_503_s"] <= HEALTH_S + ERROR_S, row  # counted from the kill, like the error
+    # /health says 503 within 2 s of the kill, unless service was already back by then (no 503 to see)
+    if row["health_503_s"] is None:
+        assert row["back_s"] <= HEALTH_S, row
+    else:
+        assert row["health_503_s"] <= HEALTH_S, row
     assert row["back_s"] <= BACK_S, row
 
 
@@ -54,5 +58,5 @@ def test_stopped_worker_is_declared_dead_by_heartbeat_and_comes_back(stack: Stac
 
 def test_sigterm_lets_streams_finish_and_exits_zero(stack: Stack):
     row = measure_graceful_stop(stack)  # last: it stops the stack
-    assert row["exit_code"] == 0, stack.logs()[-4000:]
+    assert row["exit_code"] == {"scheduler": 0, "worker": 0, "api": 0}, stack.logs()[-4000:]
     assert row["streams_completed"] == row["streams"], row
