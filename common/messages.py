@@ -426,5 +426,7 @@ def decode(frames: list[bytes]) -> Message:
         raise CodecError(f"unknown message type {frames[0][0]}")
     try:
         return decoder.decode(frames[1])
-    except msgspec.MsgspecError as e:  # malformed msgpack, trailing bytes, a wrong type, a value off range
+    # Malformed msgpack, trailing bytes, a wrong type, a value off range; msgspec raises UnicodeDecodeError
+    # of its own for a str that is not UTF-8 (found by scripts/fuzz_wire.py).
+    except (msgspec.MsgspecError, UnicodeDecodeError) as e:
         raise CodecError(f"malformed {MESSAGE_CLASSES[MsgType(frames[0][0])].__name__}: {e}") from e

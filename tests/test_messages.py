@@ -99,6 +99,7 @@ def test_round_trip(msg):
         [b"", b""],
         [b"\x02", msgpack.packb(["req-1", None, "abort"]) + b"\x00"],  # trailing bytes
         [b"\x02", msgpack.packb(["req-1"]), b""],  # three frames
+        [b"\x02", b"\x93\xa2\xff\xfe\xc0\xa5abort"],  # an AbortRequest whose request id is not UTF-8
     ],
 )
 def test_foreign_frames_raise_codec_error(frames):

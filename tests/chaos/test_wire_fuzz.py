@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from common.messages import MESSAGE_CLASSES, CodecError, Message, MsgType, decode, encode
 from scripts.fuzz_wire import (
     KIND_VALUES,
+    RawStr,
     accepted_kinds,
     field_slots,
     pack,
@@ -38,6 +39,7 @@ ONE_OF_KIND: dict[str, Any] = {
     "bin": b"x",
     "array": [1],
     "map": {},
+    "invalid_str": RawStr(b"\xff"),
 }
 
 
