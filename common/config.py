@@ -88,6 +88,8 @@ class SchedulerConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.max_waiting_seqs < 1 or self.request_seat_quota < 0:
+            raise ValueError("max_waiting_seqs must be at least 1 and request_seat_quota at least 0")
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
