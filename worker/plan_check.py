@@ -151,36 +151,53 @@ def _check_step(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | None:
         return "scheduled_seq_ids and num_scheduled_tokens lengths differ"
     if len(set(scheduled)) != len(scheduled):
         return "a sequence is scheduled twice"
-    sampling: dict[int, _Shadow] = {}  # the scheduled sequences that sample this step
+    # This loop runs every step over the whole batch: the runner's sequences are read in place, and the
+    # reason is worked out only for a sequence that fails.
+    sampling: dict[int, int] = {}  # the scheduled sequences that sample this step -> their pending tokens
+    changed, seqs, block_size, max_len = walk.changed, walk.seqs, limits.block_size, limits.max_model_len
     for seq_id, n in zip(scheduled, plan.num_scheduled_tokens, strict=True):
-        seq = walk.get(seq_id)
-        if seq is None:
-            return f"scheduled sequence {seq_id} is unknown"
-        end = seq.num_computed + n
-        if n < 1 or end > seq.num_known:
-            return f"sequence {seq_id} scheduled {n} tokens from {seq.num_computed} but knows {seq.num_known}"
-        if seq.pending and n != 1:
-            return f"sequence {seq_id} has a token pending, computes {n}"
-        if end > limits.max_model_len:
-            return f"sequence {seq_id} reaches {end} > max_model_len"
-        if seq.num_blocks * limits.block_size < end:
-            return f"sequence {seq_id} needs {end} slots but its block table has {seq.num_blocks} blocks"
-        if end == seq.num_known:
-            sampling[seq_id] = seq
+        if seq_id in changed or seq_id not in seqs:
+            shadow = walk.get(seq_id)
+            if shadow is None:
+                return f"scheduled sequence {seq_id} is unknown"
+            known, computed = shadow.num_known, shadow.num_computed
+            num_blocks, pending = shadow.num_blocks, shadow.pending
+        else:
+            seq = seqs[seq_id]
+            pending, computed, num_blocks = seq.pending, seq.num_computed_tokens, len(seq.block_table)
+            known = len(seq.token_ids) + pending
+        end = computed + n
+        if n < 1 or end > known or (pending and n != 1) or end > max_len or num_blocks * block_size < end:
+            return _scheduled_problem(seq_id, n, known, computed, num_blocks, pending, limits)
+        if end == known:
+            sampling[seq_id] = pending
 
     children = [fork.child_seq_id for fork in plan.forks]
     if len(set(children)) != len(children):
         return "a fork child id appears twice"
     for fork in plan.forks:
-        parent = sampling.get(fork.parent_seq_id)
-        if parent is None:
+        parent_pending = sampling.get(fork.parent_seq_id)
+        if parent_pending is None:
             return f"fork parent {fork.parent_seq_id} does not sample this step"
-        if parent.pending:
+        if parent_pending:
             # The child would count the parent's token in flight as its own, and never receive it.
             return f"fork parent {fork.parent_seq_id} has a sampled token in flight"
         if walk.get(fork.child_seq_id) is not None:
             return f"fork child {fork.child_seq_id} already exists"
     return None
+
+
+def _scheduled_problem(
+    seq_id: int, n: int, known: int, computed: int, num_blocks: int, pending: int, limits: PlanLimits
+) -> str:
+    end = computed + n
+    if n < 1 or end > known:
+        return f"sequence {seq_id} scheduled {n} tokens from {computed} but knows {known}"
+    if pending and n != 1:
+        return f"sequence {seq_id} has a token pending, computes {n}"
+    if end > limits.max_model_len:
+        return f"sequence {seq_id} reaches {end} > max_model_len"
+    return f"sequence {seq_id} needs {end} slots but its block table has {num_blocks} blocks"
 
 
 def _pairs(name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> str | None:
