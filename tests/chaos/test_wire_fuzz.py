@@ -6,6 +6,8 @@ docs/reliability.md. Each test names the defect it guards (issue 20).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -27,6 +29,7 @@ from scripts.fuzz_wire import (
     valid_values,
     wrong_field_type,
 )
+from scripts.fuzz_wire import main as fuzz_main
 
 FUZZ = settings(max_examples=500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 # One value of each msgpack kind, for the exhaustive wrong-type test
@@ -154,3 +157,18 @@ def test_accepted_kinds_match_the_decoder() -> None:
     assert decode([bytes((MsgType.STEP_OUTPUT,)), pack([1, [], [], [], 2, 0])]).gpu_time_s == 2.0
     with pytest.raises(CodecError):
         decode([bytes((MsgType.STEP_OUTPUT,)), pack([True, [], [], []])])
+
+
+def test_fuzz_script_counts_every_message_and_writes_json(tmp_path: Path) -> None:
+    """The figures for docs/reliability.md come from scripts/fuzz_wire.py: every message sent is counted
+    once, and none of them crashes decode."""
+    out = tmp_path / "fuzz.json"
+    results = fuzz_main(["--examples", "50", "--json-out", str(out)])
+    assert set(results) == {"random frames", "random msgpack under every type byte", "wrong field type",
+                            "valid round trip"}  # fmt: skip
+    for row in results.values():
+        assert row["sent"] == 50 == row["codec_error"] + row["decoded"] + row["mismatch"] + row["crashes"]
+        assert row["crashes"] == 0 and row["mismatch"] == 0
+    assert results["wrong field type"]["codec_error"] == 50
+    assert results["valid round trip"]["decoded"] == 50
+    assert json.loads(out.read_text())["kinds"] == results
