@@ -62,11 +62,12 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPT_TOKENS = 1 << 20
-# The scheduler's block manager keeps ~90 bytes of bookkeeping per block of each pool, allocated when a worker
-# announces itself: 1 << 20 blocks cost ~90 MB, where a fake WorkerReady claiming 1 << 24 would cost 1.5 GB.
-# At 16 tokens a block that is 16M tokens of KV, more than any real model's KV fits on one GPU (a 0.5B
-# Qwen2 needs 12 KiB a token: 192 GiB); a worker whose pool would be larger must cap it here.
-MAX_NUM_BLOCKS = 1 << 20
+# Blocks in a pool. The scheduler's block manager allocates ~90 bytes of bookkeeping per block of each pool
+# when a worker announces itself, so this bounds what one WorkerReady can make it allocate (~1.5 GB a pool
+# here, where a claim of 2**40 blocks would take all memory). It is not lower because honest pools come
+# close: a tiny test model (2 KiB of KV a token, 16-token blocks) on a 141 GB GPU holds ~4M blocks in float32,
+# ~8M in bfloat16. Real models need far fewer (a 0.5B Qwen2 at 12 KiB a token: 1M blocks is 192 GiB).
+MAX_NUM_BLOCKS = 1 << 24
 MAX_PLAN_ITEMS = 1 << 20  # entries of any one list in a StepPlan / StepOutput / RequestOutputs
 MAX_TOP_LOGPROBS = 1024  # candidates reported per token (logprobs <= 20; beams ask for 2 x width <= 32)
 
