@@ -93,6 +93,7 @@ class Stack:
         env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in settings.items()})
         self.env = env
         self.log_path = log_path
+        self._client: EngineClient | None = None
         with open(log_path, "wb") as log:
             self.honcho = subprocess.Popen(
                 [str(bin_dir / "honcho"), "start"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -180,18 +181,22 @@ class Stack:
 
     def kv_idle(self) -> bool:
         """The scheduler reports no running request and no used KV block (asked over ZeroMQ, not the api)."""
+        if self._client is None:  # one connection for every poll; it reconnects to a restarted scheduler
+            self._client = EngineClient(self.scheduler_address, detokenize=False, info_timeout=1.0)
         try:
-            with EngineClient(self.scheduler_address, detokenize=False, info_timeout=1.0) as client:
-                text = client.info(timeout=1.0).metrics_text
-        except (TimeoutError, OSError):
+            text = self._client.info(timeout=1.0).metrics_text
+        except TimeoutError:
             return False
         values = dict(line.split()[:2] for line in text.splitlines() if line and not line.startswith("#"))
-        return (
-            float(values["pagedserve_kv_blocks_used"]) == 0
-            and float(values["pagedserve_requests_running"]) == 0
-        )
+        if "pagedserve_kv_blocks_used" not in values:
+            return False  # no worker yet
+        used, running = values["pagedserve_kv_blocks_used"], values["pagedserve_requests_running"]
+        return float(used) == 0 and float(running) == 0
 
     def stop(self, timeout: float = 20.0) -> int:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self.honcho.poll() is None:
             self.honcho.send_signal(signal.SIGTERM)
         try:
