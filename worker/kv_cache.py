@@ -21,6 +21,7 @@ import os
 import torch
 
 from common.config import WorkerConfig
+from common.messages import MAX_NUM_BLOCKS
 from kernels.reference import byte_view, head_major
 from worker.loader import ModelConfig
 
@@ -48,8 +49,22 @@ def determine_num_kv_blocks(
 
     CPU: `kv_cache_memory_gib`, or a quarter of the available memory, capped at what MAX_SEQS_FOR_CPU_POOL
     sequences of max_model_len need. CUDA: `cuda_budget_bytes`, what the memory profile left for the cache
-    (`cuda_kv_budget`).
+    (`cuda_kv_budget`). Never more than the wire's MAX_NUM_BLOCKS, which the scheduler would refuse (only a
+    tiny model on a large GPU comes near it).
     """
+    return min(
+        _num_kv_blocks(cfg, model_cfg, max_model_len, device, dtype, cuda_budget_bytes), MAX_NUM_BLOCKS
+    )
+
+
+def _num_kv_blocks(
+    cfg: WorkerConfig,
+    model_cfg: ModelConfig,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    cuda_budget_bytes: int,
+) -> int:
     if cfg.num_kv_blocks > 0:
         return cfg.num_kv_blocks
     per_block = kv_block_bytes(model_cfg, cfg.block_size, dtype)
@@ -81,7 +96,8 @@ def determine_num_cpu_blocks(cfg: WorkerConfig, model_cfg: ModelConfig, dtype: t
     """Blocks in the CPU swap pool: as many as `swap_space` GiB hold (0 turns swapping off)."""
     if cfg.swap_space <= 0:
         return 0
-    return int(cfg.swap_space * (1 << 30)) // kv_block_bytes(model_cfg, cfg.block_size, dtype)
+    num_blocks = int(cfg.swap_space * (1 << 30)) // kv_block_bytes(model_cfg, cfg.block_size, dtype)
+    return min(num_blocks, MAX_NUM_BLOCKS)
 
 
 def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

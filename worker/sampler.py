@@ -389,6 +389,9 @@ def _logprobs(
     else:
         picked, chosen_tokens = logits.index_select(0, rows), tokens.index_select(0, rows)
     logprobs = torch.log_softmax(picked, dim=-1, dtype=torch.float32)  # [L, V]
+    # A NaN logit (a broken model) would make the scheduler refuse the whole step's output: report it as a
+    # token of probability 0 instead, so that only that sequence's output is odd.
+    logprobs.nan_to_num_(nan=float("-inf"))
     chosen = logprobs.gather(1, chosen_tokens[:, None])[:, 0]
     k = tensors.max_num_logprobs
     if k <= 0:
