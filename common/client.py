@@ -35,6 +35,9 @@ from zmq.utils.monitor import parse_monitor_message
 from common.config import default_cluster_key_file
 from common.log import get_logger
 from common.messages import (
+    MAX_INT32,
+    MAX_NAME_CHARS,
+    MAX_PROMPT_TOKENS,
     AbortRequest,
     CodecError,
     ErrorKind,
@@ -95,8 +98,19 @@ def _request_options_problem(priority: object, cache_salt: object) -> str | None
     """Why `priority` / `cache_salt` cannot be sent, or None (they must fit the wire's 64-bit int / str)."""
     if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
         return f"priority must be a 64-bit integer, got {priority!r}"
-    if not isinstance(cache_salt, str):
-        return f"cache_salt must be a string, got {cache_salt!r}"
+    if not isinstance(cache_salt, str) or len(cache_salt) > MAX_NAME_CHARS:
+        return f"cache_salt must be a string of at most {MAX_NAME_CHARS} characters"
+    return None
+
+
+def _prompt_problem(prompt: list[int]) -> str | None:
+    """Why a tokenized prompt cannot be sent (the scheduler would drop it undecoded), or None."""
+    if not prompt:
+        return "the prompt is empty"
+    if len(prompt) > MAX_PROMPT_TOKENS:
+        return f"the prompt has {len(prompt)} tokens, more than the {MAX_PROMPT_TOKENS} a request may carry"
+    if not all(0 <= t <= MAX_INT32 for t in prompt):
+        return f"prompt token ids must be in [0, {MAX_INT32}]"
     return None
 
 
@@ -363,8 +377,9 @@ class AsyncEngineClient:
                 ErrorKind.UNAVAILABLE, "text prompts and stop strings need a tokenizer, and none is known yet"
             )
         token_prompts = self._tokenize(prompts, tokenizer)
-        if any(not prompt for prompt in token_prompts):
-            raise RequestRejected(ErrorKind.INVALID_REQUEST, "the prompt is empty")
+        problem = next(filter(None, map(_prompt_problem, token_prompts)), None)
+        if problem is not None:
+            raise RequestRejected(ErrorKind.INVALID_REQUEST, problem)
         detokenizer = tokenizer if (self._detokenize or params.stop) else None
         states = []
         try:

@@ -80,8 +80,10 @@ SeqId = Count
 BlockId = Annotated[int, Meta(ge=0, lt=MAX_NUM_BLOCKS)]  # below the pool's size: the receiver checks that
 NumBlocks = Annotated[int, Meta(ge=0, le=MAX_NUM_BLOCKS)]
 Index = Annotated[int, Meta(ge=0, lt=MAX_N)]  # one of a request's sequences
-RequestId = Annotated[str, Meta(max_length=256)]
-Name = Annotated[str, Meta(max_length=4096)]  # a model name or path, a worker id, a reason
+MAX_REQUEST_ID_CHARS = 256
+RequestId = Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)]
+MAX_NAME_CHARS = 4096
+Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]  # a model name or path, a worker id, a cache salt
 Text = Annotated[str, Meta(max_length=1 << 16)]  # an error message
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]  # finite: the bounds refuse NaN and infinities too

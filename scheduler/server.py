@@ -33,12 +33,14 @@ import dataclasses
 import time
 from collections import defaultdict
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
 from common.config import SchedulerConfig
 from common.messages import (
+    MAX_REQUEST_ID_CHARS,
     AbortRequest,
     CodecError,
     ErrorKind,
@@ -46,6 +48,7 @@ from common.messages import (
     InfoReply,
     InfoRequest,
     Message,
+    MsgType,
     RequestError,
     RequestOutputs,
     SeqOutput,
@@ -64,6 +67,18 @@ log = structlog.get_logger(process="scheduler")
 # Messages queued for one client before it counts as not reading (a stopped process: its own socket takes
 # everything while it runs). Bounds the scheduler's memory per client.
 CLIENT_SNDHWM = 10_000
+
+
+def _submitted_request_id(frames: list[bytes]) -> str | None:
+    """The request id of a SubmitRequest that failed to decode, read without the types, or None."""
+    if len(frames) != 2 or frames[0] != bytes([MsgType.SUBMIT]):
+        return None
+    try:
+        fields = msgspec.msgpack.decode(frames[1])
+    except msgspec.DecodeError:
+        return None
+    request_id = fields[0] if isinstance(fields, list) and fields else None
+    return request_id if isinstance(request_id, str) and len(request_id) <= MAX_REQUEST_ID_CHARS else None
 
 
 class SchedulerServer:
@@ -152,10 +167,14 @@ class SchedulerServer:
             owner = identity.bytes
             self._client_peers.seen(owner, source_fd(identity))
             self._unreachable.discard(owner)
+            payload = [f.bytes for f in frames]
             try:
-                msg = decode([f.bytes for f in frames])
+                msg = decode(payload)
             except CodecError as e:
                 log.warning("bad_client_message", client=owner.hex(), error=str(e))
+                request_id = _submitted_request_id(payload)
+                if request_id is not None:  # its sender waits for an answer: tell it why there is none
+                    self._send_client(owner, RequestError(request_id, ErrorKind.INVALID_REQUEST, str(e)))
                 continue
             try:
                 self._handle_client(owner, msg)

@@ -293,3 +293,24 @@ def test_random_frames_on_both_sockets_never_stop_the_scheduler(tmp_path):
             serving.cancel()
 
     asyncio.run(scenario())
+
+
+def test_an_undecodable_submit_is_answered_not_left_waiting(tmp_path):
+    """A request the scheduler could not decode was only logged: its ZeroMQ client waited forever."""
+
+    async def scenario() -> None:
+        async with scheduler(tmp_path) as (server, ctx, key):
+            client = Client(ctx, server.config.scheduler_address, key)
+            worker, serving = await _with_worker(ctx, server, key)
+            await client.wait_ready()
+            wire = list(SubmitRequest("typed-wrong", [1, 2, 3], PARAMS).__struct_fields__)
+            assert wire[:2] == ["request_id", "prompt_token_ids"]  # the payload below is positional
+            payload = ["typed-wrong", ["one", "two"], [1, 12, 0.0, 1.0, 0, None, [], True, None, [], 0, 1.0]]
+            await client.send_frames([bytes([MsgType.SUBMIT]), msgpack.packb(payload)])
+            error = await client.recv()
+            assert isinstance(error, RequestError) and error.request_id == "typed-wrong"
+            assert error.kind == ErrorKind.INVALID_REQUEST
+            await _assert_serves_and_is_idle(client)
+            serving.cancel()
+
+    asyncio.run(scenario())
