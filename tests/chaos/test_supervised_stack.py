@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from scripts.chaos import CHAOS_SETTINGS, Stack, measure_graceful_stop, measure_kill
+from scripts.chaos import CHAOS_SETTINGS, Stack, measure_graceful_stop, measure_kill, measure_slow_reader
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +54,15 @@ def test_stopped_worker_is_declared_dead_by_heartbeat_and_comes_back(stack: Stac
     row = measure_kill(stack, "worker", signal.SIGSTOP)
     assert row["error_s"] <= CHAOS_SETTINGS["heartbeat_timeout_s"] + ERROR_S, row
     assert row["back_s"] <= BACK_S + 10, row  # the heartbeat timeout, then a restart
+
+
+def test_a_client_that_reads_nothing_has_its_stream_ended_and_memory_stays_flat(stack: Stack):
+    """A client that read nothing kept its n=128 request generating at full speed while the api buffered
+    (+117 MB in 60 s)."""
+    row = measure_slow_reader(stack, seconds=10.0, every_s=1.0)
+    assert row["request_ended_by_s"] is not None, row  # aborted, its KV freed
+    api_mib = [api for _, api, _ in row["rss_mib_over_time"]]
+    assert max(api_mib) - api_mib[0] < 32, row
 
 
 def test_sigterm_lets_streams_finish_and_exits_zero(stack: Stack):
