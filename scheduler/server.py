@@ -75,7 +75,7 @@ def _submitted_request_id(frames: list[bytes]) -> str | None:
         return None
     try:
         fields = msgspec.msgpack.decode(frames[1])
-    except msgspec.DecodeError:
+    except Exception:  # hostile bytes: msgspec raises UnicodeDecodeError for a str that is not UTF-8, too
         return None
     request_id = fields[0] if isinstance(fields, list) and fields else None
     return request_id if isinstance(request_id, str) and len(request_id) <= MAX_REQUEST_ID_CHARS else None
@@ -165,21 +165,26 @@ class SchedulerServer:
         while True:
             identity, *frames = await self._clients.recv_multipart(copy=False)
             owner = identity.bytes
-            self._client_peers.seen(owner, source_fd(identity))
-            self._unreachable.discard(owner)
-            payload = [f.bytes for f in frames]
             try:
-                msg = decode(payload)
-            except CodecError as e:
-                log.warning("bad_client_message", client=owner.hex(), error=str(e))
-                request_id = _submitted_request_id(payload)
-                if request_id is not None:  # its sender waits for an answer: tell it why there is none
-                    self._send_client(owner, RequestError(request_id, ErrorKind.INVALID_REQUEST, str(e)))
-                continue
-            try:
-                self._handle_client(owner, msg)
-            except Exception:
-                self._client_message_failed(owner, msg)
+                self._on_client_frames(owner, source_fd(identity), [f.bytes for f in frames])
+            except Exception:  # a bug on the receive path itself: this message is lost, the loop goes on
+                log.exception("client_receive_failed", client=owner.hex())
+
+    def _on_client_frames(self, owner: bytes, fd: int, frames: list[bytes]) -> None:
+        self._client_peers.seen(owner, fd)
+        self._unreachable.discard(owner)
+        try:
+            msg = decode(frames)
+        except CodecError as e:
+            log.warning("bad_client_message", client=owner.hex(), error=str(e))
+            request_id = _submitted_request_id(frames)
+            if request_id is not None:  # its sender waits for an answer: tell it why there is none
+                self._send_client(owner, RequestError(request_id, ErrorKind.INVALID_REQUEST, str(e)))
+            return
+        try:
+            self._handle_client(owner, msg)
+        except Exception:
+            self._client_message_failed(owner, msg)
 
     def _client_message_failed(self, owner: bytes, msg: Message) -> None:
         """A bug met while handling `msg`: it fails its own request, never the scheduler."""
@@ -302,20 +307,26 @@ class SchedulerServer:
         while True:
             identity, *frames = await self._workers.recv_multipart(copy=False)
             sender = identity.bytes
-            self._worker_peers.seen(sender, source_fd(identity))
             try:
-                msg = decode([f.bytes for f in frames])
-            except CodecError as e:
-                log.error("bad_worker_message", worker=sender.hex(), error=str(e))
-                continue
-            if isinstance(msg, Heartbeat):
-                self._on_heartbeat(msg)
-            elif isinstance(msg, StepOutput):
-                self._on_step_output(sender, msg)
-            elif isinstance(msg, WorkerReady):
-                self._on_worker_ready(sender, msg)
-            else:
-                log.warning("unexpected_worker_message", worker=sender.hex(), type=type(msg).__name__)
+                self._on_worker_frames(sender, source_fd(identity), [f.bytes for f in frames])
+            except Exception:  # a bug on the receive path: this message is lost, the loop goes on
+                log.exception("worker_receive_failed", worker=sender.hex())
+
+    def _on_worker_frames(self, sender: bytes, fd: int, frames: list[bytes]) -> None:
+        self._worker_peers.seen(sender, fd)
+        try:
+            msg = decode(frames)
+        except CodecError as e:
+            log.error("bad_worker_message", worker=sender.hex(), error=str(e))
+            return
+        if isinstance(msg, Heartbeat):
+            self._on_heartbeat(msg)
+        elif isinstance(msg, StepOutput):
+            self._on_step_output(sender, msg)
+        elif isinstance(msg, WorkerReady):
+            self._on_worker_ready(sender, msg)
+        else:
+            log.warning("unexpected_worker_message", worker=sender.hex(), type=type(msg).__name__)
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         # Beats come from the worker's heartbeat socket, another identity: they match on the announced id.

@@ -324,6 +324,59 @@ def measure_slow_reader(stack: Stack, seconds: float = 60.0, every_s: float = 5.
     return {"rss_mib_over_time": samples, "request_ended_by_s": freed_at}
 
 
+def measure_wire_storm(stack: Stack, examples: int = 10_000, seed: int = 0) -> dict[str, object]:
+    """Sends `examples` hostile messages of each kind of scripts/fuzz_wire.py (random frames, random msgpack
+    under every type byte, a field of the wrong type) to the scheduler's two sockets, holding the cluster
+    key, while a stream runs; then checks that no process died and that service and the KV pool are whole."""
+    import zmq
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    from common.config import default_cluster_key_file
+    from common.security import load_cluster_key, secure_client
+    from scripts.fuzz_wire import KINDS
+
+    key = load_cluster_key(stack.env.get("PAGEDSERVE_CLUSTER_KEY_FILE", default_cluster_key_file()))
+    ctx = zmq.Context()
+    socks = []
+    for address in (stack.scheduler_address, stack.env["PAGEDSERVE_WORKER_ADDRESS"]):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, key)
+        sock.connect(address)
+        socks.append(sock)
+    pids = {name: stack.pid(name) for name in ("scheduler", "worker", "api")}
+    stream = stack.stream()
+    sent = 0
+    for name in ("random frames", "random msgpack under every type byte", "wrong field type"):
+        strategy = KINDS[name][0]
+
+        @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @hypothesis_seed(seed)
+        @given(strategy)
+        def send(frames: list[bytes]) -> None:
+            nonlocal sent
+            if frames:
+                socks[sent % 2].send_multipart(frames)
+                sent += 1
+
+        send()
+    stream.finished.wait(WAIT_S)
+    for sock in socks:
+        sock.close()
+    ctx.term()
+    serves = stack.serves()
+    stack.wait_until("KV blocks all free", stack.kv_idle)
+    restarted = [name for name, pid in pids.items() if stack.pid(name) != pid]
+    return {
+        "sent": sent,
+        "restarted": restarted,
+        "stream_completed": stream.completed,
+        "serves_after": serves,
+    }
+
+
 def run_all(model_dir: Path, log_dir: Path) -> list[dict[str, object]]:
     stack = Stack(model_dir, log_dir / "honcho.log", **CHAOS_SETTINGS)
     try:
@@ -363,11 +416,14 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=ROOT / "models/tiny-llama")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pagedserve-chaos"))
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--also", nargs="*", default=[], choices=["fair-ttft", "slow-reader"])
+    parser.add_argument("--no-kills", action="store_true", help="only the --also measurements")
+    parser.add_argument("--also", nargs="*", default=[], choices=["fair-ttft", "slow-reader", "wire-storm"])
     args = parser.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, object] = {"kills": run_all(args.model, args.log_dir)}
-    print("\n".join(_table(result["kills"])))  # type: ignore[arg-type]
+    result: dict[str, object] = {}
+    if not args.no_kills:
+        result["kills"] = run_all(args.model, args.log_dir)
+        print("\n".join(_table(result["kills"])))  # type: ignore[arg-type]
     if args.also:
         stack = Stack(args.model, args.log_dir / "honcho-load.log", **{**CHAOS_SETTINGS, "max_num_seqs": 64})
         try:
@@ -375,6 +431,9 @@ def main() -> None:
             if "fair-ttft" in args.also:
                 result["fair_ttft"] = measure_fair_ttft(stack)
                 print("fair TTFT:", result["fair_ttft"])
+            if "wire-storm" in args.also:
+                result["wire_storm"] = measure_wire_storm(stack)
+                print("wire storm:", result["wire_storm"])
             if "slow-reader" in args.also:
                 result["slow_reader"] = measure_slow_reader(stack)
                 print("slow reader:", result["slow_reader"])

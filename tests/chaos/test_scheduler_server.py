@@ -26,6 +26,7 @@ from common.messages import (
     SubmitRequest,
 )
 from common.security import ClusterKey
+from scripts.fuzz_wire import KINDS
 from tests.chaos.scheduler_peers import WAIT_S, Client, Peer, ready_msg, scheduler, serve_like_a_worker
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
@@ -230,24 +231,11 @@ def test_a_request_that_breaks_the_scheduler_fails_alone(tmp_path, monkeypatch):
     asyncio.run(scenario())
 
 
-# Frames a hostile client sends: random bytes, random msgpack under every type byte, and well-framed
-# messages of every client type with fields of the wrong type.
-_msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
-    | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
-    max_leaves=20,
-)  # fmt: skip
+# What a hostile peer holding the key sends: scripts/fuzz_wire.py's strategies (random frames, random msgpack
+# under every type byte with str fields that are not UTF-8, and valid messages with a field of a wrong type).
 _frames = st.one_of(
-    st.lists(st.binary(max_size=40), min_size=1, max_size=4),
-    st.tuples(st.integers(0, 255), _msgpack_values).map(
-        lambda t: [bytes([t[0]]), msgpack.packb(t[1], use_bin_type=True)]
-    ),
-    st.tuples(
-        st.sampled_from([MsgType.SUBMIT, MsgType.ABORT, MsgType.INFO_REQUEST, MsgType.WORKER_READY]),
-        st.lists(_msgpack_values, min_size=1, max_size=6),
-    ).map(lambda t: [bytes([t[0]]), msgpack.packb(t[1], use_bin_type=True)]),
-)
+    KINDS["random frames"][0], KINDS["random msgpack under every type byte"][0], KINDS["wrong field type"][0]
+).filter(bool)
 
 
 def _hostile_frames(count: int) -> list[tuple[list[bytes], bool]]:
@@ -265,8 +253,11 @@ def _hostile_frames(count: int) -> list[tuple[list[bytes], bool]]:
 
 def test_random_frames_on_both_sockets_never_stop_the_scheduler(tmp_path):
     """9 of 14 crafted messages on the client port (e.g. an AbortRequest whose request id is a list) and
-    random msgpack under the client type bytes killed the scheduler."""
-    hostile_frames = _hostile_frames(400)
+    random msgpack under the client type bytes killed the scheduler; later, a SubmitRequest whose request id
+    was not UTF-8 crashed the code that answers undecodable submits."""
+    hostile_frames = _hostile_frames(1000)
+    # The one that crashed the answering of undecodable submits: a request id that is not UTF-8.
+    hostile_frames.append(([bytes([MsgType.SUBMIT]), b"\x91\xa1\xc0"], False))
 
     async def scenario() -> None:
         async with scheduler(tmp_path) as (server, ctx, key):
