@@ -234,7 +234,11 @@ def _loop(
             log.error("bad_message", error=str(e))
             continue
         if isinstance(msg, StepPlan):
-            problem = runner.check_plan(msg)
+            try:
+                problem = runner.check_plan(msg)
+            except Exception as e:  # a bug in the check itself: the plan is not run either way
+                log.exception("plan_check_failed", step_id=msg.step_id)
+                problem = f"the check failed: {e}"
             if problem is not None:
                 # The scheduler's view of this worker and the worker's own differ: start both over.
                 log.error("bad_plan", step_id=msg.step_id, problem=problem)
