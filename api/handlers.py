@@ -154,6 +154,7 @@ async def _stream(
         nonlocal stalled
         if writing:
             stalled = "buffer_full"
+            generation.close()  # aborted now: nothing more is queued for it while the handler unwinds
             guard.reschedule(loop.time())  # ends whatever the handler awaits now
 
     generation.limit_buffer(config.max_buffered_tokens, overflow)
