@@ -74,7 +74,7 @@ class SchedulerConfig:
     async_scheduling: bool = True  # plan step N+1 while the worker runs step N (no GPU idle between steps)
     heartbeat_timeout_s: float = 10.0  # a worker silent this long (no heartbeat, no output) is declared dead
     step_timeout_s: float = 600.0  # a step not answered this long declares the worker group hung
-    # SIGTERM: refuse new requests, let those in flight finish this long, then end the rest and stop the worker
+    # SIGTERM: refuse new requests, let those in flight finish this long, then end the rest, stop the worker
     shutdown_timeout_s: float = 30.0
     cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # clients and workers must hold this key pair
     log_level: str = "info"

@@ -88,7 +88,9 @@ class Supervisor:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0].startswith("-"):
-        print("usage: python -m common.supervisor NAME [ARGS...]   (runs python -m NAME ARGS)", file=sys.stderr)
+        print(
+            "usage: python -m common.supervisor NAME [ARGS...]  (runs python -m NAME ARGS)", file=sys.stderr
+        )
         return USAGE_ERROR
     return Supervisor([sys.executable, "-m", *args], args[0]).run()
 

@@ -46,6 +46,17 @@ async def _generate(client: Client, request_id: str, params: SamplingParams = PA
                 return tokens
 
 
+async def _tokens_until_finished(client: Client) -> int:
+    """The tokens of the one request in flight, counted until its output says it finished."""
+    tokens = 0
+    while True:
+        msg = await client.recv()
+        assert isinstance(msg, RequestOutputs), msg
+        tokens += sum(len(o.token_ids) for o in msg.outputs)
+        if any(o.finish_reason for o in msg.outputs):
+            return tokens
+
+
 async def _assert_serves_and_is_idle(client: Client) -> None:
     assert len(await _generate(client, "check")) == PARAMS.max_tokens
     for _ in range(int(WAIT_S / 0.05)):
@@ -106,14 +117,7 @@ def test_a_second_worker_is_refused_while_the_first_serves(tmp_path):
             await second.send(ready_msg("w-2"))
             refusal = await second.recv()
             assert isinstance(refusal, Shutdown) and "another worker" in refusal.reason
-            tokens = 0
-            while True:  # the request in flight finishes on the first worker
-                msg = await client.recv()
-                assert isinstance(msg, RequestOutputs), msg
-                tokens += sum(len(o.token_ids) for o in msg.outputs)
-                if any(o.finish_reason for o in msg.outputs):
-                    break
-            assert tokens == LONG.max_tokens
+            assert await _tokens_until_finished(client) == LONG.max_tokens  # it finished on the first worker
             assert server.ready_msg is not None and server.ready_msg.worker_id == "w-1"
             await _assert_serves_and_is_idle(client)
             serving.cancel()
@@ -271,14 +275,7 @@ def test_random_frames_on_both_sockets_never_stop_the_scheduler(tmp_path):
                 await (hostile_worker if to_worker_port else hostile).send_frames(frames)
             await client.send(AbortRequest("never-submitted"))
             await client.send(Heartbeat("not-a-worker-message"))  # a worker message on the client port
-            tokens = 0
-            while True:  # the request submitted before the storm ran through it
-                msg = await client.recv()
-                assert isinstance(msg, RequestOutputs), msg
-                tokens += sum(len(o.token_ids) for o in msg.outputs)
-                if any(o.finish_reason for o in msg.outputs):
-                    break
-            assert tokens == LONG.max_tokens
+            assert await _tokens_until_finished(client) == LONG.max_tokens  # it ran through the storm
             assert server.ready_msg is not None and server.ready_msg.worker_id == "w-1"
             await _assert_serves_and_is_idle(client)
             serving.cancel()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import itertools
 import weakref
 from collections.abc import AsyncIterator
 
@@ -19,7 +18,6 @@ from common.messages import (
     ErrorKind,
     Heartbeat,
     InfoReply,
-    InfoRequest,
     Message,
     RequestError,
     RequestOutputs,
@@ -30,11 +28,11 @@ from common.messages import (
     SubmitRequest,
     WorkerReady,
     decode,
-    encode,
 )
-from common.security import load_cluster_key, secure_client, secure_server
+from common.security import load_cluster_key, secure_server
 from scheduler.server import SchedulerServer, WorkerWatch
 from scripts._servers import free_port
+from tests.chaos.scheduler_peers import Client, Peer
 from tests.scheduler.fake_worker import FakeWorker
 from worker.heartbeat import HeartbeatThread
 
@@ -106,40 +104,15 @@ def test_heartbeat_thread_beats_with_its_worker_id_until_stopped():
 # the scheduler server against a scripted worker
 
 
-class Peer:
-    """A DEALER socket speaking our messages, with bounded receives."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        secure_client(self.sock, load_cluster_key(default_cluster_key_file()))  # the server's key too
-        self.sock.connect(address)
-
-    async def send(self, msg: Message) -> None:
-        await self.sock.send_multipart(encode(msg))
-
-    async def recv(self, timeout: float = WAIT_S) -> Message:
-        return decode(await asyncio.wait_for(self.sock.recv_multipart(), timeout))
+KEY = load_cluster_key(default_cluster_key_file())  # the scheduler servers below read the same file
 
 
-class Client(Peer):
-    _query_ids = itertools.count()
+def _peer(ctx: zmq.asyncio.Context, address: str) -> Peer:
+    return Peer(ctx, address, KEY)
 
-    async def info(self) -> InfoReply:
-        query_id = next(self._query_ids)
-        await self.send(InfoRequest(query_id))
-        while True:  # outputs of other requests may come first; these tests never interleave them
-            msg = await self.recv()
-            if isinstance(msg, InfoReply) and msg.query_id == query_id:
-                return msg
 
-    async def wait_ready(self, ready: bool = True) -> InfoReply:
-        for _ in range(int(WAIT_S / 0.02)):
-            info = await self.info()
-            if info.ready == ready:
-                return info
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"the scheduler never became ready={ready}")
+def _client(ctx: zmq.asyncio.Context, address: str) -> Client:
+    return Client(ctx, address, KEY)
 
 
 def _ready(worker_id: str) -> WorkerReady:
@@ -210,7 +183,7 @@ async def _assert_refused_while_no_worker(client: Client) -> None:
 
 
 async def _assert_new_worker_serves(cfg: SchedulerConfig, ctx: zmq.asyncio.Context, client: Client) -> None:
-    worker = Peer(ctx, cfg.worker_address)
+    worker = _peer(ctx, cfg.worker_address)
     await worker.send(_ready("w-new"))
     serving = asyncio.create_task(_serve_like_a_worker(worker, "w-new"))
     try:
@@ -236,9 +209,9 @@ def test_silent_worker_fails_its_requests_then_a_new_worker_is_accepted():
     async def scenario() -> None:
         async with _scheduler(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as (server, ctx):
             cfg = server.config
-            client = Client(ctx, cfg.scheduler_address)
-            worker = Peer(ctx, cfg.worker_address)
-            impostor = Peer(ctx, cfg.worker_address)  # beats with another worker's id: no sign of life
+            client = _client(ctx, cfg.scheduler_address)
+            worker = _peer(ctx, cfg.worker_address)
+            impostor = _peer(ctx, cfg.worker_address)  # beats with another worker's id: no sign of life
             await worker.send(_ready("w-old"))
             await client.wait_ready()
             await client.send(SubmitRequest("in-flight", [1, 2, 3], PARAMS))
@@ -272,8 +245,8 @@ def test_worker_that_beats_but_never_finishes_its_step_is_declared_hung():
         timeouts = {"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "step_timeout_s": 2 * HEARTBEAT_TIMEOUT_S}
         async with _scheduler(**timeouts) as (server, ctx):
             cfg = server.config
-            client = Client(ctx, cfg.scheduler_address)
-            worker = Peer(ctx, cfg.worker_address)
+            client = _client(ctx, cfg.scheduler_address)
+            worker = _peer(ctx, cfg.worker_address)
             await worker.send(_ready("w-hung"))
             await client.wait_ready()
             await client.send(SubmitRequest("in-flight", [1, 2, 3], PARAMS))
@@ -303,8 +276,8 @@ def test_reannouncing_worker_fails_running_requests_and_starts_empty(late: bool)
     async def scenario() -> None:
         async with _scheduler() as (server, ctx):
             cfg = server.config
-            client = Client(ctx, cfg.scheduler_address)
-            worker = Peer(ctx, cfg.worker_address)
+            client = _client(ctx, cfg.scheduler_address)
+            worker = _peer(ctx, cfg.worker_address)
             await worker.send(_ready("w-1"))
             await client.wait_ready()
             await client.send(SubmitRequest("in-flight", [1, 2, 3], PARAMS))
@@ -312,7 +285,7 @@ def test_reannouncing_worker_fails_running_requests_and_starts_empty(late: bool)
             assert isinstance(plan, StepPlan)
             # The same worker from a new connection (it reconnected and reset itself); another worker id
             # would be refused while this one lives (tests/chaos/test_scheduler_server.py).
-            restarted = Peer(ctx, cfg.worker_address)
+            restarted = _peer(ctx, cfg.worker_address)
             await restarted.send(_ready("w-1"))
             error = await client.recv()
             assert isinstance(error, RequestError) and error.kind == ErrorKind.UNAVAILABLE
