@@ -18,6 +18,7 @@ from api.server import create_app, drain
 from api.state import STATE
 from common.config import ApiConfig, parse_config
 from common.log import configure_logging
+from common.security import ClusterKeyError
 
 
 async def serve(config: ApiConfig) -> None:
@@ -44,7 +45,11 @@ async def serve(config: ApiConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(ApiConfig, argv, description="pagedserve's OpenAI-compatible HTTP server")
-    uvloop.run(serve(config))
+    try:
+        uvloop.run(serve(config))
+    except ClusterKeyError as e:  # a configuration error: exit code 2, which the supervisor does not retry
+        configure_logging("api", config.log_level).error("cluster_key_unusable", error=str(e))
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

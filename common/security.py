@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,17 +50,20 @@ def load_cluster_key(path: str | os.PathLike[str], create: bool = True) -> Clust
     linked into place, so every process reads the same complete key.
     """
     file = Path(path).expanduser()
-    if not file.exists():
-        if not create:
-            raise ClusterKeyError(f"no cluster key at {file}")
-        _create(file)
-    info = file.stat()
+    try:
+        if not file.exists():
+            if not create:
+                raise ClusterKeyError(f"no cluster key at {file}")
+            _create(file)
+        info = file.stat()
+        secret = file.read_bytes().strip()
+    except OSError as e:  # an unwritable folder, an unreadable file: the operator's to fix
+        raise ClusterKeyError(f"the cluster key {file} cannot be read or made: {e}") from e
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ClusterKeyError(
             f"the cluster key {file} is open to other users (mode {stat.filemode(info.st_mode)}); "
             f"make it private with: chmod 600 {file}"
         )
-    secret = file.read_bytes().strip()
     if len(secret) != 40:
         raise ClusterKeyError(f"{file} does not hold a Z85 CURVE secret key (40 characters)")
     try:
@@ -72,8 +76,8 @@ def load_cluster_key(path: str | os.PathLike[str], create: bool = True) -> Clust
 def _create(file: Path) -> None:
     file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     _, secret = zmq.curve_keypair()
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd, name = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.")  # mode 0600, a unique name
+    tmp = Path(name)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(secret + b"\n")

@@ -53,6 +53,8 @@ class Supervisor:
         while True:
             started = time.monotonic()
             self.child = subprocess.Popen(self.argv)
+            if self.stopping is not None:  # the stop came while it was being started: pass it on now
+                self.child.send_signal(self.stopping)
             self.log.info("started", pid=self.child.pid, restarts=self.restarts)
             code = self._wait()
             ran_s = time.monotonic() - started
