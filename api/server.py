@@ -187,7 +187,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> web.Application:
     """The HTTP app for `config`; `client` replaces the scheduler connection it would make (tests)."""
     client = client or AsyncEngineClient(
-        config.scheduler_address, config.model or None, cluster_key_file=config.cluster_key_file
+        config.scheduler_address,
+        config.model or None,
+        cluster_key_file=config.cluster_key_file,
+        liveness_timeout_s=config.scheduler_timeout_s,
     )
     app = web.Application(middlewares=[observe, authenticate], client_max_size=config.max_request_bytes)
     app[STATE] = ApiState(config, client, ModelState(config, client))

@@ -35,6 +35,8 @@ class ApiConfig:
     # SIGTERM: refuse new requests (503), let those in flight finish this long, then end the rest
     shutdown_timeout_s: float = 30.0
     cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # the key the scheduler's sockets are locked with
+    # With requests in flight, a scheduler silent this long counts as hung: they fail with 503
+    scheduler_timeout_s: float = 10.0
     # Non-empty: every route but /health and /metrics (so all of /v1/*) needs `Authorization: Bearer
     # <api_key>`, else 401 with OpenAI's error body
     api_key: str = ""
