@@ -369,10 +369,8 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         self._pending_forks = sum(len(s.fork_children) for s in self._running)
         self._beam_reserve = 0
         for request in {s.request.key: s.request for s in self._seqs.values() if s.request.beam}.values():
-            group = request.beam
-            running = sum(1 for b in request.live_beams if b.status is SeqStatus.RUNNING)
-            group.seats_held, group.running_beams = (group.width if running else 0), running
-            self._beam_reserve += group.seats_held - running
+            request.beam.seats_held = request.beam.running_beams = 0  # counted afresh, from zero
+            self._rebalance_beam_seats(request)
 
     # ----------------------------------------------------------------------------------------------------
     # one step

@@ -147,13 +147,10 @@ class SchedulerServer:
         while self.core is not None and self.core.live_requests() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.core is not None:
-            ended = self.core.live_requests()
-            if ended:
-                log.warning("drain_timeout", num_requests_ended=len(ended))
-            for owner, request_id in ended:
-                self._send_client(
-                    owner, RequestError(request_id, ErrorKind.UNAVAILABLE, "the server is shutting down")
-                )
+            num_ended = len(self.core.live_requests())
+            if num_ended:
+                log.warning("drain_timeout", num_requests_ended=num_ended)
+            self._fail_requests(ErrorKind.UNAVAILABLE, "the server is shutting down")
             self._workers.send_multipart([self._worker_id, *encode(Shutdown("the scheduler is stopping"))])
             self._drop_worker()
         await asyncio.sleep(0.1)  # let the last messages leave before run() closes the sockets

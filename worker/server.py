@@ -303,8 +303,7 @@ def _reannounce(
     announces itself again: the scheduler then starts over with an empty cache. The other ranks get the
     announcement too, and reset with it."""
     log.warning("reannouncing", reason=why, steps_in_flight=len(runner.in_flight))
-    _drain(runner)
-    runner.reset()
+    runner.reset()  # (it finishes the steps in flight first)
     while conn.sock.poll(0):
         conn.sock.recv_multipart()  # plans of the scheduler's old core
     frames = encode(ready)
@@ -346,7 +345,6 @@ def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any) -> int:
                 log.exception("step_failed", step_id=msg.step_id, steps_in_flight=steps_in_flight)
                 return 1
         elif isinstance(msg, WorkerReady):  # rank 0 announced itself again: forget every sequence
-            _drain(runner)
             runner.reset()
         elif isinstance(msg, Shutdown):
             log.info("shutdown", reason=msg.reason)
