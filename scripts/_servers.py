@@ -1,5 +1,6 @@
 """Starts the server's processes (scheduler and worker, and the api when asked) on free 127.0.0.1 ports,
-for benchmark scripts and the end-to-end tests (tests/e2e/processes.py).
+for benchmark scripts and the end-to-end tests (tests/e2e/processes.py); or the README's whole stack, honcho
+on the Procfile (`Honcho`), for the tests and scripts that run it as an operator would.
 
     engine = start_engine(Path("models/tiny-llama"), log_dir, device="cpu", kv_policy="reserved")
     try:
@@ -10,15 +11,21 @@ for benchmark scripts and the end-to-end tests (tests/e2e/processes.py).
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+WAIT_S = 60.0  # bound on a Honcho wait: a missed recovery fails, it never hangs
 
 
 def free_port() -> int:
@@ -96,3 +103,91 @@ def start_engine(
         for rank in range(num_ranks if name == "worker" else 1):
             engine.start(name, rank)
     return engine
+
+
+class Honcho:
+    """`honcho start [ARGS]` on the Procfile in its own session, configured through PAGEDSERVE_* variables
+    (`settings`, plus `env` as given), on free 127.0.0.1 ports, logging to `log_path`. Returns at once."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        honcho_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        **settings: object,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.scheduler_address = f"tcp://127.0.0.1:{free_port()}"
+        bin_dir = Path(sys.executable).parent
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+        full_env.update(
+            PATH=f"{bin_dir}:{full_env.get('PATH', '')}",
+            PAGEDSERVE_MODEL=str(model_dir),
+            PAGEDSERVE_PORT=str(self.port),
+            PAGEDSERVE_SCHEDULER_ADDRESS=self.scheduler_address,
+            PAGEDSERVE_WORKER_ADDRESS=f"tcp://127.0.0.1:{free_port()}",
+            PAGEDSERVE_DEVICE="cpu",
+            PYTHONUNBUFFERED="1",
+        )
+        full_env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in settings.items()})
+        full_env.update(env or {})
+        self.env = full_env
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.honcho = subprocess.Popen(
+                [str(bin_dir / "honcho"), "start", *honcho_args], cwd=ROOT, env=full_env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str, timeout: float = 2.0) -> int:
+        """The HTTP status of GET `path` (0 while nothing listens)."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    def post(self, body: dict, path: str = "/v1/completions", timeout: float = WAIT_S) -> tuple[int, dict]:
+        """The status and JSON answer of POST `path` with `body`."""
+        req = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def wait_until(
+        self, what: str, check: Callable[[], bool], timeout: float = WAIT_S, period: float = 0.05
+    ) -> float:
+        """Polls `check()` until true; returns the monotonic time it first was. Raises when honcho exits or
+        `timeout` passes, with the log's tail."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.honcho.poll() is not None:
+                raise AssertionError(f"honcho exited while waiting for {what}:\n{self.logs()[-4000:]}")
+            if check():
+                return time.monotonic()
+            time.sleep(period)
+        raise TimeoutError(f"{what} did not happen within {timeout} s:\n{self.logs()[-4000:]}")
+
+    def wait_healthy(self, timeout: float = 120.0) -> float:
+        return self.wait_until("/health 200", lambda: self.get("/health") == 200, timeout, 0.3)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM to honcho (it passes it on); SIGKILL to the whole session past `timeout`."""
+        if self.honcho.poll() is None:
+            self.honcho.send_signal(signal.SIGTERM)
+        try:
+            return self.honcho.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.honcho.pid, signal.SIGKILL)
+            return self.honcho.wait()

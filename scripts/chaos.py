@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,9 +32,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.client import EngineClient  # noqa: E402
-from scripts._servers import ROOT, free_port  # noqa: E402
+from scripts._servers import ROOT, WAIT_S, Honcho  # noqa: E402
 
-WAIT_S = 60.0  # bound on every wait: a missed recovery fails, it never hangs
 LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
 
 
@@ -72,36 +70,13 @@ class Stream:
         return sum(1 for _, e in self.events if isinstance(e, dict) and "choices" in e)
 
 
-class Stack:
-    """honcho on the Procfile, configured through PAGEDSERVE_* variables, on free 127.0.0.1 ports."""
+class Stack(Honcho):
+    """The README's stack (scripts/_servers.Honcho) with what the measurements need: the processes' pids,
+    streams read on threads, and the scheduler's own view of the KV pool."""
 
     def __init__(self, model_dir: Path, log_path: Path, **settings: object) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.scheduler_address = f"tcp://127.0.0.1:{free_port()}"
-        bin_dir = Path(sys.executable).parent
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
-        env.update(
-            PATH=f"{bin_dir}:{env.get('PATH', '')}",
-            PAGEDSERVE_MODEL=str(model_dir),
-            PAGEDSERVE_PORT=str(self.port),
-            PAGEDSERVE_SCHEDULER_ADDRESS=self.scheduler_address,
-            PAGEDSERVE_WORKER_ADDRESS=f"tcp://127.0.0.1:{free_port()}",
-            PAGEDSERVE_DEVICE="cpu",
-            PYTHONUNBUFFERED="1",
-        )
-        env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in settings.items()})
-        self.env = env
-        self.log_path = log_path
+        super().__init__(model_dir, log_path, **settings)
         self._client: EngineClient | None = None
-        with open(log_path, "wb") as log:
-            self.honcho = subprocess.Popen(
-                [str(bin_dir / "honcho"), "start"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def pid(self, name: str) -> int:
         """The pid of the running `python -m NAME` (not its supervisor)."""
@@ -113,37 +88,6 @@ class Stack:
             if cmd[-2:] == ["-m", name] and proc.status() != psutil.STATUS_ZOMBIE:
                 return proc.pid
         raise LookupError(f"no running {name} process:\n{self.logs()[-3000:]}")
-
-    def get(self, path: str, timeout: float = 2.0) -> int:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except OSError:
-            return 0  # not listening (the api is down)
-
-    def post(self, body: dict, timeout: float = WAIT_S) -> tuple[int, dict]:
-        req = urllib.request.Request(
-            self.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def wait_until(self, what: str, check, timeout: float = WAIT_S, period: float = 0.05) -> float:
-        """Polls `check()` until true; returns the monotonic time it first was. Raises on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.honcho.poll() is None, (
-                f"honcho exited while waiting for {what}:\n{self.logs()[-4000:]}"
-            )
-            if check():
-                return time.monotonic()
-            time.sleep(period)
-        raise TimeoutError(f"{what} did not happen within {timeout} s:\n{self.logs()[-4000:]}")
 
     def serves(self) -> bool:
         try:
@@ -197,13 +141,7 @@ class Stack:
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self.honcho.poll() is None:
-            self.honcho.send_signal(signal.SIGTERM)
-        try:
-            return self.honcho.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.honcho.pid, signal.SIGKILL)
-            return self.honcho.wait()
+        return super().stop(timeout)
 
 
 def _watch_health(stack: Stack, stop: threading.Event, seen: list[tuple[float, int]]) -> None:

@@ -3,13 +3,10 @@ each rank (and, under honcho, the whole Procfile with `-c worker=2`), and a Zero
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ import pytest
 from common.client import EngineClient
 from common.config import WorkerConfig
 from common.messages import SamplingParams
-from scripts._servers import ROOT, Engine, free_port, start_engine
+from scripts._servers import Engine, Honcho, free_port, start_engine
 from tests.test_engine_correctness import _run_engine
 from worker.model_runner import ModelRunner
 
@@ -74,51 +71,21 @@ def test_two_worker_ranks_serve_the_single_process_tokens(
 
 
 def test_honcho_with_two_workers_derives_their_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
-    port = free_port()
-    bin_dir = Path(sys.executable).parent
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
-    env.update({"PAGEDSERVE_" + k.upper(): str(v) for k, v in SETTINGS.items()})
-    env.update(
-        PATH=f"{bin_dir}:{env.get('PATH', '')}",
-        PAGEDSERVE_MODEL=str(tiny_model_dir),
-        PAGEDSERVE_PORT=str(port),
-        PAGEDSERVE_SCHEDULER_ADDRESS=f"tcp://127.0.0.1:{free_port()}",
-        PAGEDSERVE_WORKER_ADDRESS=f"tcp://127.0.0.1:{free_port()}",
-        PAGEDSERVE_TENSOR_PARALLEL_SIZE="2",
-        PAGEDSERVE_DIST_INIT_METHOD=f"tcp://127.0.0.1:{free_port()}",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    log_path = tmp_path / "honcho.log"
-    with open(log_path, "wb") as log:
-        honcho = subprocess.Popen(
-            [str(bin_dir / "honcho"), "start", "-c", "worker=2"], cwd=ROOT, env=env, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    stack = Honcho(
+        tiny_model_dir, tmp_path / "honcho.log", ("-c", "worker=2"), env={"OMP_NUM_THREADS": "1"},
+        **SETTINGS, tensor_parallel_size=2, dist_init_method=f"tcp://127.0.0.1:{free_port()}",
+    )  # fmt: skip
+    log_path = stack.log_path
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert honcho.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        body = json.dumps({"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}).encode()
-        req = urllib.request.Request(
-            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+        stack.wait_healthy()
+        status, body = stack.post({"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
     finally:
-        os.killpg(honcho.pid, signal.SIGTERM)
+        os.killpg(stack.honcho.pid, signal.SIGTERM)
         try:
-            honcho.wait(timeout=20)
+            stack.honcho.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(honcho.pid, signal.SIGKILL)
+            os.killpg(stack.honcho.pid, signal.SIGKILL)
             raise
     text = log_path.read_text()
     assert '"rank": 0' in text and '"rank": 1' in text and "following_rank_0" in text
