@@ -9,7 +9,9 @@ new requests hung instead of getting 503.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -23,8 +25,12 @@ from common.security import authenticate, load_cluster_key, secure_server
 PARAMS = SamplingParams(max_tokens=4)
 
 
-async def _silent_scheduler(key_file: Path) -> tuple[zmq.asyncio.Context, zmq.asyncio.Socket, str, object]:
-    """A CURVE ROUTER with the cluster key that takes connections and answers nothing."""
+@contextlib.asynccontextmanager
+async def _silent_scheduler(
+    key_file: Path, **client_options: float
+) -> AsyncIterator[tuple[zmq.asyncio.Socket, AsyncEngineClient]]:
+    """A CURVE ROUTER with the cluster key that takes connections and answers nothing, and a client of it
+    with `client_options`."""
     key = load_cluster_key(key_file)
     ctx = zmq.asyncio.Context()
     auth = authenticate(ctx, key)
@@ -32,16 +38,19 @@ async def _silent_scheduler(key_file: Path) -> tuple[zmq.asyncio.Context, zmq.as
     sock.setsockopt(zmq.LINGER, 0)
     secure_server(sock, key)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    return ctx, sock, f"tcp://127.0.0.1:{port}", auth
+    address = f"tcp://127.0.0.1:{port}"
+    client = AsyncEngineClient(address, detokenize=False, cluster_key_file=str(key_file), **client_options)
+    try:
+        yield sock, client
+    finally:
+        await client.close()
+        auth.stop()
+        ctx.destroy(linger=0)
 
 
 def test_a_scheduler_that_stops_answering_fails_the_requests_in_flight(tmp_path):
     async def scenario() -> None:
-        ctx, sock, address, auth = await _silent_scheduler(tmp_path / "key")
-        client = AsyncEngineClient(
-            address, detokenize=False, cluster_key_file=str(tmp_path / "key"), liveness_timeout_s=1.5
-        )
-        try:
+        async with _silent_scheduler(tmp_path / "key", liveness_timeout_s=1.5) as (sock, client):
             [handle] = await client.submit([1, 2, 3], PARAMS)
             _, *frames = await asyncio.wait_for(sock.recv_multipart(), 5)
             assert isinstance(decode(frames), SubmitRequest)  # it arrived; nothing will answer
@@ -50,21 +59,13 @@ def test_a_scheduler_that_stops_answering_fails_the_requests_in_flight(tmp_path)
                 await asyncio.wait_for(handle.result(), 10)
             assert info.value.kind == ErrorKind.UNAVAILABLE and "did not answer" in info.value.message
             assert time.monotonic() - started < 1.5 + 3  # the timeout, plus one ping period and slack
-        finally:
-            await client.close()
-            auth.stop()
-            ctx.destroy(linger=0)
 
     asyncio.run(scenario())
 
 
 def test_a_scheduler_that_exits_fails_the_requests_at_once_and_new_ones_are_refused(tmp_path):
     async def scenario() -> None:
-        ctx, sock, address, auth = await _silent_scheduler(tmp_path / "key")
-        client = AsyncEngineClient(
-            address, detokenize=False, cluster_key_file=str(tmp_path / "key"), info_timeout=1.0
-        )
-        try:
+        async with _silent_scheduler(tmp_path / "key", info_timeout=1.0) as (sock, client):
             [handle] = await client.submit([1, 2, 3], PARAMS)
             await asyncio.wait_for(sock.recv_multipart(), 5)
             started = time.monotonic()
@@ -77,9 +78,5 @@ def test_a_scheduler_that_exits_fails_the_requests_at_once_and_new_ones_are_refu
             with pytest.raises(RequestRejected) as refused:
                 await client.submit([1, 2, 3], PARAMS)
             assert refused.value.kind == ErrorKind.UNAVAILABLE
-        finally:
-            await client.close()
-            auth.stop()
-            ctx.destroy(linger=0)
 
     asyncio.run(scenario())

@@ -73,6 +73,14 @@ async def _with_worker(ctx: zmq.asyncio.Context, server, key: ClusterKey, worker
     return worker, asyncio.create_task(serve_like_a_worker(worker))
 
 
+async def _ready(ctx: zmq.asyncio.Context, server, key: ClusterKey) -> tuple[Client, Peer, asyncio.Task]:
+    """A client of `server` once a fake worker ("w-1") serves it, the worker, and the task serving."""
+    client = Client(ctx, server.config.scheduler_address, key)
+    worker, serving = await _with_worker(ctx, server, key)
+    await client.wait_ready()
+    return client, worker, serving
+
+
 def test_peers_without_the_cluster_key_can_neither_submit_nor_become_the_worker(tmp_path):
     """Anyone who could reach the worker port became the worker (a fake WorkerReady was accepted, every
     user's prompt went to it in the plans) and anyone could submit."""
@@ -94,9 +102,7 @@ def test_peers_without_the_cluster_key_can_neither_submit_nor_become_the_worker(
                 assert server.core is None and server.ready_msg is None
                 fake_worker.close()
                 stranger.close()
-            client = Client(ctx, server.config.scheduler_address, key)
-            worker, serving = await _with_worker(ctx, server, key)
-            await client.wait_ready()
+            client, worker, serving = await _ready(ctx, server, key)
             await _assert_serves_and_is_idle(client)
             serving.cancel()
 
@@ -109,9 +115,7 @@ def test_a_second_worker_is_refused_while_the_first_serves(tmp_path):
 
     async def scenario() -> None:
         async with scheduler(tmp_path) as (server, ctx, key):
-            client = Client(ctx, server.config.scheduler_address, key)
-            worker, serving = await _with_worker(ctx, server, key, "w-1")
-            await client.wait_ready()
+            client, worker, serving = await _ready(ctx, server, key)
             await client.send(SubmitRequest("in-flight", [1, 2, 3], LONG))
             second = Peer(ctx, server.config.worker_address, key)
             await second.send(ready_msg("w-2"))
@@ -130,9 +134,7 @@ def test_a_client_that_disconnects_has_its_requests_aborted_and_blocks_freed(tmp
 
     async def scenario() -> None:
         async with scheduler(tmp_path) as (server, ctx, key):
-            observer = Client(ctx, server.config.scheduler_address, key)
-            worker, serving = await _with_worker(ctx, server, key)
-            await observer.wait_ready()
+            observer, worker, serving = await _ready(ctx, server, key)
             leaving = Client(ctx, server.config.scheduler_address, key)
             for i in range(4):
                 await leaving.send(SubmitRequest(f"r{i}", [1, 2, 3, 4, 5], SamplingParams(max_tokens=240)))
@@ -157,9 +159,7 @@ def test_a_worker_whose_connection_closes_is_dead_at_once(tmp_path):
 
     async def scenario() -> None:
         async with scheduler(tmp_path, heartbeat_timeout_s=3600.0) as (server, ctx, key):
-            client = Client(ctx, server.config.scheduler_address, key)
-            worker, serving = await _with_worker(ctx, server, key)
-            await client.wait_ready()
+            client, worker, serving = await _ready(ctx, server, key)
             await client.send(SubmitRequest("in-flight", [1, 2, 3], LONG))
             assert isinstance(await client.recv(), RequestOutputs)
             serving.cancel()
@@ -213,9 +213,7 @@ def test_a_request_that_breaks_the_scheduler_fails_alone(tmp_path, monkeypatch):
 
     async def scenario() -> None:
         async with scheduler(tmp_path) as (server, ctx, key):
-            client = Client(ctx, server.config.scheduler_address, key)
-            worker, serving = await _with_worker(ctx, server, key)
-            await client.wait_ready()
+            client, worker, serving = await _ready(ctx, server, key)
             core = server.core
             original = core.add_request
 
@@ -265,9 +263,7 @@ def test_random_frames_on_both_sockets_never_stop_the_scheduler(tmp_path):
 
     async def scenario() -> None:
         async with scheduler(tmp_path) as (server, ctx, key):
-            client = Client(ctx, server.config.scheduler_address, key)
-            worker, serving = await _with_worker(ctx, server, key)
-            await client.wait_ready()
+            client, worker, serving = await _ready(ctx, server, key)
             await client.send(SubmitRequest("during", [1, 2, 3], LONG))
             hostile = Peer(ctx, server.config.scheduler_address, key)
             hostile_worker = Peer(ctx, server.config.worker_address, key)
@@ -288,9 +284,7 @@ def test_an_undecodable_submit_is_answered_not_left_waiting(tmp_path):
 
     async def scenario() -> None:
         async with scheduler(tmp_path) as (server, ctx, key):
-            client = Client(ctx, server.config.scheduler_address, key)
-            worker, serving = await _with_worker(ctx, server, key)
-            await client.wait_ready()
+            client, worker, serving = await _ready(ctx, server, key)
             wire = list(SubmitRequest("typed-wrong", [1, 2, 3], PARAMS).__struct_fields__)
             assert wire[:2] == ["request_id", "prompt_token_ids"]  # the payload below is positional
             payload = ["typed-wrong", ["one", "two"], [1, 12, 0.0, 1.0, 0, None, [], True, None, [], 0, 1.0]]
