@@ -51,6 +51,7 @@ from common.messages import (
     decode,
     encode,
 )
+from common.monitor import open_monitor
 from common.request_stream import RequestHandle, RequestResult, SequenceDelta, SequenceResult, _RequestState
 from common.security import load_cluster_key, secure_client
 
@@ -173,7 +174,7 @@ class AsyncEngineClient:
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         secure_client(socket, key)
-        monitor = socket.get_monitor_socket(CONNECTION_EVENTS)
+        monitor = open_monitor(socket, CONNECTION_EVENTS)
         socket.connect(self.address)
         self._socket = socket
         self._tasks = [
@@ -450,6 +451,9 @@ class AsyncEngineClient:
             state.fail(ClientClosed("the client was closed"))
         self._requests.clear()
         await asyncio.sleep(0)  # let the queued aborts reach the socket before it closes
+        # Stop the monitor before its reader goes: libzmq's I/O thread would block sending it an event
+        # (a disconnect while the socket lingers) with nobody at the other end, and stall the whole context.
+        self._socket.disable_monitor()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

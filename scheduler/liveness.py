@@ -16,6 +16,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from common.monitor import open_monitor
+
 
 @dataclass
 class WorkerWatch:
@@ -95,7 +97,7 @@ async def watch_disconnects(
     would then be reported gone by mistake. The window is one event-loop turn, and every caller's reaction
     to a wrong report is one a real disconnect would also cause (a re-announce, an aborted request).
     """
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor = open_monitor(sock, zmq.EVENT_DISCONNECTED)
     try:
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())

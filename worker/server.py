@@ -30,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from common.config import WorkerConfig
 from common.log import configure_logging
 from common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode, encode
+from common.monitor import open_monitor
 from common.security import ClusterKey, ClusterKeyError, load_cluster_key, secure_client
 from worker.heartbeat import HeartbeatThread
 from worker.model_runner import ModelRunner
@@ -68,8 +69,9 @@ class _Connection:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         secure_client(self.sock, key)
-        self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        self.monitor = open_monitor(
+            self.sock,
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH,
         )
         self.sock.connect(address)
         self.up = False  # a scheduler is connected
