@@ -333,9 +333,10 @@ class StepPlan(msgspec.Struct, array_like=True):
          `num_computed_tokens`;
       6. create each fork's child as a copy of its parent's state (token ids, block table, computed tokens)
          with its own seed;
-      7. sample one token for every sequence whose computed tokens now reach all its known tokens, and for
-         every fork child from its parent's logits row.
-    The scheduler mirrors rule 7, so the plan never carries tokens the worker sampled itself.
+      7. sample one token for every sequence in `sampling_seq_ids` (each one's computed tokens now reach
+         all its known tokens), then for every fork child from its parent's logits row.
+    The scheduler decides who samples and says so in the plan; the worker checks and follows it. A sampled
+    token is appended by the worker itself, so no plan carries it back (docs/scheduler.md, "Who samples").
     """
 
     TYPE: ClassVar[MsgType] = MsgType.STEP_PLAN
@@ -345,6 +346,8 @@ class StepPlan(msgspec.Struct, array_like=True):
     new_block_ids: SeqBlocks  # (seq_id, blocks to append to its block table)
     scheduled_seq_ids: SeqIds  # the sequences that run this step, in batch order
     num_scheduled_tokens: Counts  # per scheduled sequence
+    # the scheduled sequences that sample a token this step, in batch order (a subsequence of the above)
+    sampling_seq_ids: SeqIds
     swap_out: BlockPairs = msgspec.field(default_factory=list)  # (gpu block, cpu block)
     swap_in: BlockPairs = msgspec.field(default_factory=list)  # (cpu block, gpu block)
     new_block_tables: SeqBlocks = msgspec.field(default_factory=list)  # (seq_id, whole new table)

@@ -395,14 +395,16 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             if not self._swapped:
                 self._schedule_waiting(step, budget)
         bs = self.settings.block_size
-        sampling: list[int] = []
+        sampling: list[int] = []  # the scheduled sequences that sample, then their fork children
+        num_samplers = 0
         for seq, num_tokens in step.scheduled:
             before = seq.num_computed_tokens
             computed = seq.num_computed_tokens = before + num_tokens
             known = len(seq.token_ids)
             samples = computed == known + seq.num_pending_tokens
             if samples:
-                sampling.append(seq.seq_id)
+                sampling.insert(num_samplers, seq.seq_id)
+                num_samplers += 1
                 if seq.request.beam is None:
                     seq.num_pending_tokens += 1
                 else:  # a beam reports candidates; its next token comes from the search, after the update
@@ -428,6 +430,7 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
             new_block_ids=step.new_block_ids,
             scheduled_seq_ids=[seq.seq_id for seq, _ in step.scheduled],
             num_scheduled_tokens=[n for _, n in step.scheduled],
+            sampling_seq_ids=sampling[:num_samplers],
             swap_out=step.swap_out,
             swap_in=step.swap_in,
             new_block_tables=step.new_block_tables,

@@ -35,6 +35,7 @@ def step_plan(num_seqs: int) -> StepPlan:
         new_block_ids=[(i, [i + 300]) for i in range(0, num_seqs, 16)],
         scheduled_seq_ids=list(range(num_seqs)),
         num_scheduled_tokens=[1] * num_seqs,
+        sampling_seq_ids=list(range(num_seqs)),
     )
 
 

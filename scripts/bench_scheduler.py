@@ -27,27 +27,15 @@ from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
 
 
 class SamplingOnlyWorker:
-    """Follows the plan's sampling rule and returns a token for every sequence that samples."""
-
-    def __init__(self) -> None:
-        self.remaining: dict[int, int] = {}  # seq_id -> tokens still to compute before it samples
+    """Returns a token for every sequence the plan says samples, and for its fork children."""
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        for seq_id in plan.freed_seq_ids:
-            self.remaining.pop(seq_id, None)
-        for new in plan.new_seqs:
-            self.remaining[new.seq_id] = len(new.token_ids) - new.num_computed_tokens
         out = StepOutput(plan.step_id, [], [], [])
-        for seq_id, n in zip(plan.scheduled_seq_ids, plan.num_scheduled_tokens, strict=True):
-            left = self.remaining[seq_id] - n
-            if left == 0:
-                out.seq_ids.append(seq_id)
-                out.token_ids.append(seq_id % 1000)
-                out.logprobs.append(None)
-                left = 1  # the sampled token is the next one to compute
-            self.remaining[seq_id] = left
+        for seq_id in plan.sampling_seq_ids:
+            out.seq_ids.append(seq_id)
+            out.token_ids.append(seq_id % 1000)
+            out.logprobs.append(None)
         for fork in plan.forks:
-            self.remaining[fork.child_seq_id] = 1
             out.seq_ids.append(fork.child_seq_id)
             out.token_ids.append(7)
             out.logprobs.append(None)

@@ -118,7 +118,9 @@ def test_sharded_tied_biased_checkpoint_matches_transformers(tmp_path: Path) -> 
     compute_logits = runner.model.compute_logits
     runner.model.compute_logits = lambda h: rows.append(compute_logits(h)) or rows[-1]
     prompt = [random.Random(0).randrange(500) for _ in range(21)]
-    runner.execute(StepPlan(0, [], [NewSequence(0, prompt, [5, 2], 0, 0.0, 1.0, 0, 0, -1)], [], [0], [21]))
+    runner.execute(
+        StepPlan(0, [], [NewSequence(0, prompt, [5, 2], 0, 0.0, 1.0, 0, 0, -1)], [], [0], [21], [0])
+    )
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0, -1]
     assert (rows[0][0] - expected).abs().max().item() < 1e-4

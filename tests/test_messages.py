@@ -65,6 +65,7 @@ EXAMPLES = [
         new_block_ids=[(2, [8]), (3, [10, 11])],
         scheduled_seq_ids=[9, 2, 3],
         num_scheduled_tokens=[3, 1, 1],
+        sampling_seq_ids=[9, 3],
         swap_out=[(3, 0), (4, 1)],
         swap_in=[(5, 6)],
         new_block_tables=[(12, [6, 1])],
@@ -164,8 +165,8 @@ def test_well_framed_messages_with_wrong_field_types_raise_codec_error(msg_type:
         WorkerReady(MAX_NUM_BLOCKS + 1, 16, 2048, 4096, [2], "/m", "x"),
         WorkerReady(512, 16, 2048, 4096, [2], "/m", "x", num_cpu_blocks=MAX_NUM_BLOCKS + 1),
         WorkerReady(512, 0, 2048, 4096, [2], "/m", "x"),
-        StepPlan(1, [], [], [(0, [MAX_NUM_BLOCKS])], [0], [1]),
-        StepPlan(1, [-1], [], [], [], []),
+        StepPlan(1, [], [], [(0, [MAX_NUM_BLOCKS])], [0], [1], [0]),
+        StepPlan(1, [-1], [], [], [], [], []),
         StepOutput(1, [0], [5], [TokenLogprobs(math.nan)]),
         StepOutput(1, [0], [5], [None], gpu_time_s=-1.0),
     ],
@@ -237,8 +238,8 @@ def test_sampling_params_at_their_bounds_are_valid_and_cross_the_wire(change: di
 
 def test_messages_build_by_position_and_keyword_and_sampling_params_stay_frozen() -> None:
     assert AbortRequest("r", 1, "stop") == AbortRequest(request_id="r", index=1, finish_reason="stop")
-    assert StepPlan(1, [], [], [], [], []).swap_out == []
-    a, b = StepPlan(1, [], [], [], [], []), StepPlan(2, [], [], [], [], [])
+    assert StepPlan(1, [], [], [], [], [], []).swap_out == []
+    a, b = StepPlan(1, [], [], [], [], [], []), StepPlan(2, [], [], [], [], [], [])
     a.forks.append(Fork(1, 2, 3))
     assert b.forks == []  # each message gets its own default list
     with pytest.raises(AttributeError):

@@ -64,8 +64,16 @@ class Driver:
                 blocks = [self.free.pop() for _ in range(need)]
                 self.tables[seq_id].extend(blocks)
                 new_blocks.append((seq_id, blocks))
+        # The sequences that compute up to all their tokens sample (the scheduler's rule).
+        sampling = [s for s, n in schedule.items() if self.computed[s] + n == len(self.tokens[s])]
         plan = StepPlan(
-            self.step_id, freed or [], self.pending, new_blocks, list(schedule), list(schedule.values())
+            self.step_id,
+            freed or [],
+            self.pending,
+            new_blocks,
+            list(schedule),
+            list(schedule.values()),
+            sampling,
         )
         self.step_id += 1
         self.pending = []
@@ -186,17 +194,17 @@ def test_recompute_after_preemption_draws_the_same_seeded_tokens(tiny_model_dir:
 
 def test_plans_that_contradict_the_worker_state_raise(tiny_model_dir: Path) -> None:
     runner = make_runner(tiny_model_dir, num_kv_blocks=8)
-    assert runner.execute(StepPlan(0, [], [], [], [], [])).seq_ids == []
+    assert runner.execute(StepPlan(0, [], [], [], [], [], [])).seq_ids == []
     with pytest.raises(PlanError, match="unknown"):
-        runner.execute(StepPlan(1, [], [], [], [42], [1]))
+        runner.execute(StepPlan(1, [], [], [], [42], [1], []))
     with pytest.raises(PlanError, match="unknown"):
-        runner.execute(StepPlan(2, [], [], [(42, [0])], [], []))
+        runner.execute(StepPlan(2, [], [], [(42, [0])], [], [], []))
     with pytest.raises(PlanError, match="unknown"):
-        runner.execute(StepPlan(3, [42], [], [], [], []))
+        runner.execute(StepPlan(3, [42], [], [], [], [], []))
     short = NewSequence(7, list(range(1, 20)), [3], 0, 0.0, 1.0, 0, 0, -1)
     with pytest.raises(PlanError, match="block table"):
-        runner.execute(StepPlan(4, [], [short], [], [7], [19]))
+        runner.execute(StepPlan(4, [], [short], [], [7], [19], []))
     with pytest.raises(PlanError, match="knows"):
-        runner.execute(StepPlan(5, [], [], [(7, [4])], [7], [20]))
+        runner.execute(StepPlan(5, [], [], [(7, [4])], [7], [20], []))
     with pytest.raises(PlanError, match="outside the KV pool"):
-        runner.execute(StepPlan(6, [], [], [(7, [8])], [], []))
+        runner.execute(StepPlan(6, [], [], [(7, [8])], [], [], []))

@@ -67,13 +67,17 @@ class Steps:
 
     def run(self, schedule: dict[int, int] | None = None, **fields: Any) -> StepOutput:
         schedule = schedule or {}
+        new_seqs = fields.pop("new_seqs", [])
+        if "sampling_seq_ids" not in fields:
+            fields["sampling_seq_ids"] = self._reaching_end(schedule, new_seqs, fields)
         plan = StepPlan(
             self.step_id,
             fields.pop("freed_seq_ids", []),
-            fields.pop("new_seqs", []),
+            new_seqs,
             fields.pop("new_block_ids", []),
             list(schedule),
             list(schedule.values()),
+            fields.pop("sampling_seq_ids"),
             **fields,
         )
         self.step_id += 1
@@ -82,6 +86,19 @@ class Steps:
         for seq_id, row in zip(out.seq_ids, self._last, strict=False):
             self.rows.setdefault(seq_id, []).append(row)
         return out
+
+    def _reaching_end(self, schedule: dict[int, int], new_seqs: list[NewSequence], fields: dict) -> list[int]:
+        """The scheduled sequences whose tokens the step computes up to the last known one: those sample
+        (the scheduler's rule, played here from the runner's state and the plan's changes)."""
+        known = {s: len(seq.token_ids) + seq.pending for s, seq in self.runner.seqs.items()}
+        computed = {s: seq.num_computed_tokens for s, seq in self.runner.seqs.items()}
+        for parent, child in fields.get("clones", []):
+            known[child], computed[child] = known[parent], computed[parent]
+        for seq_id, _ in fields.get("appended_tokens", []):
+            known[seq_id] += 1
+        for new in new_seqs:
+            known[new.seq_id], computed[new.seq_id] = len(new.token_ids), new.num_computed_tokens
+        return [s for s, n in schedule.items() if s in known and computed[s] + n == known[s]]
 
     def decode(self, seq_ids: list[int], steps: int) -> dict[int, list[int]]:
         tokens: dict[int, list[int]] = {s: [] for s in seq_ids}
@@ -309,7 +326,7 @@ def test_swap_pool_size_follows_swap_space(tiny_model_dir: Path) -> None:
     assert runner.kv.cpu_pool.shape[:3] == (5, runner.model_config.num_layers, 2)  # block-major
     with pytest.raises(PlanError, match="outside the pools"):
         make_runner(tiny_model_dir, num_cpu_blocks=0).execute(
-            StepPlan(0, [], [], [], [], [], swap_out=[(0, 0)])
+            StepPlan(0, [], [], [], [], [], [], swap_out=[(0, 0)])
         )
 
 

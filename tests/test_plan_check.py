@@ -21,6 +21,7 @@ MAX_BLOCKS_PER_SEQ = 2048 // 16  # the tiny model's positions over the block siz
 
 
 def plan(step_id: int = 100, schedule: dict[int, int] | None = None, **fields: Any) -> StepPlan:
+    """A plan in which every scheduled sequence samples unless `sampling_seq_ids` says otherwise."""
     schedule = schedule or {}
     return StepPlan(
         step_id,
@@ -29,6 +30,7 @@ def plan(step_id: int = 100, schedule: dict[int, int] | None = None, **fields: A
         fields.pop("new_block_ids", []),
         list(schedule),
         list(schedule.values()),
+        fields.pop("sampling_seq_ids", list(schedule)),
         **fields,
     )
 
@@ -138,8 +140,16 @@ def _bad_plans() -> list[tuple[str, StepPlan, str]]:
         ("copy reads its write", plan(block_copies=[(3, 4), (4, 5)]), "also reads"),
         ("scheduled unknown", plan(100, {99: 1}), "scheduled sequence 99 is unknown"),
         ("scheduled freed", plan(100, {11: 1}, freed_seq_ids=[11]), "scheduled sequence 11 is unknown"),
-        ("scheduled twice", StepPlan(100, [], [], [], [10, 10], [1, 1]), "scheduled twice"),
-        ("lengths differ", StepPlan(100, [], [], [], [10, 11], [1]), "lengths differ"),
+        ("scheduled twice", StepPlan(100, [], [], [], [10, 10], [1, 1], []), "scheduled twice"),
+        ("lengths differ", StepPlan(100, [], [], [], [10, 11], [1], []), "lengths differ"),
+        ("sampling, not scheduled", plan(100, {10: 1}, sampling_seq_ids=[10, 11]), "11 is not scheduled"),
+        (
+            "sampling mid-prompt",
+            plan(100, {12: 3}, new_seqs=[new_seq(12, random_prompt(5, 5), [3])]),
+            "12 is not scheduled up to all its tokens",
+        ),
+        ("sampling twice", plan(100, {10: 1}, sampling_seq_ids=[10, 10]), "names a sequence twice"),
+        ("sampling out of order", plan(100, {10: 1, 11: 1}, sampling_seq_ids=[11, 10]), "batch order"),
         ("zero tokens", plan(100, {10: 0}), "scheduled 0 tokens"),
         ("past known tokens", plan(100, {10: 2}), "knows 21"),
         ("table too short", plan(100, {12: 20}, new_seqs=[new_seq(12, random_prompt(5, 20), [3])]), "slots"),

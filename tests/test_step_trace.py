@@ -53,8 +53,18 @@ def test_summarize_blames_idle_time_on_late_plans_or_on_the_worker() -> None:
 def test_the_trace_writes_a_line_per_answered_step(tmp_path: Path) -> None:
     trace = StepTrace(tmp_path / "sub" / "steps.jsonl")
     plans = [
-        StepPlan(7, [], [], [], scheduled_seq_ids=[1, 2], num_scheduled_tokens=[1, 1]),
-        StepPlan(8, [], [], [], scheduled_seq_ids=[1, 2, 3], num_scheduled_tokens=[1, 30, 1]),
+        StepPlan(
+            7, [], [], [], scheduled_seq_ids=[1, 2], num_scheduled_tokens=[1, 1], sampling_seq_ids=[1, 2]
+        ),
+        StepPlan(
+            8,
+            [],
+            [],
+            [],
+            scheduled_seq_ids=[1, 2, 3],
+            num_scheduled_tokens=[1, 30, 1],
+            sampling_seq_ids=[1, 3],
+        ),
     ]
     t0 = trace._origin
     marks = {"start": t0, "plan": t0 + 0.0001, "inputs": t0 + 0.0003, "forward": t0 + 0.0006}

@@ -395,6 +395,21 @@ class ModelRunner:
             seqs.append(seq)
         return seqs
 
+    def _check_sampling(self, plan: StepPlan, seqs: list[SeqState]) -> list[int]:
+        """The batch indices of the plan's `sampling_seq_ids`, each scheduled (in batch order) and computing
+        up to all its known tokens."""
+        index = {seq_id: b for b, seq_id in enumerate(plan.scheduled_seq_ids)}
+        sampling = [index.get(seq_id, -1) for seq_id in plan.sampling_seq_ids]
+        for seq_id, b in zip(plan.sampling_seq_ids, sampling, strict=True):
+            if b < 0:
+                raise PlanError(f"step {plan.step_id}: sampling sequence {seq_id} is not scheduled")
+            seq = seqs[b]
+            if seq.num_computed_tokens + plan.num_scheduled_tokens[b] != len(seq.token_ids) + seq.pending:
+                raise PlanError(f"step {plan.step_id}: sampling sequence {seq_id} stops short of its tokens")
+        if any(a >= b for a, b in zip(sampling, sampling[1:], strict=False)):
+            raise PlanError(f"step {plan.step_id}: sampling_seq_ids is not in batch order")
+        return sampling
+
     def _check_forks(self, plan: StepPlan, sampling_ids: set[int]) -> None:
         """Each fork's parent samples this step, and each child id is new."""
         children = [fork.child_seq_id for fork in plan.forks]
@@ -548,12 +563,8 @@ class ModelRunner:
         self._apply_changes(plan)
         seqs = self._check_scheduled(plan)
         num_tokens = list(plan.num_scheduled_tokens)
-        sampling = [
-            b
-            for b, (s, n) in enumerate(zip(seqs, num_tokens, strict=True))
-            if s.num_computed_tokens + n == len(s.token_ids) + s.pending
-        ]
-        self._check_forks(plan, {plan.scheduled_seq_ids[b] for b in sampling})
+        sampling = self._check_sampling(plan, seqs)
+        self._check_forks(plan, set(plan.sampling_seq_ids))
         if not seqs:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return None

@@ -153,7 +153,7 @@ def _check_step(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | None:
         return "a sequence is scheduled twice"
     # This loop runs every step over the whole batch: the runner's sequences are read in place, and the
     # reason is worked out only for a sequence that fails.
-    sampling: dict[int, int] = {}  # the scheduled sequences that sample this step -> their pending tokens
+    sampling: dict[int, int] = {}  # the scheduled sequences that reach all their tokens -> their pending ones
     changed, seqs, block_size, max_len = walk.changed, walk.seqs, limits.block_size, limits.max_model_len
     for seq_id, n in zip(scheduled, plan.num_scheduled_tokens, strict=True):
         if seq_id in changed or seq_id not in seqs:
@@ -171,6 +171,9 @@ def _check_step(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | None:
             return _scheduled_problem(seq_id, n, known, computed, num_blocks, pending, limits)
         if end == known:
             sampling[seq_id] = pending
+    if problem := _sampling_problem(plan, sampling):
+        return problem
+    sampling = {seq_id: sampling[seq_id] for seq_id in plan.sampling_seq_ids}
 
     children = [fork.child_seq_id for fork in plan.forks]
     if len(set(children)) != len(children):
@@ -184,6 +187,18 @@ def _check_step(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | None:
             return f"fork parent {fork.parent_seq_id} has a sampled token in flight"
         if walk.get(fork.child_seq_id) is not None:
             return f"fork child {fork.child_seq_id} already exists"
+    return None
+
+
+def _sampling_problem(plan: StepPlan, reach_end: dict[int, int]) -> str | None:
+    """`sampling_seq_ids`: scheduled up to all their known tokens (`reach_end`), once each, in batch order."""
+    sampling = plan.sampling_seq_ids
+    for seq_id in sampling:
+        if seq_id not in reach_end:
+            return f"sampling sequence {seq_id} is not scheduled up to all its tokens"
+    position = {seq_id: b for b, seq_id in enumerate(plan.scheduled_seq_ids)}
+    if any(position[a] >= position[b] for a, b in zip(sampling, sampling[1:], strict=False)):
+        return "sampling_seq_ids is not in batch order (or names a sequence twice)"
     return None
 
 

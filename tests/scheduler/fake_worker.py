@@ -87,6 +87,8 @@ class FakeWorker:
             self._check_context(new.seq_id, self.seqs[new.seq_id], new.num_computed_tokens)
         out = StepOutput(plan.step_id, [], [], [])
         forked: list[tuple[int, _SeqState]] = []
+        sampling = set(plan.sampling_seq_ids)
+        assert sampling <= set(plan.scheduled_seq_ids), "a sampling sequence is not scheduled"
         for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.num_scheduled_tokens, strict=True):
             state = self.seqs[seq_id]
             assert num_tokens >= 1
@@ -97,7 +99,8 @@ class FakeWorker:
                 self.slots[self._slot(state, pos)] = self._kv(state, pos)
             state.num_computed_tokens = end
             self._check_context(seq_id, state, end)  # attention reads the context through the block table
-            samples = end == len(state.token_ids)
+            samples = seq_id in sampling
+            assert not samples or end == len(state.token_ids), "sampling before the last known token"
             if samples:
                 self._sample(seq_id, state, out)
             for fork in (f for f in plan.forks if f.parent_seq_id == seq_id):
