@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import ApiError, unavailable
-from common.client import AsyncEngineClient
+from client import AsyncEngineClient
+from client.detokenizer import TokenStrings
 from common.config import ApiConfig
-from common.detokenizer import TokenStrings
 from common.log import get_logger
 
 log = get_logger(component="api.model")

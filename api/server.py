@@ -21,7 +21,7 @@ from api.errors import ApiError, error_body, unauthorized
 from api.handlers import chat_completions, completions, dumps
 from api.model import INFO_TIMEOUT_S, ModelState
 from api.state import RECORD, STATE, ApiState
-from common.client import AsyncEngineClient, RequestRejected
+from client import AsyncEngineClient, RequestRejected
 from common.config import ApiConfig
 from common.log import get_logger
 from common.messages import ErrorKind

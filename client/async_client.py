@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from client.request_stream import RequestHandle, RequestResult, SequenceDelta, SequenceResult, _RequestState
 from common.config import default_cluster_key_file
 from common.log import get_logger
 from common.messages import (
@@ -52,7 +53,6 @@ from common.messages import (
     encode,
 )
 from common.monitor import open_monitor
-from common.request_stream import RequestHandle, RequestResult, SequenceDelta, SequenceResult, _RequestState
 from common.security import load_cluster_key, secure_client
 
 __all__ = [
