@@ -103,7 +103,8 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 once the scheduler is ready (and the tokenizer loaded), 503 before or when it does not answer."""
+    """200 once the scheduler is ready (and the tokenizer loaded), 503 before, when it does not answer, or
+    when its worker serves another checkpoint than the api's tokenizer ("misconfigured")."""
     state = request.app[STATE]
     if state.draining:
         return _json({"status": "shutting down", "reason": "the server is shutting down"}, 503)
@@ -113,10 +114,12 @@ async def health(request: web.Request) -> web.Response:
         return _json({"status": "unavailable", "reason": "the scheduler does not answer"}, 503)
     if not info.ready:
         return _json({"status": "starting", "reason": "no worker is ready yet"}, 503)
+    state.models.check(info)
     try:
         await state.models.get()
     except ApiError as e:
-        return _json({"status": "starting", "reason": e.message}, 503)
+        status = "misconfigured" if state.models.mismatch else "starting"
+        return _json({"status": status, "reason": e.message}, 503)
     return _json({"status": "ok"})
 
 
@@ -188,7 +191,7 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     """The HTTP app for `config`; `client` replaces the scheduler connection it would make (tests)."""
     client = client or AsyncEngineClient(
         config.scheduler_address,
-        config.model or None,
+        config.model or None,  # the api's checkpoint: its tokenizer loads from here, no worker needed
         cluster_key_file=config.cluster_key_file,
         liveness_timeout_s=config.scheduler_timeout_s,
     )
