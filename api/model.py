@@ -91,8 +91,11 @@ class ModelState:
         return self._tokenizer
 
     @property
-    def mismatch(self) -> str:
-        """Why the worker's checkpoint is not the tokenizer's ("" when it is, or is not known yet)."""
+    def misconfiguration(self) -> str:
+        """Why the api cannot serve until its settings change: the --model directory has no loadable
+        tokenizer, or the worker serves another checkpoint than the tokenizer's. "" when neither is known."""
+        if self._tokenizer is None:
+            return self._tokenizer_error
         return self._mismatch
 
     async def tokenizer(self) -> ModelTokenizer:

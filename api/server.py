@@ -104,7 +104,8 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
 
 async def health(request: web.Request) -> web.Response:
     """200 once the scheduler is ready (and the tokenizer loaded), 503 before, when it does not answer, or
-    when its worker serves another checkpoint than the api's tokenizer ("misconfigured")."""
+    or when the api's --model cannot serve the worker ("misconfigured": no tokenizer there, or the worker
+    serves another checkpoint)."""
     state = request.app[STATE]
     if state.draining:
         return _json({"status": "shutting down", "reason": "the server is shutting down"}, 503)
@@ -118,7 +119,7 @@ async def health(request: web.Request) -> web.Response:
     try:
         await state.models.get()
     except ApiError as e:
-        status = "misconfigured" if state.models.mismatch else "starting"
+        status = "misconfigured" if state.models.misconfiguration else "starting"
         return _json({"status": status, "reason": e.message}, 503)
     return _json({"status": "ok"})
 

@@ -114,7 +114,8 @@ def test_an_unloadable_model_directory_is_a_503_that_says_why(make_server: Any, 
     server: ApiServer = make_server(config=ApiConfig(model=missing))
     error = assert_error(server.post("/v1/completions", PROMPT), 503, "service_unavailable")
     assert "could not be loaded" in error["message"] and missing in error["message"]
-    assert server.get("/health").status == 503
+    health = server.get("/health")
+    assert health.status == 503 and health.json()["status"] == "misconfigured"
 
 
 def test_a_directory_without_a_tokenizer_is_a_503_that_says_why(make_server: Any, tmp_path: Path) -> None:
