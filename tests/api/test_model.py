@@ -124,3 +124,42 @@ def test_a_directory_without_a_tokenizer_is_a_503_that_says_why(make_server: Any
     server: ApiServer = make_server(config=ApiConfig(model=str(empty)))
     error = assert_error(server.post("/v1/completions", PROMPT), 503, "service_unavailable")
     assert "could not be loaded" in error["message"] and str(empty) in error["message"]
+
+
+class RecordingLog:
+    def __init__(self) -> None:
+        self.errors: list[tuple[str, dict[str, Any]]] = []
+
+    def error(self, event: str, **fields: Any) -> None:
+        self.errors.append((event, fields))
+
+    def info(self, event: str, **fields: Any) -> None:
+        pass
+
+
+def test_a_mismatch_is_logged_as_an_error_once_per_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorded = RecordingLog()
+    monkeypatch.setattr("api.model.log", recorded)
+    other = str(tmp_path / "other-model")
+
+    async def scenario() -> None:
+        async with FakeScheduler(model_root=other) as fake:
+            client = AsyncEngineClient(fake.address, str(tiny_model_dir))
+            models = ModelState(ApiConfig(model=str(tiny_model_dir)), client)
+            try:
+                for _ in range(3):
+                    with pytest.raises(ApiError) as info:
+                        await models.get()
+                    assert info.value.status == 503 and other in info.value.message
+                fake.model_root = str(tiny_model_dir)
+                assert (await models.get()).root == str(tiny_model_dir)
+                assert models.misconfiguration == ""
+            finally:
+                await client.close()
+
+    asyncio.run(scenario())
+    [(event, fields)] = recorded.errors
+    assert event == "model_mismatch" and fields["worker_model"] == other
+    assert fields["api_model"] == os.path.realpath(tiny_model_dir)
