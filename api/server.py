@@ -103,8 +103,8 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 once the scheduler is ready (and the tokenizer loaded), 503 before, when it does not answer, or
-    or when the api's --model cannot serve the worker ("misconfigured": no tokenizer there, or the worker
+    """200 once the scheduler is ready (and the tokenizer loaded); 503 before, when it does not answer, or
+    when the api's --model cannot serve the worker ("misconfigured": no tokenizer there, or the worker
     serves another checkpoint)."""
     state = request.app[STATE]
     if state.draining:
