@@ -10,7 +10,8 @@ protocol.py       request bodies -> prompts (token ids) and SamplingParams; what
 fields.py         typed, bounded access to a body's fields, and the bounds themselves
 generation.py     one HTTP request's scheduler requests merged into one stream of choices; usage
 openai_format.py  response bodies and stream chunks, logprobs in both OpenAI shapes
-model.py          the served model (name, limits, tokenizer), learnt from the scheduler when ready
+model.py          the tokenizer, loaded from --model at start; the served model's name and limits, learnt
+                  from the scheduler once a worker is ready (503 while it serves another checkpoint)
 state.py          what handlers share: config, client, model, counters, tokenizer thread, requests in flight
 errors.py         ApiError and OpenAI's error body (the 401s word for word)
 

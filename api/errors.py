@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from common.client import RequestRejected
+from client import RequestRejected
 from common.messages import ErrorKind
 
 STATUS_BY_KIND = {ErrorKind.INVALID_REQUEST: 400, ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500}

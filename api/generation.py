@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from common.client import RequestHandle, SequenceDelta
+from client import RequestHandle, SequenceDelta
 from common.messages import TokenLogprobs
 
 

@@ -17,7 +17,7 @@ from api.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from api.protocol import GenerationRequest, parse_chat, parse_completion
 from api.request_body import parse_json
 from api.state import RECORD, STATE
-from common.client import ClientClosed, RequestRejected
+from client import ClientClosed, RequestRejected
 from common.config import ApiConfig
 from common.log import get_logger
 from common.messages import ErrorKind

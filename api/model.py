@@ -1,16 +1,25 @@
-"""The model the api serves, learnt from the scheduler once it is ready, with its tokenizer."""
+"""The model the api serves: its tokenizer, which the api loads itself from its `--model` directory at start
+(no worker needed), and its limits (context length, KV capacity), learnt from the scheduler once a worker is
+ready.
+
+Without `--model` (ApiConfig.model empty), the tokenizer is that of the checkpoint the first ready worker
+announces (InfoReply.model_root), as a ZeroMQ client without a tokenizer does. Either way a worker that
+serves another checkpoint than the one the tokenizer came from gets 503s, not a mismatched tokenizer.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from api.errors import ApiError, unavailable
-from common.client import AsyncEngineClient
+from client import AsyncEngineClient
+from client.detokenizer import TokenStrings
 from common.config import ApiConfig
-from common.detokenizer import TokenStrings
 from common.log import get_logger
+from common.messages import InfoReply
 
 log = get_logger(component="api.model")
 INFO_TIMEOUT_S = 1.0  # a scheduler slower than this to answer counts as unavailable
@@ -37,6 +46,16 @@ class ServedModel:
         return self.max_model_len * self.longest_token_chars
 
 
+@dataclass(frozen=True)
+class ModelTokenizer:
+    """A checkpoint's tokenizer and what the api derives from it once."""
+
+    root: str  # the checkpoint directory it came from, as a real path
+    tokenizer: Any
+    token_strings: TokenStrings
+    longest_token_chars: int
+
+
 def longest_token_chars(tokenizer: Any) -> int:
     """The length of the longest token piece, added tokens included. A piece holds at least as many
     characters as its token stands for in the text: byte-level pieces have a character per byte, and
@@ -46,63 +65,150 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 
 class ModelState:
-    """Finds the served model on first need (or from the warm-up task) and keeps it."""
+    """The api's tokenizer and served model: the tokenizer loaded at start (or on first need), the model
+    once the scheduler reports a ready worker, and whether that worker serves the tokenizer's checkpoint.
+
+    The tokenizer object is the client's (create_app gives the client ApiConfig.model), so that prompts
+    are tokenized here and outputs detokenized there by the same one.
+    """
 
     def __init__(self, config: ApiConfig, client: AsyncEngineClient) -> None:
         self._config = config
         self._client = client
+        self._tokenizer: ModelTokenizer | None = None
+        self._tokenizer_error = ""  # why the configured checkpoint's tokenizer did not load (logged once)
         self._model: ServedModel | None = None
-        self._lock = asyncio.Lock()
+        self._mismatch = ""  # why the ready worker cannot be served with our tokenizer; "" when it can
+        self._tokenizer_lock = asyncio.Lock()
+        self._model_lock = asyncio.Lock()
 
     @property
     def loaded(self) -> ServedModel | None:
         return self._model
 
+    @property
+    def loaded_tokenizer(self) -> ModelTokenizer | None:
+        return self._tokenizer
+
+    @property
+    def misconfiguration(self) -> str:
+        """Why the api cannot serve until its settings change: the --model directory has no loadable
+        tokenizer, or the worker serves another checkpoint than the tokenizer's. "" when neither is known."""
+        if self._tokenizer is None:
+            return self._tokenizer_error
+        return self._mismatch
+
+    async def tokenizer(self) -> ModelTokenizer:
+        """The api's tokenizer. With ApiConfig.model it comes from that directory and the scheduler is not
+        asked; without, from the checkpoint a ready worker announced. Raises ApiError 503 until it loads."""
+        if self._tokenizer is not None:
+            return self._tokenizer
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = await self._load_tokenizer()
+            return self._tokenizer
+
+    async def _load_tokenizer(self) -> ModelTokenizer:
+        root = self._config.model
+        if not root:  # learnt from the worker: the client loads what the scheduler names
+            info = await self._info()
+            if not info.ready:
+                raise unavailable("the model is still loading; try again shortly")
+            root = info.model_root
+        elif not os.path.isdir(root):  # else transformers would take it for a Hub name and try to download
+            raise self._load_failed(root, "no such directory")
+        try:
+            tokenizer = await self._client.get_tokenizer()
+        except TimeoutError:
+            raise unavailable("the scheduler does not answer") from None
+        except (OSError, ValueError) as e:  # a broken checkpoint directory
+            raise self._load_failed(root, str(e)) from None
+        if tokenizer is None:
+            raise unavailable("no tokenizer could be loaded for the model")
+        loaded = ModelTokenizer(
+            root=os.path.realpath(root),
+            tokenizer=tokenizer,
+            token_strings=TokenStrings(tokenizer),
+            longest_token_chars=await asyncio.to_thread(longest_token_chars, tokenizer),
+        )
+        log.info("tokenizer_ready", model=loaded.root, configured=bool(self._config.model))
+        return loaded
+
+    def _load_failed(self, root: str, reason: str) -> ApiError:
+        message = f"the tokenizer of {root} could not be loaded: {reason}"
+        if message != self._tokenizer_error:  # logged once, not at every retry of the warm-up
+            log.error("tokenizer_load_failed", model=root, error=reason)
+            self._tokenizer_error = message
+        return unavailable(message)
+
+    def check(self, info: InfoReply) -> None:
+        """Notes whether the checkpoint a ready worker serves (as `info` reports it) is the tokenizer's."""
+        if self._tokenizer is None or not info.ready or not info.model_root:
+            return
+        ours = self._tokenizer.root
+        if os.path.realpath(info.model_root) == ours:
+            if self._mismatch:
+                log.info("model_matches_tokenizer", model=ours)
+            self._mismatch = ""
+            return
+        message = (
+            f"the worker serves the checkpoint {info.model_root}, but the api's tokenizer is that of {ours}:"
+            " start the api and the worker with the same --model (PAGEDSERVE_MODEL)"
+        )
+        if message != self._mismatch:
+            log.error("model_mismatch", worker_model=info.model_root, api_model=ours)
+        self._mismatch = message
+
     async def get(self) -> ServedModel:
-        """The served model. Raises ApiError 503 while the scheduler is not ready or does not answer."""
-        if self._model is not None:
-            return self._model
-        async with self._lock:
-            if self._model is None:
-                self._model = await self._load()
-            return self._model
+        """The served model. Raises ApiError 503 while the scheduler is not ready or does not answer, and
+        while the worker serves another checkpoint than the tokenizer's."""
+        if self._model is None:
+            async with self._model_lock:
+                if self._model is None:
+                    self._model = await self._load()
+        if self._mismatch:
+            raise unavailable(self._mismatch)
+        return self._model
 
     async def serving(self) -> ServedModel:
         """The served model, once the scheduler confirms that a worker serves it now: the model stays known
         after its worker died, so this asks. Raises ApiError 503 otherwise."""
-        try:
-            info = await self._client.info(timeout=INFO_TIMEOUT_S)
-        except TimeoutError:
-            raise unavailable("the scheduler does not answer") from None
+        info = await self._info()
         if not info.ready:
             raise unavailable("no worker is ready; try again shortly")
+        self.check(info)
         return await self.get()
 
-    async def _load(self) -> ServedModel:
+    async def _info(self) -> InfoReply:
         try:
-            info = await self._client.info(timeout=INFO_TIMEOUT_S)
+            return await self._client.info(timeout=INFO_TIMEOUT_S)
         except TimeoutError:
             raise unavailable("the scheduler does not answer") from None
+
+    async def _load(self) -> ServedModel:
+        tokenizer = await self.tokenizer()  # first: with ApiConfig.model, it does not wait for a worker
+        info = await self._info()
         if not info.ready:
             raise unavailable("the model is still loading; try again shortly")
-        tokenizer = await self._client.get_tokenizer()
-        if tokenizer is None:
-            raise unavailable("no tokenizer could be loaded for the model")
+        self.check(info)
+        if self._mismatch:
+            raise unavailable(self._mismatch)
         model = ServedModel(
             name=self._config.served_model_name or info.model_name,
             root=info.model_root,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             kv_capacity_tokens=info.num_kv_blocks * info.block_size,
-            tokenizer=tokenizer,
-            token_strings=TokenStrings(tokenizer),
-            longest_token_chars=await asyncio.to_thread(longest_token_chars, tokenizer),
+            tokenizer=tokenizer.tokenizer,
+            token_strings=tokenizer.token_strings,
+            longest_token_chars=tokenizer.longest_token_chars,
         )
         log.info("model_ready", model=model.name, root=model.root, max_model_len=model.max_model_len)
         return model
 
     async def warm_up(self, interval_s: float = 0.5) -> None:
-        """Polls until the model is known, so that the first request does not pay for the tokenizer."""
+        """Loads the tokenizer, then polls until the model is known, so that the first request pays for
+        neither."""
         while self._model is None:
             try:
                 await self.get()

@@ -7,7 +7,7 @@ from typing import Any
 
 from api.generation import Choice, Usage
 from api.model import ServedModel
-from common.client import SequenceDelta
+from client import SequenceDelta
 from common.messages import TokenLogprobs
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; a masked-out token reports this instead

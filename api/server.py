@@ -21,7 +21,7 @@ from api.errors import ApiError, error_body, unauthorized
 from api.handlers import chat_completions, completions, dumps
 from api.model import INFO_TIMEOUT_S, ModelState
 from api.state import RECORD, STATE, ApiState
-from common.client import AsyncEngineClient, RequestRejected
+from client import AsyncEngineClient, RequestRejected
 from common.config import ApiConfig
 from common.log import get_logger
 from common.messages import ErrorKind
@@ -103,7 +103,9 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 once the scheduler is ready (and the tokenizer loaded), 503 before or when it does not answer."""
+    """200 once the scheduler is ready (and the tokenizer loaded); 503 before, when it does not answer, or
+    when the api's --model cannot serve the worker ("misconfigured": no tokenizer there, or the worker
+    serves another checkpoint)."""
     state = request.app[STATE]
     if state.draining:
         return _json({"status": "shutting down", "reason": "the server is shutting down"}, 503)
@@ -113,10 +115,12 @@ async def health(request: web.Request) -> web.Response:
         return _json({"status": "unavailable", "reason": "the scheduler does not answer"}, 503)
     if not info.ready:
         return _json({"status": "starting", "reason": "no worker is ready yet"}, 503)
+    state.models.check(info)
     try:
         await state.models.get()
     except ApiError as e:
-        return _json({"status": "starting", "reason": e.message}, 503)
+        status = "misconfigured" if state.models.misconfiguration else "starting"
+        return _json({"status": status, "reason": e.message}, 503)
     return _json({"status": "ok"})
 
 
@@ -188,7 +192,7 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     """The HTTP app for `config`; `client` replaces the scheduler connection it would make (tests)."""
     client = client or AsyncEngineClient(
         config.scheduler_address,
-        config.model or None,
+        config.model or None,  # the api's checkpoint: its tokenizer loads from here, no worker needed
         cluster_key_file=config.cluster_key_file,
         liveness_timeout_s=config.scheduler_timeout_s,
     )

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from api.generation import Generation
 from api.model import ModelState
-from common.client import AsyncEngineClient
+from client import AsyncEngineClient
 from common.config import ApiConfig
 
 

@@ -29,7 +29,9 @@ class ApiConfig:
     host: str = "127.0.0.1"  # address the HTTP server binds
     port: int = 8000
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # where the scheduler takes client connections
-    model: str = ""  # checkpoint directory for the tokenizer; empty: the one the worker loaded
+    # Checkpoint directory the tokenizer loads from at start (the worker's --model, which honcho's
+    # PAGEDSERVE_MODEL gives both); empty: the one the first ready worker announces
+    model: str = ""
     served_model_name: str = ""  # name in /v1/models and responses; empty: the worker's
     max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused
     # SIGTERM: refuse new requests (503), let those in flight finish this long, then end the rest

@@ -42,7 +42,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from common.client import AsyncEngineClient, load_tokenizer  # noqa: E402
+from client import AsyncEngineClient, load_tokenizer  # noqa: E402
 from scripts._servers import Engine, free_port, start_engine  # noqa: E402
 from scripts.bench_throughput import (  # noqa: E402
     DEFAULT_MODEL,

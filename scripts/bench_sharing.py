@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from common.client import AsyncEngineClient  # noqa: E402
+from client import AsyncEngineClient  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
 from scripts._servers import start_engine  # noqa: E402
 from scripts.bench_serving import arrival_offsets, parse_rates, stats_ms  # noqa: E402

@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from common.client import AsyncEngineClient, RequestResult  # noqa: E402
+from client import AsyncEngineClient, RequestResult  # noqa: E402
 from common.messages import InfoReply, SamplingParams  # noqa: E402
 from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
 from worker.step_trace import read_trace  # noqa: E402

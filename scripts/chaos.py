@@ -31,7 +31,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.client import EngineClient  # noqa: E402
+from client import EngineClient  # noqa: E402
 from scripts._servers import ROOT, WAIT_S, Honcho  # noqa: E402
 
 LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}

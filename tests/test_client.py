@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from common.client import (
+from client import (
     AsyncEngineClient,
     ClientClosed,
     EngineClient,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.client import EngineClient
+from client import EngineClient
 from common.config import WorkerConfig
 from common.messages import SamplingParams
 from scripts._servers import Engine, Honcho, free_port, start_engine

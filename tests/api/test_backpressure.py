@@ -11,9 +11,9 @@ import threading
 from typing import Any
 
 from api.state import STATE
+from client.request_stream import RequestHandle, SequenceDelta, _RequestState
 from common.config import ApiConfig
 from common.messages import SamplingParams, SeqOutput
-from common.request_stream import RequestHandle, SequenceDelta, _RequestState
 from tests.api.harness import ApiServer, wait_until
 from tests.api.test_disconnect import assert_aborted
 

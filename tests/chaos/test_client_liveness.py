@@ -18,7 +18,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.client import AsyncEngineClient, RequestRejected
+from client import AsyncEngineClient, RequestRejected
 from common.messages import ErrorKind, SamplingParams, SubmitRequest, decode
 from common.security import authenticate, load_cluster_key, secure_server
 

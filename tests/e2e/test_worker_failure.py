@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.client import EngineClient, RequestRejected
+from client import EngineClient, RequestRejected
 from common.messages import ErrorKind, SamplingParams
 from tests.e2e.processes import Server, start_server
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from common.client import EngineClient, RequestRejected
+from client import EngineClient, RequestRejected
 from common.messages import SamplingParams
 
 pytestmark = pytest.mark.e2e

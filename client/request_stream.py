@@ -1,7 +1,7 @@
 """What a submitted request streams back: per-sequence deltas, the finished results, and the client-side
 state of one request that turns the scheduler's outputs into deltas (detokenized, stop strings applied).
 
-`common.client` re-exports the public names; a handle comes from `AsyncEngineClient.submit`.
+`client` re-exports the public names; a handle comes from `AsyncEngineClient.submit`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.detokenizer import SequenceText
+from client.detokenizer import SequenceText
 from common.messages import AbortRequest, FinishReason, SamplingParams, SeqOutput, TokenLogprobs
 
 
