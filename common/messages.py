@@ -136,6 +136,19 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
     MAX_LOGPROBS: ClassVar[int] = 20
     MAX_BEAM_WIDTH: ClassVar[int] = 16
 
+    @property
+    def beam(self) -> bool:
+        """Beam search: each beam reports its top candidates and the scheduler chooses its tokens."""
+        return self.beam_width > 0
+
+    @property
+    def num_logprobs(self) -> int:
+        """Candidates the sampler reports per token: -1 none; k >= 0 the sampled token's logprob and the top
+        k. A beam asks for 2 x beam_width, so that W beams always have W unfinished continuations."""
+        if self.beam_width:
+            return 2 * self.beam_width
+        return -1 if self.logprobs is None else self.logprobs
+
     def validate(self) -> str | None:
         """Returns why these parameters are unusable, or None when they are fine. Every comparison is
         written so that NaN fails it."""
@@ -300,14 +313,11 @@ class NewSequence(msgspec.Struct, array_like=True):
     seq_id: SeqId
     token_ids: TokenIds  # every token known so far: the prompt, then any tokens generated before preemption
     block_table: BlockIds  # KV blocks allocated so far, in order
-    num_computed_tokens: Count  # tokens whose KV is already in the cache (always 0 in this cut)
-    temperature: Temperature
-    top_p: TopP
-    top_k: TopK
+    num_computed_tokens: Count  # tokens whose KV is already in the cache (a prefix-cache hit)
+    # the request's parameters, whole: the worker's sampler reads its own fields from them (temperature,
+    # top_p, top_k, logprobs, beam search), so a new sampling parameter crosses the wire with no new field
+    params: SamplingParams
     seed: Seed  # the sequence's own seed; the worker's randomness depends only on it and the position
-    # -1: none; k >= 0: sampled token's logprob and the top k
-    num_logprobs: Annotated[int, Meta(ge=-1, le=MAX_TOP_LOGPROBS)]
-    beam: bool = False  # a beam: report its top candidates but append nothing (the scheduler chooses)
 
 
 class Fork(msgspec.Struct, array_like=True):
@@ -315,7 +325,7 @@ class Fork(msgspec.Struct, array_like=True):
 
     parent_seq_id: SeqId  # must sample in the same step
     child_seq_id: SeqId
-    seed: Seed  # the child's own seed; its other sampling settings are the parent's
+    seed: Seed  # the child's own seed; its sampling parameters are the parent's
 
 
 class StepPlan(msgspec.Struct, array_like=True):

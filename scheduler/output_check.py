@@ -54,12 +54,9 @@ def check_step_output(
         if seq is None:
             continue
         params = seq.request.params
-        if seq.request.beam is not None:
-            problem = _check_logprobs(logprobs, 2 * params.beam_width, vocab_size, need_one=True)
-        elif params.logprobs is not None:
-            problem = _check_logprobs(logprobs, params.logprobs, vocab_size, need_one=False)
-        else:
+        if params.num_logprobs < 0:
             continue  # asked for none: whatever came is dropped unread
+        problem = _check_logprobs(logprobs, params.num_logprobs, vocab_size, need_one=params.beam)
         if problem is not None:
             return f"seq {seq_id}: {problem}"
     return None

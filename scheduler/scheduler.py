@@ -646,22 +646,13 @@ class Scheduler(BeamSearchSteps, SchedulerInspection):
         parent.fork_children = []
 
     def _new_sequence(self, seq: Sequence) -> NewSequence:
-        params = seq.request.params
         return NewSequence(
             seq_id=seq.seq_id,
             token_ids=list(seq.token_ids),
             block_table=list(self.block_manager.block_table(seq.seq_id)),
             num_computed_tokens=seq.num_computed_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
+            params=seq.request.params,
             seed=seq.seed,
-            num_logprobs=2 * params.beam_width
-            if params.beam_width
-            else -1
-            if params.logprobs is None
-            else params.logprobs,
-            beam=bool(params.beam_width),
         )
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:

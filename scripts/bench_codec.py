@@ -20,12 +20,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.messages import Message, NewSequence, StepOutput, StepPlan, TokenLogprobs, decode, encode  # noqa: E402
+from common.messages import (
+    Message,
+    NewSequence,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    TokenLogprobs,
+    decode,
+    encode,
+)  # noqa: E402
 
 
 def step_plan(num_seqs: int) -> StepPlan:
     new_seqs = [
-        NewSequence(5000 + i, list(range(200)), list(range(13)), 0, 0.7, 0.9, 40, 99 + i, -1)
+        NewSequence(
+            5000 + i,
+            list(range(200)),
+            list(range(13)),
+            0,
+            SamplingParams(temperature=0.7, top_p=0.9, top_k=40),
+            99 + i,
+        )
         for i in range(4)
     ]
     return StepPlan(

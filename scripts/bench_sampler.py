@@ -21,14 +21,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.messages import SamplingParams  # noqa: E402
 from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors  # noqa: E402
 
+
+def _row(
+    temperature: float, top_k: int, top_p: float, seed: int, position: int, num_logprobs: int
+) -> SamplingRow:
+    logprobs = None if num_logprobs < 0 else num_logprobs
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs)
+    return SamplingRow(params, seed, position)
+
+
 CASES: dict[str, Callable[[random.Random], SamplingRow]] = {
-    "greedy": lambda rng: SamplingRow(0.0, 0, 1.0, rng.randrange(2**63), rng.randrange(4096), -1),
-    "temperature": lambda rng: SamplingRow(0.8, 0, 1.0, rng.randrange(2**63), rng.randrange(4096), -1),
-    "top_k=50": lambda rng: SamplingRow(0.8, 50, 1.0, rng.randrange(2**63), rng.randrange(4096), -1),
-    "top_p=0.9": lambda rng: SamplingRow(0.8, 0, 0.9, rng.randrange(2**63), rng.randrange(4096), -1),
-    "mixed+logprobs": lambda rng: SamplingRow(
+    "greedy": lambda rng: _row(0.0, 0, 1.0, rng.randrange(2**63), rng.randrange(4096), -1),
+    "temperature": lambda rng: _row(0.8, 0, 1.0, rng.randrange(2**63), rng.randrange(4096), -1),
+    "top_k=50": lambda rng: _row(0.8, 50, 1.0, rng.randrange(2**63), rng.randrange(4096), -1),
+    "top_p=0.9": lambda rng: _row(0.8, 0, 0.9, rng.randrange(2**63), rng.randrange(4096), -1),
+    "mixed+logprobs": lambda rng: _row(
         rng.choice([0.0, 0.8]),
         rng.choice([0, 20, 50]),
         rng.choice([1.0, 1.0, 0.95]),

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from common.config import WorkerConfig
-from common.messages import NewSequence, StepPlan
+from common.messages import NewSequence, SamplingParams, StepPlan
 from tests.test_model_runner import Driver, _assert_logits_match_hf, make_runner
 from worker.loader import RopeScaling, load_model_config
 from worker.model import rope_inv_freq
@@ -119,7 +119,9 @@ def test_sharded_tied_biased_checkpoint_matches_transformers(tmp_path: Path) -> 
     runner.model.compute_logits = lambda h: rows.append(compute_logits(h)) or rows[-1]
     prompt = [random.Random(0).randrange(500) for _ in range(21)]
     runner.execute(
-        StepPlan(0, [], [NewSequence(0, prompt, [5, 2], 0, 0.0, 1.0, 0, 0, -1)], [], [0], [21], [0])
+        StepPlan(
+            0, [], [NewSequence(0, prompt, [5, 2], 0, SamplingParams(temperature=0.0), 0)], [], [0], [21], [0]
+        )
     )
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0, -1]

@@ -59,8 +59,10 @@ EXAMPLES = [
         step_id=7,
         freed_seq_ids=[1, 4],
         new_seqs=[
-            NewSequence(9, [1, 2, 3], [5, 0], 0, 0.0, 1.0, 0, 123, -1),
-            NewSequence(10, [4], [1], 0, 0.0, 1.0, 0, 5, 8, beam=True),
+            NewSequence(
+                9, [1, 2, 3], [5, 0], 0, SamplingParams(temperature=0.7, top_p=0.9, top_k=40, logprobs=3), 123
+            ),
+            NewSequence(10, [4], [1], 0, SamplingParams(n=2, temperature=0.0, beam_width=4), 5),
         ],
         new_block_ids=[(2, [8]), (3, [10, 11])],
         scheduled_seq_ids=[9, 2, 3],

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from common.config import WorkerConfig
-from common.messages import NewSequence, StepOutput, StepPlan
+from common.messages import NewSequence, SamplingParams, StepOutput, StepPlan
 from worker.model_runner import ModelRunner, PlanError
 
 BLOCK_SIZE = 16
@@ -50,7 +50,9 @@ class Driver:
         self.tokens[seq_id] = list(token_ids)
         self.computed[seq_id] = 0
         self.tables[seq_id] = []
-        self.pending.append(NewSequence(seq_id, list(token_ids), [], 0, temperature, 1.0, 0, seed, -1))
+        self.pending.append(
+            NewSequence(seq_id, list(token_ids), [], 0, SamplingParams(temperature=temperature), seed)
+        )
 
     def free_seq(self, seq_id: int) -> None:
         self.free.extend(self.tables.pop(seq_id))
@@ -201,7 +203,7 @@ def test_plans_that_contradict_the_worker_state_raise(tiny_model_dir: Path) -> N
         runner.execute(StepPlan(2, [], [], [(42, [0])], [], [], []))
     with pytest.raises(PlanError, match="unknown"):
         runner.execute(StepPlan(3, [42], [], [], [], [], []))
-    short = NewSequence(7, list(range(1, 20)), [3], 0, 0.0, 1.0, 0, 0, -1)
+    short = NewSequence(7, list(range(1, 20)), [3], 0, SamplingParams(temperature=0.0), 0)
     with pytest.raises(PlanError, match="block table"):
         runner.execute(StepPlan(4, [], [short], [], [7], [19], []))
     with pytest.raises(PlanError, match="knows"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.config import WorkerConfig
-from common.messages import Fork, NewSequence, StepOutput, StepPlan
+from common.messages import Fork, NewSequence, SamplingParams, StepOutput, StepPlan
 from kernels import reference
 from kernels.reference import byte_view
 from worker.kv_cache import kv_block_bytes
@@ -118,7 +118,9 @@ def new_seq(
     temperature: float = 0.0,
     seed: int = 0,
 ) -> NewSequence:
-    return NewSequence(seq_id, token_ids, block_table, num_computed_tokens, temperature, 1.0, 0, seed, -1)
+    return NewSequence(
+        seq_id, token_ids, block_table, num_computed_tokens, SamplingParams(temperature=temperature), seed
+    )
 
 
 def random_prompt(seed: int, length: int, vocab: int = 4096) -> list[int]:

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from common.messages import Fork, StepPlan
+from common.messages import Fork, SamplingParams, StepPlan
 from tests.test_model_runner_kv import make_runner, new_seq, random_prompt
 from worker.model_runner import ModelRunner
 
@@ -126,7 +126,11 @@ def _bad_plans() -> list[tuple[str, StepPlan, str]]:
         ("computed past tokens", plan(new_seqs=[new_seq(12, [1], [3], num_computed_tokens=2)]), "computed"),
         (
             "logprobs past vocab",
-            plan(new_seqs=[msgspec.structs.replace(new_seq(12, [1], [3]), num_logprobs=10**6)]),
+            plan(
+                new_seqs=[
+                    msgspec.structs.replace(new_seq(12, [1], [3]), params=SamplingParams(logprobs=10**6))
+                ]
+            ),
             "logprobs",
         ),
         ("new blocks, unknown seq", plan(new_block_ids=[(99, [3])]), "unknown sequence 99"),

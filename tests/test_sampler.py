@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.messages import TokenLogprobs
+from common.messages import SamplingParams, TokenLogprobs
 from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors, uniform_for, uniforms_for
 
 VOCAB = 257
@@ -23,7 +23,10 @@ def _row(
     position: int = 0,
     num_logprobs: int = -1,
 ) -> SamplingRow:
-    return SamplingRow(temperature, top_k, top_p, seed, position, num_logprobs)
+    logprobs = None if num_logprobs < 0 else num_logprobs
+    return SamplingRow(
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs), seed, position
+    )
 
 
 def _logits(rows: int, seed: int, vocab: int = VOCAB, spread: float = 3.0) -> torch.Tensor:

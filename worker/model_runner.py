@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from common.config import WorkerConfig
-from common.messages import NewSequence, StepOutput, StepPlan
+from common.messages import NewSequence, SamplingParams, StepOutput, StepPlan
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from worker.inputs import BlockTableArray, HostInputs, build_inputs
@@ -48,11 +48,9 @@ class SeqState:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
+    params: SamplingParams  # what the sampler reads (worker/sampler.py SamplingTensors.from_params)
     seed: int
-    num_logprobs: int
+    num_logprobs: int  # params.num_logprobs, kept for the step's host work
     beam: bool = False  # report candidates, append nothing: the scheduler chooses the beam's tokens
     row: int = -1  # this sequence's row in the runner's BlockTableArray, a mirror of block_table
     pending: int = 0  # tokens sampled by a launched step that has not finished: not in token_ids yet
@@ -63,12 +61,10 @@ class SeqState:
             list(s.token_ids),
             list(s.block_table),
             s.num_computed_tokens,
-            s.temperature,
-            s.top_p,
-            s.top_k,
+            s.params,
             s.seed,
-            s.num_logprobs,
-            s.beam,
+            s.params.num_logprobs,
+            s.params.beam,
         )
 
 
@@ -108,13 +104,10 @@ class LaunchedStep:
 def _sampling_tensors(samplers: list[SeqState], device: torch.device) -> SamplingTensors:
     """The sampler's parameters of `samplers`, a column at a time (no object per row: it runs every step)."""
     n = len(samplers)
-    return SamplingTensors.from_arrays(
-        temperature=np.fromiter((s.temperature for s in samplers), np.float64, n),
-        top_k=np.fromiter((s.top_k for s in samplers), np.int64, n),
-        top_p=np.fromiter((s.top_p for s in samplers), np.float64, n),
+    return SamplingTensors.from_params(
+        [s.params for s in samplers],
         seed=np.fromiter((s.seed & MASK64 for s in samplers), np.uint64, n),
         position=np.fromiter((len(s.token_ids) + s.pending for s in samplers), np.int64, n),
-        num_logprobs=np.fromiter((s.num_logprobs for s in samplers), np.int64, n),
         device=device,
     )
 
@@ -225,7 +218,8 @@ class ModelRunner:
         token_ids, positions, meta = self._to_device(inputs)
         hidden = self.model(token_ids, positions, meta, pool.layers)
         logits = self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
-        rows = [SamplingRow(1.0, 0, 0.9, b, 0, 5) for b in range(num_seqs)]  # top-p sorts: the costliest path
+        # top-p sorts: the costliest path
+        rows = [SamplingRow(SamplingParams(top_p=0.9, logprobs=5), b, 0) for b in range(num_seqs)]
         sample(logits, rows)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)

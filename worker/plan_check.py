@@ -123,8 +123,8 @@ def _check_changes(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | Non
             return f"sequence {new.seq_id} has {new.num_computed_tokens} computed tokens but few blocks"
         if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < limits.vocab_size:
             return f"sequence {new.seq_id} has token ids outside the vocab"
-        if not -1 <= new.num_logprobs <= limits.vocab_size:
-            return f"sequence {new.seq_id} asks for {new.num_logprobs} logprobs"
+        if not -1 <= new.params.num_logprobs <= limits.vocab_size:
+            return f"sequence {new.seq_id} asks for {new.params.num_logprobs} logprobs"
         if problem := _blocks(new.seq_id, new.block_table, len(new.block_table), limits):
             return problem
         shadow = _Shadow(len(new.token_ids), new.num_computed_tokens, len(new.block_table), pending=0)

@@ -12,7 +12,7 @@ device-to-host copy of the results per step. The host sorts rows into draw group
 the row's top_k; a full sort for top-p without top-k, or top_k above 4096), so every tensor a row passes
 through has a shape that depends on its own parameters, not on its batch-mates':
 
-    tensors = SamplingTensors.from_rows(rows, device)   # or from_arrays(...), before the forward pass
+    tensors = SamplingTensors.from_params(params, seed, position, device)   # before the forward pass
     copy = sample_tensors(logits, tensors).start_copy()  # queued on the device, nothing waits
     tokens, logprobs = copy.wait()
 """
@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from common.messages import TokenLogprobs
+from common.messages import SamplingParams, TokenLogprobs
 
 MASK64 = (1 << 64) - 1  # a seed's low 64 bits: what its draws depend on
 _MIN_TOP_K_WIDTH = 64  # narrower candidate sets save nothing on a GPU, and 64 columns reduce like wider ones
@@ -64,14 +64,28 @@ def uniforms_for(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """What the sampler needs to know about one sampling sequence."""
+    """One sampling sequence as the sampler sees it: its request's parameters, its seed, and the index of the
+    token being sampled (tests and benchmarks; the runner passes the same as columns to `from_params`)."""
 
-    temperature: float  # 0: greedy
-    top_k: int  # 0: off
-    top_p: float  # 1.0: off
+    params: SamplingParams
     seed: int
     position: int  # index of the token being sampled within its sequence
-    num_logprobs: int  # -1: none; k >= 0: sampled token's logprob and the top k
+
+    @property
+    def temperature(self) -> float:  # 0: greedy
+        return self.params.temperature
+
+    @property
+    def top_k(self) -> int:  # 0: off
+        return self.params.top_k
+
+    @property
+    def top_p(self) -> float:  # 1.0: off
+        return self.params.top_p
+
+    @property
+    def num_logprobs(self) -> int:  # -1: none; k >= 0: sampled token's logprob and the top k
+        return self.params.num_logprobs
 
     @property
     def greedy(self) -> bool:
@@ -121,13 +135,31 @@ class SamplingTensors:
 
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], device: torch.device | str) -> SamplingTensors:
-        return cls.from_arrays(
-            temperature=np.array([r.temperature for r in rows], dtype=np.float64),
-            top_k=np.array([r.top_k for r in rows], dtype=np.int64),
-            top_p=np.array([r.top_p for r in rows], dtype=np.float64),
+        return cls.from_params(
+            [r.params for r in rows],
             seed=np.array([r.seed & MASK64 for r in rows], dtype=np.uint64),
             position=np.array([r.position for r in rows], dtype=np.int64),
-            num_logprobs=np.array([r.num_logprobs for r in rows], dtype=np.int64),
+            device=device,
+        )
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],  # [R] each row's request parameters
+        seed: np.ndarray,  # [R] uint64, or int64 holding the same bits
+        position: np.ndarray,  # [R] index of the token being sampled
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """The rows' parameters as columns (one pass per field, no object per row: it runs every step).
+        A new sampling parameter is read here from SamplingParams and applied in `sample_tensors`."""
+        n = len(params)
+        return cls.from_arrays(
+            temperature=np.fromiter((p.temperature for p in params), np.float64, n),
+            top_k=np.fromiter((p.top_k for p in params), np.int64, n),
+            top_p=np.fromiter((p.top_p for p in params), np.float64, n),
+            seed=seed,
+            position=position,
+            num_logprobs=np.fromiter((p.num_logprobs for p in params), np.int64, n),
             device=device,
         )
 

@@ -19,6 +19,7 @@ import zmq
 from common.messages import (
     Message,
     NewSequence,
+    SamplingParams,
     Shutdown,
     StepOutput,
     StepPlan,
@@ -59,7 +60,7 @@ class Scheduler:
 
 
 def _plan(step_id: int, seq_id: int, num_blocks: int) -> StepPlan:
-    new = NewSequence(seq_id, [1, 2, 3, 4], [num_blocks - 1], 0, 0.0, 1.0, 0, 7, -1)
+    new = NewSequence(seq_id, [1, 2, 3, 4], [num_blocks - 1], 0, SamplingParams(temperature=0.0), 7)
     return StepPlan(step_id, [], [new], [], [seq_id], [4], [seq_id])
 
 

@@ -78,7 +78,7 @@ class FakeWorker:
             assert new.seq_id not in self.seqs, f"seq {new.seq_id} sent twice"
             self.seqs[new.seq_id] = _SeqState(
                 list(new.token_ids), list(new.block_table), new.num_computed_tokens, new.seed,
-                new.num_logprobs, new.beam,
+                new.params.num_logprobs, new.params.beam,
             )  # fmt: skip
         for seq_id, blocks in plan.new_block_ids:
             self.seqs[seq_id].block_table.extend(blocks)
