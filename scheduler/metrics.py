@@ -61,6 +61,18 @@ class SchedulerMetrics:
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
 
+    def observe_step(self, gpu_time_s: float, gpu_idle_before_s: float, decode_only: bool) -> None:
+        """GPU time of every step; for decode-only steps also their span on the GPU's clock, from the end
+        of the step before to their own end (a decode-only step always follows another step at once, so
+        the GPU's idle time before it is what the host made it wait). On the GPU's clock rather than from
+        update to update, since the worker queues a step before it answers the one before."""
+        self.steps_total += 1
+        self.gpu_seconds_total += gpu_time_s
+        if decode_only:
+            self.decode_steps_total += 1
+            self.decode_gpu_seconds_total += gpu_time_s
+            self.decode_step_seconds_total += gpu_time_s + gpu_idle_before_s
+
     def render(self, gauges: dict[str, tuple[float, str]]) -> str:
         """Prometheus text for these metrics plus `gauges` (name -> (value, help))."""
         lines: list[str] = []

@@ -61,7 +61,9 @@ from common.messages import (
 )
 from common.security import ClusterKey, authenticate, load_cluster_key, secure_server
 from scheduler.liveness import PeerConnections, WorkerWatch, source_fd, watch_disconnects
-from scheduler.scheduler import Output, Scheduler, SchedulerSettings
+from scheduler.request import Output
+from scheduler.scheduler import Scheduler
+from scheduler.settings import SchedulerSettings
 
 log = structlog.get_logger(process="scheduler")
 # Messages queued for one client before it counts as not reading (a stopped process: its own socket takes
@@ -366,26 +368,8 @@ class SchedulerServer:
             log.warning("worker_restarted", num_failed_requests=len(self.core.live_requests()))
             self._fail_requests(ErrorKind.UNAVAILABLE, "the worker restarted; the request was lost")
             self._drop_worker()
-        max_model_len = msg.max_model_len
-        if self.config.max_model_len:
-            max_model_len = min(max_model_len, self.config.max_model_len)
         config = self.config
-        settings = SchedulerSettings(
-            num_kv_blocks=msg.num_kv_blocks,
-            block_size=msg.block_size,
-            max_model_len=max_model_len,
-            vocab_size=msg.vocab_size,
-            eos_token_ids=tuple(msg.eos_token_ids),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            num_cpu_blocks=msg.num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            preemption_mode=config.preemption_mode,
-            scheduling_policy=config.scheduling_policy,
-            kv_policy=config.kv_policy,
-            max_waiting_seqs=config.max_waiting_seqs,
-            request_seat_quota=config.request_seat_quota,
-        )
+        settings = SchedulerSettings.from_config(config, msg)
         self.core = Scheduler(settings)
         self.ready_msg = msg
         self._worker_id = identity
