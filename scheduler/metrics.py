@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.request import Sequence
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0
@@ -72,6 +76,15 @@ class SchedulerMetrics:
             self.decode_steps_total += 1
             self.decode_gpu_seconds_total += gpu_time_s
             self.decode_step_seconds_total += gpu_time_s + gpu_idle_before_s
+
+    def observe_first_token(self, seq: Sequence, now: float) -> None:
+        """The first token `update` brings for `seq` (its first ever, or its first after a recompute)."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.time_to_first_token.observe(now - seq.request.arrival_time)
+        else:
+            self.inter_token_latency.observe(now - seq.last_token_time)
+        seq.last_token_time = now
 
     def render(self, gauges: dict[str, tuple[float, str]]) -> str:
         """Prometheus text for these metrics plus `gauges` (name -> (value, help))."""

@@ -129,3 +129,17 @@ def new_sequence_message(seq: Sequence, block_table: list[int]) -> NewSequence:
         num_logprobs=num_logprobs,
         beam=bool(params.beam_width),
     )
+
+
+def seq_output(seq: Sequence, token_ids: list[int], logprobs: list) -> SeqOutput:
+    """An output of `seq` carrying `token_ids` (with their logprobs if the request asked for them)."""
+    request = seq.request
+    return SeqOutput(
+        request.request_id,
+        seq.index,
+        token_ids,
+        logprobs if request.params.logprobs is not None else None,
+        seq.finish_reason,
+        len(request.prompt_token_ids),
+        max(0, seq.num_cached_tokens),
+    )

@@ -35,7 +35,6 @@ import structlog
 from common.messages import (
     ErrorKind,
     FinishReason,
-    Fork,
     RequestError,
     SeqOutput,
     StepOutput,
@@ -43,15 +42,25 @@ from common.messages import (
     SubmitRequest,
     TokenLogprobs,
 )
-from scheduler.admission import Admission
 from scheduler.beam import BeamGroup
 from scheduler.block_manager import BlockManager, KVUsage
+from scheduler.faults import RequestFaults
 from scheduler.inspection import Inspection
 from scheduler.metrics import SchedulerMetrics
 from scheduler.output_check import check_step_output
+from scheduler.passes import Admission, RunningPass
 from scheduler.preemption import PreemptionPolicy
 from scheduler.queues import RunQueue, SwappedQueue
-from scheduler.request import Error, Output, Request, SeqStatus, Sequence, SequenceTable, num_seqs
+from scheduler.request import (
+    Error,
+    Output,
+    Request,
+    SeqStatus,
+    Sequence,
+    SequenceTable,
+    num_seqs,
+    seq_output,
+)
 from scheduler.search import BeamSearch
 from scheduler.settings import SchedulerSettings, check_request
 from scheduler.step import Step
@@ -88,6 +97,7 @@ class Scheduler:
         self._waiting = WaitingQueue()  # fair between requests (scheduler/waiting.py)
         self._swapped = SwappedQueue()
         self._running = RunQueue()
+        self._running_pass = RunningPass(settings, self.block_manager, self._running, preempt=self._preempt)
         self._admission = Admission(
             settings, self.block_manager, self._running, self._waiting, self._swapped, self.metrics
         )
@@ -104,7 +114,9 @@ class Scheduler:
         self._eos = frozenset(settings.eos_token_ids)
         self._decode_only_steps: set[int] = set()  # plans in flight whose every chunk is one token
         self._sampling: dict[int, list[int]] = {}  # step id of a plan in flight -> sequences that sample
-        self._errors: list[Error] = []  # requests ended by an internal fault, for take_errors()
+        self._faults = RequestFaults(
+            self._requests, self._seqs, self._running, self.metrics, finish=self._finish, free=self._free
+        )
 
     # ----------------------------------------------------------------------------------------------------
     # requests in and out
@@ -186,20 +198,15 @@ class Scheduler:
         try:
             return self._abort(request, index, finish_reason)
         except Exception:
-            self._fail_request(request, "internal error while aborting the request", exc_info=True)
+            self._faults.fail_request(request, "internal error while aborting the request", exc_info=True)
             return []
 
     def _abort(self, request: Request, index: int | None, finish_reason: str) -> list[Output]:
         owner, request_id = request.key
-        if request.beam is not None:  # a search is all or nothing: end every beam, report n empty results
-            for seq in list(request.live_beams):
-                self._finish(seq, finish_reason)
+        if request.beam is not None:
+            outputs = self._beam_search.abort(request, finish_reason)
             self._running.prune()
-            prompt_len = len(request.prompt_token_ids)
-            empty = [
-                SeqOutput(request_id, i, [], None, finish_reason, prompt_len) for i in range(request.params.n)
-            ]
-            return [(owner, out) for out in empty]
+            return outputs
         outputs = []
         for seq in list(request.seqs):
             if seq.status is SeqStatus.FINISHED or (index is not None and seq.index != index):
@@ -218,8 +225,7 @@ class Scheduler:
         it could not use): each request's sequences are finished and their blocks freed, and its client gets
         one RequestError (INTERNAL) and nothing more. The server sends them after each call of `abort`,
         `update` and `fail_step` (after that call's outputs); the other requests go on."""
-        errors, self._errors = self._errors, []
-        return errors
+        return self._faults.take_errors()
 
     def check_output(self, step: StepOutput) -> str | None:
         """What is wrong with a worker's step output, checked before `update` touches any state: its step is
@@ -237,38 +243,8 @@ class Scheduler:
         for seq_id in self._sampling.get(step_id, []):
             seq = self._seqs.get(seq_id)
             if seq is not None:
-                self._fail_request(seq.request, "the worker's output for this request was malformed")
+                self._faults.fail_request(seq.request, "the worker's output for this request was malformed")
         return StepOutput(step_id, [], [], [])
-
-    def _fail_request(self, request: Request, message: str, exc_info: bool = False) -> None:
-        """Ends every sequence of `request`, frees its blocks and queues an INTERNAL error for its client.
-        Works on state that the failure may have left half changed: a sequence that cannot be finished the
-        ordinary way is dropped by force, and the seat counts are recounted."""
-        log.error("request_failed", request_id=request.request_id, reason=message, exc_info=exc_info)
-        self.metrics.requests_failed_total += 1
-        for seq in reversed(request.seqs):  # fork children before their parent
-            if seq.status is SeqStatus.FINISHED:
-                continue
-            try:
-                self._finish(seq, FinishReason.ABORT)
-            except Exception:
-                self._drop(seq)
-        if self._requests.get(request.key) is request:
-            del self._requests[request.key]
-        self._running.prune()
-        searches = {s.request.key: s.request for s in self._seqs.values() if s.request.beam}
-        self._running.recount_seats(searches.values())
-        self._errors.append((request.owner, RequestError(request.request_id, ErrorKind.INTERNAL, message)))
-
-    def _drop(self, seq: Sequence) -> None:
-        """Forgets a sequence whose ordinary ending failed half way."""
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = FinishReason.ABORT
-        seq.fork_children = []
-        if seq in seq.request.live_beams:
-            seq.request.live_beams.remove(seq)
-        self._free(seq)
-        self._seqs.pop(seq.seq_id, None)
 
     def _free(self, seq: Sequence) -> None:
         """Returns the sequence's blocks; the worker forgets it with the next plan."""
@@ -322,7 +298,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step's plan. Sequences it schedules count their tokens as computed from now on."""
         step = Step(self.block_manager, self.settings)
-        budget = self._schedule_running(step, self.settings.max_num_batched_tokens)
+        budget = self._running_pass.schedule(step, self.settings.max_num_batched_tokens)
         if not step.preempted:  # right after a preemption, admitting more would only thrash
             budget = self._admission.swap_in(step, budget)
             if not self._swapped:
@@ -335,7 +311,7 @@ class Scheduler:
             budget = self._admission.swap_in(step, budget)
             if not self._swapped:
                 self._admission.admit_waiting(step, budget)
-        sampling, num_samplers = self._count_computed(step)
+        sampling, num_samplers = step.count_computed(self._running)
         # frees, clones and appended tokens ride on a plan that runs; an empty plan is not sent
         freed: list[int] = []
         clones: list[tuple[int, int]] = []
@@ -351,111 +327,9 @@ class Scheduler:
         self._next_step_id += 1
         return plan
 
-    def _count_computed(self, step: Step) -> tuple[list[int], int]:
-        """Counts the scheduled tokens as computed, registers the blocks they fill for the prefix cache and
-        forks the children of prompts that complete. Returns who samples: the scheduled sequences that
-        sample (the first `num_samplers`, in batch order), then their fork children."""
-        bs = self.settings.block_size
-        sampling: list[int] = []
-        num_samplers = 0
-        for seq, num_tokens in step.scheduled:
-            before = seq.num_computed_tokens
-            num_computed_tokens = seq.num_computed_tokens = before + num_tokens
-            num_known_tokens = len(seq.token_ids)
-            samples = num_computed_tokens == num_known_tokens + seq.num_pending_tokens
-            if samples:
-                sampling.insert(num_samplers, seq.seq_id)
-                num_samplers += 1
-                if seq.request.beam is None:
-                    seq.num_pending_tokens += 1
-                else:  # a beam reports candidates; its next token comes from the search, after the update
-                    seq.num_pending_reports += 1
-            # A block filled up: cache it, once its tokens are all known (pending ones come with an update).
-            if before // bs != num_computed_tokens // bs or num_computed_tokens > num_known_tokens:
-                self.block_manager.register_computed(
-                    seq.seq_id,
-                    seq.token_ids,
-                    min(num_computed_tokens, num_known_tokens),
-                    seq.request.cache_salt,
-                )
-            if seq.fork_children and samples:
-                sampling += [child.seq_id for child in seq.fork_children]
-                self._fork_children(seq, step)
-        return sampling, num_samplers
-
-    def _schedule_running(self, step: Step, budget: int) -> int:
-        """Decodes first, in queue order; then the rest of the budget to unfinished prefills, in queue order,
-        so a long prompt is split over steps and never stalls the sequences already generating."""
-        # The hot loop: one pass over every running sequence each step, so it avoids helper calls.
-        allocate = self.block_manager.allocate_slots
-        reserved = self.settings.reserved
-        scheduled = step.scheduled
-        running = self._running.seqs  # victims leave this list as they are picked
-        prefills: list[Sequence] = []
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            i += 1
-            num_pending_tokens = seq.num_pending_tokens
-            num_tokens = len(seq.token_ids) + num_pending_tokens - seq.num_computed_tokens
-            if num_tokens != 1:
-                if num_tokens:  # (0: a beam waiting for its search to select)
-                    prefills.append(seq)
-                continue
-            if num_pending_tokens and len(seq.token_ids) + num_pending_tokens >= seq.request.max_total_len:
-                continue  # the token in flight is its last
-            reserve = self.settings.reserve_tokens(seq) if reserved else 0
-            allocation = allocate(seq.seq_id, seq.num_computed_tokens, 1, reserve)
-            while allocation is None:
-                # nothing after seq is scheduled yet: the victim comes from there, or is seq itself
-                victim = self._running.pick_victim()
-                self._preempt(victim, step)
-                if victim is seq:
-                    break
-                allocation = step.allocate(seq, 1)
-            if allocation is None:
-                break  # seq itself was the last in the queue and is now preempted
-            if allocation.new_blocks or allocation.copies:
-                step.record_allocation(seq, allocation)
-            scheduled.append((seq, 1))
-            budget -= 1
-        for seq in prefills:
-            if budget == 0:
-                break
-            if seq.status is not SeqStatus.RUNNING:  # preempted to make room for a decode
-                continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            allocation = step.allocate(seq, num_tokens)
-            while allocation is None:
-                victim = self._running.pick_victim({s.seq_id for s, _ in scheduled})
-                self._preempt(victim, step)
-                if victim is seq:
-                    break
-                allocation = step.allocate(seq, num_tokens)
-            if allocation is None:
-                continue
-            step.record_allocation(seq, allocation)
-            scheduled.append((seq, num_tokens))
-            budget -= num_tokens
-        return budget
-
     def _has_queued(self) -> bool:
         """Whether a sequence waits or is swapped out (dropping queue heads that were aborted)."""
         return self._waiting.head() is not None or self._swapped.head() is not None
-
-    def _fork_children(self, parent: Sequence, step: Step) -> None:
-        """The children share the parent's blocks and sample from its logits in this step."""
-        for child in parent.fork_children:
-            self.block_manager.fork(parent.seq_id, child.seq_id)
-            child.token_ids = list(parent.token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.num_pending_tokens = 1  # it samples from the parent's logits in this step
-            child.on_worker = True
-            step.forks.append(Fork(parent.seq_id, child.seq_id, child.seed))
-            self._running.add_forked(child)
-        self._running.release_fork_seats(len(parent.fork_children))
-        parent.fork_children = []
 
     def _preempt(self, seq: Sequence, step: Step) -> None:
         """`seq`, just taken off the run queue, gives way: swapped out or freed for recompute."""
@@ -523,27 +397,19 @@ class Scheduler:
                 continue  # finished (aborted, or stopped by a token of an earlier step) while in flight
             try:
                 if seq.request.beam is not None:
-                    any_finished |= self._take_report(seq, logprobs, outputs, now)
+                    any_finished |= self._beam_search.take_report(seq, logprobs, outputs, now)
                     continue
                 any_finished |= self._take_token(seq, token, logprobs, outputs, now)
                 generated += 1
             except Exception:
-                self._fail_request(seq.request, "internal error while handling the request", exc_info=True)
+                self._faults.fail_request(
+                    seq.request, "internal error while handling the request", exc_info=True
+                )
                 any_finished = True
         self.metrics.generated_tokens_total += generated
         if any_finished:
             self._running.prune()
         return outputs
-
-    def _take_report(
-        self, seq: Sequence, report: TokenLogprobs | None, outputs: list[Output], now: float
-    ) -> bool:
-        """A beam's candidates; returns whether a beam ended."""
-        seq.num_pending_reports -= 1
-        if seq.status is not SeqStatus.RUNNING:  # (a beam preempted since then reports again once recomputed)
-            return False
-        seq.candidates = report
-        return self._beam_search.advance(seq.request, outputs, now)
 
     def _take_token(
         self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, outputs: list[Output], now: float
@@ -555,7 +421,7 @@ class Scheduler:
         seq.num_pending_tokens -= 1
         seq.token_ids.append(token)
         if seq.last_token_time is None:
-            self._observe_token(seq, now)
+            self.metrics.observe_first_token(seq, now)
         else:
             self.metrics.inter_token_latency.observe(now - seq.last_token_time)
             seq.last_token_time = now
@@ -567,39 +433,13 @@ class Scheduler:
         elif len(seq.token_ids) >= request.max_total_len:
             self._finish(seq, FinishReason.LENGTH)
             ended = True
-        outputs.append(
-            (
-                request.owner,
-                SeqOutput(
-                    request.request_id,
-                    seq.index,
-                    [token],
-                    None if request.params.logprobs is None else [logprobs],
-                    seq.finish_reason,
-                    len(request.prompt_token_ids),
-                    seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0,
-                ),
-            )
-        )
+        num_cached_tokens = seq.num_cached_tokens if seq.num_cached_tokens > 0 else 0
+        token_logprobs = None if request.params.logprobs is None else [logprobs]
+        out = SeqOutput(
+            request.request_id, seq.index, [token], token_logprobs, seq.finish_reason,
+            len(request.prompt_token_ids), num_cached_tokens,
+        )  # fmt: skip
+        outputs.append((request.owner, out))
         return ended
 
-    def _observe_token(self, seq: Sequence, now: float) -> None:
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            self.metrics.time_to_first_token.observe(now - seq.request.arrival_time)
-        else:
-            self.metrics.inter_token_latency.observe(now - seq.last_token_time)
-        seq.last_token_time = now
-
-    @staticmethod
-    def _output_of(seq: Sequence, token_ids: list[int], logprobs: list) -> SeqOutput:
-        request = seq.request
-        return SeqOutput(
-            request.request_id,
-            seq.index,
-            token_ids,
-            logprobs if request.params.logprobs is not None else None,
-            seq.finish_reason,
-            len(request.prompt_token_ids),
-            max(0, seq.num_cached_tokens),
-        )
+    _output_of = staticmethod(seq_output)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.messages import FinishReason, SeqOutput
+from common.messages import FinishReason, SeqOutput, TokenLogprobs
 from scheduler.beam import Candidate, Hypothesis, select
 from scheduler.block_manager import BlockManager
 from scheduler.metrics import SchedulerMetrics
@@ -49,6 +49,26 @@ class BeamSearch:
         ops = self._clones, self._appends
         self._clones, self._appends = [], []
         return ops
+
+    def take_report(
+        self, seq: Sequence, report: TokenLogprobs | None, outputs: list[Output], now: float
+    ) -> bool:
+        """A beam's candidates; returns whether a beam ended."""
+        seq.num_pending_reports -= 1
+        if seq.status is not SeqStatus.RUNNING:  # (a beam preempted since then reports again once recomputed)
+            return False
+        seq.candidates = report
+        return self.advance(seq.request, outputs, now)
+
+    def abort(self, request: Request, finish_reason: str) -> list[Output]:
+        """A search is all or nothing: every beam ends, and the request gets n empty results."""
+        for seq in list(request.live_beams):
+            self._finish(seq, finish_reason)
+        prompt_len = len(request.prompt_token_ids)
+        return [
+            (request.owner, SeqOutput(request.request_id, i, [], None, finish_reason, prompt_len))
+            for i in range(request.params.n)
+        ]
 
     def advance(self, request: Request, outputs: list[Output], now: float) -> bool:
         """Runs one selection once every live beam has reported its candidates; returns whether a beam

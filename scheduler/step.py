@@ -1,9 +1,13 @@
-"""The plan being built: what one step changes on the worker, and the sequences it schedules."""
+"""The plan being built: what one step changes on the worker, and the sequences it schedules. Once the
+passes are done, `count_computed` applies the step to the sequences: their scheduled tokens count as
+computed, full blocks go to the prefix cache, prompts that complete fork their children, and it says who
+samples."""
 
 from __future__ import annotations
 
 from common.messages import Fork, NewSequence, StepPlan
 from scheduler.block_manager import Allocation, BlockManager
+from scheduler.queues import RunQueue
 from scheduler.request import Sequence
 from scheduler.settings import SchedulerSettings
 
@@ -35,6 +39,52 @@ class Step:
             self.new_block_tables.append((seq.seq_id, list(self._block_manager.block_table(seq.seq_id))))
         elif allocation.new_blocks:
             self.new_block_ids.append((seq.seq_id, allocation.new_blocks))
+
+    def count_computed(self, running: RunQueue) -> tuple[list[int], int]:
+        """Counts the scheduled tokens as computed, registers the blocks they fill for the prefix cache and
+        forks the children of prompts that complete. Returns who samples: the scheduled sequences that
+        sample (the first `num_samplers`, in batch order), then their fork children."""
+        bs = self._settings.block_size
+        sampling: list[int] = []
+        num_samplers = 0
+        for seq, num_tokens in self.scheduled:
+            before = seq.num_computed_tokens
+            num_computed_tokens = seq.num_computed_tokens = before + num_tokens
+            num_known_tokens = len(seq.token_ids)
+            samples = num_computed_tokens == num_known_tokens + seq.num_pending_tokens
+            if samples:
+                sampling.insert(num_samplers, seq.seq_id)
+                num_samplers += 1
+                if seq.request.beam is None:
+                    seq.num_pending_tokens += 1
+                else:  # a beam reports candidates; its next token comes from the search, after the update
+                    seq.num_pending_reports += 1
+            # A block filled up: cache it, once its tokens are all known (pending ones come with an update).
+            if before // bs != num_computed_tokens // bs or num_computed_tokens > num_known_tokens:
+                self._block_manager.register_computed(
+                    seq.seq_id,
+                    seq.token_ids,
+                    min(num_computed_tokens, num_known_tokens),
+                    seq.request.cache_salt,
+                )
+            if seq.fork_children and samples:
+                sampling += [child.seq_id for child in seq.fork_children]
+                self._fork_children(seq, running)
+        return sampling, num_samplers
+
+    def _fork_children(self, parent: Sequence, running: RunQueue) -> None:
+        """The children share the parent's blocks and sample from its logits in this step."""
+        for child in parent.fork_children:
+            self._block_manager.fork(parent.seq_id, child.seq_id)
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.num_pending_tokens = 1  # it samples from the parent's logits in this step
+            child.on_worker = True
+            self.forks.append(Fork(parent.seq_id, child.seq_id, child.seed))
+            running.add_forked(child)
+        running.release_fork_seats(len(parent.fork_children))
+        parent.fork_children = []
 
     def plan(
         self,

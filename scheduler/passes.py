@@ -1,13 +1,20 @@
-"""Admission: which queued sequences get a seat and their blocks in this step, after the running ones.
+"""The passes of one step over its token budget: the running sequences first, then admission.
 
-Swapped-out sequences come back first, when their blocks, one more for the next token, and the watermark
-are free; then waiting sequences, in the waiting queue's order (fair between requests,
-scheduler/waiting.py), with nobody overtaking the head. A new sequence first takes the cached blocks of its
-prompt's prefix. Each pass stops at the token budget, at `max_num_seqs` seats, or at the first sequence
-that does not fit.
+`RunningPass`: every decode (one token each) in queue order, then the unfinished prefills in queue order
+with what is left (chunked prefill: a long prompt never stalls the sequences already generating). When the
+pool has no block for one, the run queue picks a victim and the scheduler preempts it
+(scheduler/preemption.py).
+
+`Admission`, unless the running pass preempted (admitting more would only thrash): swapped-out sequences
+come back first, when their blocks, one more for the next token, and the watermark are free; then waiting
+sequences, in the waiting queue's order (fair between requests, scheduler/waiting.py), with nobody
+overtaking the head. A new sequence first takes the cached blocks of its prompt's prefix. Each pass stops
+at the token budget, at `max_num_seqs` seats, or at the first sequence that does not fit.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from scheduler.block_manager import BlockManager
 from scheduler.metrics import SchedulerMetrics
@@ -16,6 +23,77 @@ from scheduler.request import SeqStatus, Sequence, new_sequence_message
 from scheduler.settings import SchedulerSettings
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
+
+
+class RunningPass:
+    """Schedules the running sequences: decodes, then prefills, preempting the run queue's victims."""
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        block_manager: BlockManager,
+        running: RunQueue,
+        preempt: Callable[[Sequence, Step], None],
+    ) -> None:
+        self._settings = settings
+        self._block_manager = block_manager
+        self._running = running
+        self._preempt = preempt  # takes a victim that pick_victim took off the run queue
+
+    def schedule(self, step: Step, budget: int) -> int:
+        """Schedules the running sequences; returns the budget left."""
+        # The hot loop: one pass over every running sequence each step, so it avoids helper calls.
+        allocate = self._block_manager.allocate_slots
+        reserved = self._settings.reserved
+        scheduled = step.scheduled
+        running = self._running.seqs  # victims leave this list as they are picked
+        prefills: list[Sequence] = []
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            i += 1
+            num_pending_tokens = seq.num_pending_tokens
+            num_tokens = len(seq.token_ids) + num_pending_tokens - seq.num_computed_tokens
+            if num_tokens != 1:
+                if num_tokens:  # (0: a beam waiting for its search to select)
+                    prefills.append(seq)
+                continue
+            if num_pending_tokens and len(seq.token_ids) + num_pending_tokens >= seq.request.max_total_len:
+                continue  # the token in flight is its last
+            reserve = self._settings.reserve_tokens(seq) if reserved else 0
+            allocation = allocate(seq.seq_id, seq.num_computed_tokens, 1, reserve)
+            while allocation is None:
+                # nothing after seq is scheduled yet: the victim comes from there, or is seq itself
+                victim = self._running.pick_victim()
+                self._preempt(victim, step)
+                if victim is seq:
+                    break
+                allocation = step.allocate(seq, 1)
+            if allocation is None:
+                break  # seq itself was the last in the queue and is now preempted
+            if allocation.new_blocks or allocation.copies:
+                step.record_allocation(seq, allocation)
+            scheduled.append((seq, 1))
+            budget -= 1
+        for seq in prefills:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted to make room for a decode
+                continue
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            allocation = step.allocate(seq, num_tokens)
+            while allocation is None:
+                victim = self._running.pick_victim({s.seq_id for s, _ in scheduled})
+                self._preempt(victim, step)
+                if victim is seq:
+                    break
+                allocation = step.allocate(seq, num_tokens)
+            if allocation is None:
+                continue
+            step.record_allocation(seq, allocation)
+            scheduled.append((seq, num_tokens))
+            budget -= num_tokens
+        return budget
 
 
 class Admission:
