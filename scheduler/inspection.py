@@ -69,7 +69,7 @@ class Inspection:
             s for s in seqs.values() if s.status is SeqStatus.WAITING and s.candidates is not None
         ]
         swapped = [s for s in self._swapped if s.status is SeqStatus.SWAPPED]
-        pending = [c for s in seqs.values() for c in s.fork_children]
+        fork_pending = [c for s in seqs.values() for c in s.fork_children]
         assert len({s.seq_id for s in waiting}) == len(waiting), "a sequence is twice in the waiting queue"
         assert all(s.status is SeqStatus.RUNNING for s in running), "a non-running sequence is running"
         keys = [s.sort_key for s in running]
@@ -83,12 +83,12 @@ class Inspection:
             reserve += (request.beam.width - num_running) if num_running else 0
         assert running.beam_reserve == reserve, "beam seat reserve is off"
         assert running.seats_taken <= self._settings.max_num_seqs
-        live = {s.seq_id for s in waiting + parked + swapped + pending + list(running)}
+        live = {s.seq_id for s in waiting + parked + swapped + fork_pending + list(running)}
         assert live == set(seqs), "live sequences differ from the queues"
         for seq in running:
             slots = len(bm.block_table(seq.seq_id)) * self._settings.block_size
             assert slots >= seq.num_computed_tokens, f"seq {seq.seq_id} computed past its blocks"
-        for seq in waiting + parked + pending:
+        for seq in waiting + parked + fork_pending:
             assert not bm.block_table(seq.seq_id), f"queued seq {seq.seq_id} holds blocks"
         for seq in swapped:
             assert not bm.block_table(seq.seq_id) and bm.cpu_block_table(seq.seq_id)
