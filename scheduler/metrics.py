@@ -77,8 +77,8 @@ class SchedulerMetrics:
             self.decode_gpu_seconds_total += gpu_time_s
             self.decode_step_seconds_total += gpu_time_s + gpu_idle_before_s
 
-    def observe_first_token(self, seq: Sequence, now: float) -> None:
-        """The first token `update` brings for `seq` (its first ever, or its first after a recompute)."""
+    def observe_token(self, seq: Sequence, now: float) -> None:
+        """A token of `seq`: its time to first token, or the time since its last token."""
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.time_to_first_token.observe(now - seq.request.arrival_time)

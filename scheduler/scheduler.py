@@ -66,6 +66,7 @@ from scheduler.settings import SchedulerSettings, check_request
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
 
+# SchedulerSettings too: scripts and the GPU tests import it from here
 __all__ = ["Error", "Output", "Scheduler", "SchedulerSettings"]
 
 log = structlog.get_logger(process="scheduler")
@@ -109,14 +110,14 @@ class Scheduler:
             settings, self._requests, self._seqs, self._running, self._waiting, self._swapped,
             self.block_manager, self.metrics,
         )  # fmt: skip
-        self._freed_seq_ids: list[int] = []  # to tell the worker in the next plan
-        self._next_step_id = 0
-        self._eos = frozenset(settings.eos_token_ids)
-        self._decode_only_steps: set[int] = set()  # plans in flight whose every chunk is one token
-        self._sampling: dict[int, list[int]] = {}  # step id of a plan in flight -> sequences that sample
         self._faults = RequestFaults(
             self._requests, self._seqs, self._running, self.metrics, finish=self._finish, free=self._free
         )
+        self._eos = frozenset(settings.eos_token_ids)
+        self._freed_seq_ids: list[int] = []  # to tell the worker in the next plan
+        self._next_step_id = 0
+        self._decode_only_steps: set[int] = set()  # plans in flight whose every chunk is one token
+        self._sampling: dict[int, list[int]] = {}  # step id of a plan in flight -> sequences that sample
 
     # ----------------------------------------------------------------------------------------------------
     # requests in and out
@@ -421,7 +422,7 @@ class Scheduler:
         seq.num_pending_tokens -= 1
         seq.token_ids.append(token)
         if seq.last_token_time is None:
-            self.metrics.observe_first_token(seq, now)
+            self.metrics.observe_token(seq, now)
         else:
             self.metrics.inter_token_latency.observe(now - seq.last_token_time)
             seq.last_token_time = now
@@ -442,4 +443,4 @@ class Scheduler:
         outputs.append((request.owner, out))
         return ended
 
-    _output_of = staticmethod(seq_output)
+    _output_of = staticmethod(seq_output)  # an aborted sequence's last output (the fault tests break it)
