@@ -118,7 +118,7 @@ class Admission:
     def swap_in(self, step: Step, budget: int) -> int:
         """Brings swapped-out sequences back in queue order; returns the budget left."""
         bm, running = self._block_manager, self._running
-        while budget > 0 and running.seats_taken < self._settings.max_num_seqs:
+        while self._swapped and budget > 0 and running.seats_taken < self._settings.max_num_seqs:
             seq = self._swapped.head()
             if seq is None:
                 break

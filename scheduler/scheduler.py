@@ -392,8 +392,9 @@ class Scheduler:
         outputs: list[Output] = []
         any_finished = False
         generated = 0
+        live = self._seqs.get  # (bound once: the loop runs once per sampled token)
         for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
-            seq = self._seqs.get(seq_id)
+            seq = live(seq_id)
             if seq is None:
                 continue  # finished (aborted, or stopped by a token of an earlier step) while in flight
             try:
