@@ -9,10 +9,16 @@ meant for another process is simply not one of this process's fields.
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
+import io
 import os
+import textwrap
+import tokenize
 import types
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+from functools import cache
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 ENV_PREFIX = "PAGEDSERVE_"
 DEFAULT_SCHEDULER_ADDRESS = "tcp://127.0.0.1:5570"  # clients (api, ZeroMQ users) <-> scheduler
@@ -20,6 +26,17 @@ DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5571"  # scheduler <-> workers
 DEFAULT_MODEL_DIR = "models/tiny-llama"  # what scripts/start makes and serves when no model is given
 # The cluster's CURVE key pair (common/security.py): made on first start, readable by its owner only
 DEFAULT_CLUSTER_KEY_FILE = "~/.config/pagedserve/cluster_key"
+# Batch limits: the scheduler batches within them; the worker sizes its CUDA graphs and memory profile by them
+DEFAULT_MAX_NUM_SEQS = 512
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+# Modes: the values a field may take, checked when a config is made and offered as a flag's choices.
+PreemptionMode = Literal["recompute", "swap", "auto"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+KVPolicy = Literal["paged", "reserved", "reserved-max"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
 
 
 @dataclass(frozen=True)
@@ -57,15 +74,20 @@ class SchedulerConfig:
 
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # bound; clients connect here
     worker_address: str = DEFAULT_WORKER_ADDRESS  # bound; workers connect here
-    max_num_seqs: int = 512  # sequences running in one step, at most
-    max_num_batched_tokens: int = 8192  # tokens computed in one step, at most (decodes and prefill chunks)
+    # sequences running in one step, at most (and at most what the worker announces it was sized for)
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    # tokens computed in one step, at most (decodes and prefill chunks; and at most what the worker announces)
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 0  # longest prompt + output; 0: what the worker announces
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompts that start alike
-    preemption_mode: str = "auto"  # recompute | swap | auto (per victim, whichever is cheaper)
-    scheduling_policy: str = "fcfs"  # fcfs | priority (the request's priority, lower first, then arrival)
+    # what a preempted sequence loses: its KV blocks (recompute), or they move to the CPU pool (swap); auto:
+    # per victim, whichever is cheaper (scheduler/preemption.py)
+    preemption_mode: PreemptionMode = "auto"
+    # fcfs, or priority (the request's priority, lower first, then arrival; the least urgent preempted first)
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # paged: blocks on demand. Baselines that claim a request's room up front, as pre-paging servers did:
     # reserved (prompt + max_tokens), reserved-max (max_model_len, whatever the request asks for).
-    kv_policy: str = "paged"
+    kv_policy: KVPolicy = "paged"
     # Sequences queued and not running (n and beam width count), at most; a request that would pass it gets
     # 503 ("overloaded; retry later"). 4096 = 8 batches of the default max_num_seqs: minutes of backlog, and
     # a bound on the scheduler's memory (20,000 prompts x n=128 took 1.3 GB unbounded).
@@ -81,22 +103,12 @@ class SchedulerConfig:
     # SIGTERM: refuse new requests, let those in flight finish this long, then end the rest, stop the worker
     shutdown_timeout_s: float = 30.0
     cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # clients and workers must hold this key pair
-    log_level: str = "info"
+    log_level: str = "info"  # debug, info, warning or error: the least severe events logged
 
     def __post_init__(self) -> None:
-        choices = {
-            "preemption_mode": ("recompute", "swap", "auto"),
-            "scheduling_policy": ("fcfs", "priority"),
-            "kv_policy": ("paged", "reserved", "reserved-max"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        check_choices(self)
         if self.max_waiting_seqs < 1 or self.request_seat_quota < 0:
             raise ValueError("max_waiting_seqs must be at least 1 and request_seat_quota at least 0")
-
-
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -107,15 +119,16 @@ class WorkerConfig:
     served_model_name: str = ""  # empty: the checkpoint directory's name
     worker_address: str = DEFAULT_WORKER_ADDRESS  # the scheduler's worker socket
     device: str = "auto"  # cpu, cuda, cuda:N; auto picks cuda when there is one
-    dtype: str = "auto"  # float32, bfloat16, float16; auto: float32 on cpu, bfloat16 on cuda
+    dtype: Dtype = "auto"  # float32, bfloat16, float16; auto: float32 on cpu, bfloat16 on cuda
     # auto: the model's dtype. fp8 (or fp8_e4m3): float8 e4m3 with a per-tensor scale per layer for K and
     # for V (the checkpoint's self_attn.k_scale / v_scale, else 1.0): half the bytes of bf16, twice the blocks
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KVCacheDtype = "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 0  # fix the pool size; 0: size it from memory
     kv_cache_memory_gib: float = 0.0  # on cpu, memory for the KV pool; 0: a quarter of what is available
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks; 0: no swapping
-    attention_backend: str = "auto"  # torch (reference) | triton; auto: triton on cuda, torch on cpu
+    # torch (the reference) or triton; auto: triton on cuda, torch on cpu
+    attention_backend: AttentionBackendName = "auto"
     max_model_len: int = 0  # longest prompt + output; 0: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps
@@ -125,8 +138,8 @@ class WorkerConfig:
     # Triton kernels for RMSNorm (+ residual add), RoPE and SiLU-and-mul instead of 2-9 PyTorch ops each
     # (kernels/fused_ops.py); unset: on with CUDA. On the CPU they need TRITON_INTERPRET=1 (tests only).
     fused_ops: bool | None = None
-    max_num_seqs: int = 512  # cuda: the largest decode batch a CUDA graph is captured for
-    max_num_batched_tokens: int = 8192  # cuda: the memory profile's step size
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # cuda: the largest decode batch a CUDA graph is captured for
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # cuda: the memory profile's step size
     tensor_parallel_size: int = 1  # workers in the tensor-parallel group
     rank: int = 0  # this worker's rank in the group (0 talks to the scheduler)
     dist_init_method: str = "tcp://127.0.0.1:29500"  # torch.distributed rendezvous of the group
@@ -135,13 +148,10 @@ class WorkerConfig:
     shutdown_timeout_s: float = 30.0
     cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # the key pair that opens the scheduler's sockets
     step_trace: str = ""  # a file for one JSON line per step: host timestamps, GPU and idle time (rank 0)
-    log_level: str = "info"
+    log_level: str = "info"  # debug, info, warning or error: the least severe events logged
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-            )
+        check_choices(self)
 
     @property
     def resolved_device(self) -> str:
@@ -201,30 +211,88 @@ def _scalar_type(tp: Any) -> Any:
     return tp
 
 
-def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
-    """Adds one flag per field of `config_cls`, defaulting to its environment variable, then its default."""
+def choices_of(config_cls: type) -> dict[str, tuple[Any, ...]]:
+    """The fields of `config_cls` typed as a Literal, and the values each may take."""
     hints = get_type_hints(config_cls)
+    literals = [f.name for f in fields(config_cls) if get_origin(hints[f.name]) is Literal]
+    return {name: get_args(hints[name]) for name in literals}
+
+
+def check_choices(config: Any) -> None:
+    """Raises ValueError where a field typed as a Literal holds another value (for __post_init__)."""
+    for name, allowed in choices_of(type(config)).items():
+        value = getattr(config, name)
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+@cache
+def field_descriptions(config_cls: type) -> dict[str, str]:
+    """Each field's description, read from the comment beside it in the class's source: on its own line(s)
+    right above the field, or at the end of the field's line. Empty where the source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(config_cls))
+    except (OSError, TypeError):
+        return {}
+    comments: dict[int, str] = {}  # line number -> comment text
+    code_lines: set[int] = set()  # lines holding code, not only a comment
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            code_lines.update(range(tok.start[0], tok.end[0] + 1))
+    (cls_node,) = ast.parse(source).body
+    descriptions = {}
+    for node in cls_node.body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        above = []
+        line = node.lineno - 1
+        while line in comments and line not in code_lines:
+            above.insert(0, comments[line])
+            line -= 1
+        beside = comments.get(node.end_lineno or node.lineno, "")
+        descriptions[node.target.id] = " ".join(above + [beside]).strip()
+    return descriptions
+
+
+def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """Adds one flag per field of `config_cls`, defaulting to its environment variable, then its default.
+    A flag's help is the field's comment, its default and its environment variable; a Literal field's
+    values are the flag's choices."""
+    hints = get_type_hints(config_cls)
+    descriptions = field_descriptions(config_cls)
+    choices = choices_of(config_cls)
     for f in fields(config_cls):
         tp = _scalar_type(hints[f.name])
         env_name = ENV_PREFIX + f.name.upper()
         default = f.default if f.default is not MISSING else None
         env_value = os.environ.get(env_name)
+        description = descriptions.get(f.name, "").replace("%", "%%")  # argparse formats help with %
+        about = f"{description} " if description else ""
         if tp is bool:
             parser.add_argument(
                 _flag(f.name),
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=_parse_bool(env_value) if env_value is not None else default,
-                help=f"(env {env_name})",
+                help=f"{about}(default {default!r}; env {env_name})",
             )
             continue
+        if f.name in choices:
+            tp = str
         if env_value is not None:
             try:
                 default = tp(env_value)
             except ValueError as e:
                 raise SystemExit(f"{env_name}={env_value!r}: {e}") from e
         parser.add_argument(
-            _flag(f.name), dest=f.name, type=tp, default=default, help=f"default {default!r} (env {env_name})"
+            _flag(f.name),
+            dest=f.name,
+            type=tp,
+            default=default,
+            choices=choices.get(f.name),
+            help=f"{about}(default {default!r}; env {env_name})",
         )
 
 

@@ -297,6 +297,10 @@ class WorkerReady(msgspec.Struct, array_like=True):
     num_cpu_blocks: NumBlocks = 0  # blocks in the worker's CPU swap pool (0: no swapping)
     # random per worker process; its heartbeats carry it ("": sends none)
     worker_id: Annotated[str, Meta(max_length=256)] = ""
+    # the batch limits the worker sized its CUDA graphs and memory profile for; the scheduler batches within
+    # them (0: not known)
+    max_num_seqs: Count = 0
+    max_num_batched_tokens: Count = 0
 
 
 class Heartbeat(msgspec.Struct, array_like=True):

@@ -134,11 +134,13 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def register_computed(self, seq_id: int, token_ids: list[int], num_computed: int, salt: str = "") -> None:
+    def register_computed(
+        self, seq_id: int, token_ids: list[int], num_computed_tokens: int, salt: str = ""
+    ) -> None:
         """Registers the sequence's blocks that are now full of computed tokens in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = num_computed // self.block_size
+        num_full = num_computed_tokens // self.block_size
         start = self._num_registered.get(seq_id, 0)
         if num_full <= start:
             return
@@ -187,23 +189,25 @@ class BlockManager:
         free_hits = sum(1 for block_id in hits if self._ref_counts[block_id] == 0)
         return free_hits + max(0, self.blocks_for(num_tokens) - len(hits))
 
-    def num_blocks_needed(self, seq_id: int, num_computed: int, num_new_tokens: int, reserve: int = 0) -> int:
+    def num_blocks_needed(
+        self, seq_id: int, num_computed_tokens: int, num_new_tokens: int, reserve: int = 0
+    ) -> int:
         """Free blocks `allocate_slots` would take for these arguments."""
         table = self._tables.get(seq_id, ())
-        end = max(num_computed + num_new_tokens, reserve)
+        end = max(num_computed_tokens + num_new_tokens, reserve)
         missing = max(0, self.blocks_for(end) - len(table))
-        return missing + (1 if self._needs_copy(table, num_computed, num_new_tokens) else 0)
+        return missing + (1 if self._needs_copy(table, num_computed_tokens, num_new_tokens) else 0)
 
-    def _needs_copy(self, table: list[int] | tuple, num_computed: int, num_new_tokens: int) -> bool:
+    def _needs_copy(self, table: list[int] | tuple, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Whether the first write lands in a block shared with another sequence."""
-        index = num_computed // self.block_size
+        index = num_computed_tokens // self.block_size
         return num_new_tokens > 0 and index < len(table) and self._ref_counts[table[index]] > 1
 
     def allocate_slots(
-        self, seq_id: int, num_computed: int, num_new_tokens: int, reserve: int = 0
+        self, seq_id: int, num_computed_tokens: int, num_new_tokens: int, reserve: int = 0
     ) -> Allocation | None:
-        """Makes room for `num_new_tokens` tokens after the first `num_computed` (and for at least `reserve`
-        tokens in all), copying a shared block the writes would land in.
+        """Makes room for `num_new_tokens` tokens after the first `num_computed_tokens` (and for at least
+        `reserve` tokens in all), copying a shared block the writes would land in.
 
         All or nothing: when the pool has too few free blocks it returns None and changes nothing.
         """
@@ -211,13 +215,13 @@ class BlockManager:
         bs = self.block_size
         if table is None:
             table = self._tables[seq_id] = []
-        elif num_computed + num_new_tokens <= len(table) * bs and reserve <= len(table) * bs:
+        elif num_computed_tokens + num_new_tokens <= len(table) * bs and reserve <= len(table) * bs:
             # The common decode step: the write lands in a block the sequence already holds alone.
-            if num_new_tokens == 0 or self._ref_counts[table[num_computed // bs]] == 1:
+            if num_new_tokens == 0 or self._ref_counts[table[num_computed_tokens // bs]] == 1:
                 return _NOTHING_NEW
-        end = max(num_computed + num_new_tokens, reserve)
+        end = max(num_computed_tokens + num_new_tokens, reserve)
         missing = -(-end // bs) - len(table)
-        index = num_computed // bs
+        index = num_computed_tokens // bs
         copy = num_new_tokens > 0 and index < len(table) and self._ref_counts[table[index]] > 1
         if missing <= 0 and not copy:
             return _NOTHING_NEW  # the common decode step: room in the last block

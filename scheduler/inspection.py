@@ -1,41 +1,47 @@
-"""What the scheduler exposes for metrics and tests: queue sizes, KV usage, Prometheus text, invariants.
-
-A mixin of `Scheduler` (scheduler/scheduler.py).
-"""
+"""What the scheduler exposes for metrics and tests: KV usage, Prometheus text, and the integrity check that
+tests run after every step. Read-only: it is handed the owners of the state and asks them."""
 
 from __future__ import annotations
 
-from scheduler.block_manager import KVUsage
-from scheduler.request import SeqStatus
+from scheduler.block_manager import BlockManager, KVUsage
+from scheduler.metrics import SchedulerMetrics
+from scheduler.queues import RunQueue, SwappedQueue
+from scheduler.request import Request, SeqStatus, SequenceTable
+from scheduler.settings import SchedulerSettings
+from scheduler.waiting import WaitingQueue
 
 
-class SchedulerInspection:
-    """Read-only views of the scheduler's state, and the integrity check tests run after every step."""
+class Inspection:
+    """Read-only views of the scheduler's state, and the check that its owners agree."""
 
-    @property
-    def num_running_seqs(self) -> int:
-        return len(self._running)
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        requests: dict[tuple[bytes, str], Request],
+        seqs: SequenceTable,
+        running: RunQueue,
+        waiting: WaitingQueue,
+        swapped: SwappedQueue,
+        block_manager: BlockManager,
+        metrics: SchedulerMetrics,
+    ) -> None:
+        self._settings = settings
+        self._requests = requests
+        self._seqs = seqs
+        self._running = running
+        self._waiting = waiting
+        self._swapped = swapped
+        self._block_manager = block_manager
+        self._metrics = metrics
 
-    @property
     def num_waiting_seqs(self) -> int:
         return sum(1 for s in self._waiting if s.status is SeqStatus.WAITING)
 
-    @property
-    def num_queued_seqs(self) -> int:
-        """Live sequences not running (waiting, forks waiting for their prompt, swapped out): what
-        `max_waiting_seqs` bounds."""
-        return len(self._seqs) - len(self._running)
-
-    @property
     def num_swapped_seqs(self) -> int:
-        return sum(1 for _, s in self._swapped if s.status is SeqStatus.SWAPPED)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
+        return sum(1 for s in self._swapped if s.status is SeqStatus.SWAPPED)
 
     def kv_usage(self) -> KVUsage:
-        return self.block_manager.usage({s.seq_id: s.num_computed_tokens for s in self._running})
+        return self._block_manager.usage({s.seq_id: s.num_computed_tokens for s in self._running})
 
     def metrics_text(self) -> str:
         running_requests = len({s.request.key for s in self._running})
@@ -43,8 +49,8 @@ class SchedulerInspection:
         gauges = {
             "pagedserve_requests_running": (running_requests, "Requests with a running sequence"),
             "pagedserve_requests_waiting": (len(self._requests) - running_requests, "Requests queued"),
-            "pagedserve_requests_swapped": (self.num_swapped_seqs, "Sequences swapped out to the CPU pool"),
-            "pagedserve_kv_blocks_total": (self.block_manager.num_blocks, "KV blocks in the pool"),
+            "pagedserve_requests_swapped": (self.num_swapped_seqs(), "Sequences swapped out to the CPU pool"),
+            "pagedserve_kv_blocks_total": (self._block_manager.num_blocks, "KV blocks in the pool"),
             "pagedserve_kv_blocks_used": (usage.blocks_used, "KV blocks held by live sequences"),
             "pagedserve_kv_blocks_cached": (usage.blocks_cached, "Free KV blocks holding reusable prefixes"),
             "pagedserve_kv_blocks_shared": (usage.blocks_shared, "KV blocks held by several sequences"),
@@ -52,37 +58,37 @@ class SchedulerInspection:
             "pagedserve_kv_slots_allocated": (usage.slots_allocated, "KV slots in blocks held"),
             "pagedserve_kv_slots_used": (usage.slots_used, "KV slots holding a token"),
         }
-        return self.metrics.render(gauges)
+        return self._metrics.render(gauges)
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the queues, the sequences and the block manager disagree."""
-        bm = self.block_manager
+        bm, running, seqs = self._block_manager, self._running, self._seqs
         bm.check_invariants()
         waiting = [s for s in self._waiting if s.status is SeqStatus.WAITING]
         parked = [  # beams that reported, then were preempted: out of the queue until their search selects
-            s for s in self._seqs.values() if s.status is SeqStatus.WAITING and s.candidates is not None
+            s for s in seqs.values() if s.status is SeqStatus.WAITING and s.candidates is not None
         ]
-        swapped = [s for _, s in self._swapped if s.status is SeqStatus.SWAPPED]
-        pending = [c for s in self._seqs.values() for c in s.fork_children]
+        swapped = [s for s in self._swapped if s.status is SeqStatus.SWAPPED]
+        fork_pending = [c for s in seqs.values() for c in s.fork_children]
         assert len({s.seq_id for s in waiting}) == len(waiting), "a sequence is twice in the waiting queue"
-        assert all(s.status is SeqStatus.RUNNING for s in self._running), "a non-running sequence is running"
-        keys = [s.sort_key for s in self._running]
+        assert all(s.status is SeqStatus.RUNNING for s in running), "a non-running sequence is running"
+        keys = [s.sort_key for s in running]
         assert keys == sorted(set(keys)), "the running list is out of order"
-        assert self._pending_forks == sum(len(s.fork_children) for s in self._running)
-        searches = {s.request.key: s.request for s in self._seqs.values() if s.request.beam}
+        assert running.pending_forks == sum(len(s.fork_children) for s in running)
+        searches = {s.request.key: s.request for s in seqs.values() if s.request.beam}
         reserve = 0
         for request in searches.values():
-            running = sum(1 for b in request.live_beams if b.status is SeqStatus.RUNNING)
-            assert request.beam.running_beams == running and len(request.live_beams) <= request.beam.width
-            reserve += (request.beam.width - running) if running else 0
-        assert self._beam_reserve == reserve, "beam seat reserve is off"
-        assert self._seats_taken() <= self.settings.max_num_seqs
-        live = {s.seq_id for s in waiting + parked + swapped + pending + self._running}
-        assert live == set(self._seqs), "live sequences differ from the queues"
-        for seq in self._running:
-            slots = len(bm.block_table(seq.seq_id)) * self.settings.block_size
+            num_running = sum(1 for b in request.live_beams if b.status is SeqStatus.RUNNING)
+            assert request.beam.running_beams == num_running and len(request.live_beams) <= request.beam.width
+            reserve += (request.beam.width - num_running) if num_running else 0
+        assert running.beam_reserve == reserve, "beam seat reserve is off"
+        assert running.seats_taken <= self._settings.max_num_seqs
+        live = {s.seq_id for s in waiting + parked + swapped + fork_pending + list(running)}
+        assert live == set(seqs), "live sequences differ from the queues"
+        for seq in running:
+            slots = len(bm.block_table(seq.seq_id)) * self._settings.block_size
             assert slots >= seq.num_computed_tokens, f"seq {seq.seq_id} computed past its blocks"
-        for seq in waiting + parked + pending:
+        for seq in waiting + parked + fork_pending:
             assert not bm.block_table(seq.seq_id), f"queued seq {seq.seq_id} holds blocks"
         for seq in swapped:
             assert not bm.block_table(seq.seq_id) and bm.cpu_block_table(seq.seq_id)

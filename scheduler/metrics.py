@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.request import Sequence
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0
@@ -60,6 +64,27 @@ class SchedulerMetrics:
     decode_step_seconds_total: float = 0.0
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
+
+    def observe_step(self, gpu_time_s: float, gpu_idle_before_s: float, decode_only: bool) -> None:
+        """GPU time of every step; for decode-only steps also their span on the GPU's clock, from the end
+        of the step before to their own end (a decode-only step always follows another step at once, so
+        the GPU's idle time before it is what the host made it wait). On the GPU's clock rather than from
+        update to update, since the worker queues a step before it answers the one before."""
+        self.steps_total += 1
+        self.gpu_seconds_total += gpu_time_s
+        if decode_only:
+            self.decode_steps_total += 1
+            self.decode_gpu_seconds_total += gpu_time_s
+            self.decode_step_seconds_total += gpu_time_s + gpu_idle_before_s
+
+    def observe_token(self, seq: Sequence, now: float) -> None:
+        """A token of `seq`: its time to first token, or the time since its last token."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.time_to_first_token.observe(now - seq.request.arrival_time)
+        else:
+            self.inter_token_latency.observe(now - seq.last_token_time)
+        seq.last_token_time = now
 
     def render(self, gauges: dict[str, tuple[float, str]]) -> str:
         """Prometheus text for these metrics plus `gauges` (name -> (value, help))."""

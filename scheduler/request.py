@@ -5,8 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.messages import SamplingParams, TokenLogprobs
+from common.messages import NewSequence, RequestError, SamplingParams, SeqOutput, TokenLogprobs
 from scheduler.beam import BeamGroup
+
+Output = tuple[bytes, SeqOutput]  # (owner, output)
+Error = tuple[bytes, RequestError]  # (owner, error)
 
 
 class SeqStatus(enum.Enum):
@@ -28,6 +31,7 @@ class Request:
     arrival_time: float
     priority: int = 0
     cache_salt: str = ""
+    order: int = 0  # arrival order among requests (its first seq_id): queue order within a priority
     seqs: list[Sequence] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # generating one ends a sequence: stop ids, and EOS unless ignored
     max_total_len: int = 0  # prompt + max_tokens, capped by max_model_len: a sequence ends at this length
@@ -83,3 +87,50 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+
+class SequenceTable(dict[int, Sequence]):
+    """The live sequences by seq_id, and the seq_ids given out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next_seq_id = 0
+
+    def new_seq_id(self) -> int:
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return seq_id
+
+    def add(self, seq: Sequence) -> None:
+        self[seq.seq_id] = seq
+
+
+def num_seqs(params: SamplingParams) -> int:
+    """The sequences a request comes to have at once: n, or a beam search's width."""
+    return params.beam_width or params.n
+
+
+def new_sequence_message(seq: Sequence, block_table: list[int]) -> NewSequence:
+    """What the worker is told of a sequence it has not seen (or that comes back to be recomputed)."""
+    return NewSequence(
+        seq_id=seq.seq_id,
+        token_ids=list(seq.token_ids),
+        block_table=list(block_table),
+        num_computed_tokens=seq.num_computed_tokens,
+        params=seq.request.params,
+        seed=seq.seed,
+    )
+
+
+def seq_output(seq: Sequence, token_ids: list[int], logprobs: list) -> SeqOutput:
+    """An output of `seq` carrying `token_ids` (with their logprobs if the request asked for them)."""
+    request = seq.request
+    return SeqOutput(
+        request.request_id,
+        seq.index,
+        token_ids,
+        logprobs if request.params.logprobs is not None else None,
+        seq.finish_reason,
+        len(request.prompt_token_ids),
+        max(0, seq.num_cached_tokens),
+    )

@@ -31,16 +31,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import defaultdict
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
 from common.config import SchedulerConfig
 from common.messages import (
-    MAX_REQUEST_ID_CHARS,
     AbortRequest,
     CodecError,
     ErrorKind,
@@ -48,10 +45,7 @@ from common.messages import (
     InfoReply,
     InfoRequest,
     Message,
-    MsgType,
     RequestError,
-    RequestOutputs,
-    SeqOutput,
     Shutdown,
     StepOutput,
     SubmitRequest,
@@ -60,25 +54,13 @@ from common.messages import (
     encode,
 )
 from common.security import ClusterKey, authenticate, load_cluster_key, secure_server
+from scheduler.clients import ClientSender, submitted_request_id
 from scheduler.liveness import PeerConnections, WorkerWatch, source_fd, watch_disconnects
-from scheduler.scheduler import Output, Scheduler, SchedulerSettings
+from scheduler.request import Output
+from scheduler.scheduler import Scheduler
+from scheduler.settings import SchedulerSettings
 
 log = structlog.get_logger(process="scheduler")
-# Messages queued for one client before it counts as not reading (a stopped process: its own socket takes
-# everything while it runs). Bounds the scheduler's memory per client.
-CLIENT_SNDHWM = 10_000
-
-
-def _submitted_request_id(frames: list[bytes]) -> str | None:
-    """The request id of a SubmitRequest that failed to decode, read without the types, or None."""
-    if len(frames) != 2 or frames[0] != bytes([MsgType.SUBMIT]):
-        return None
-    try:
-        fields = msgspec.msgpack.decode(frames[1])
-    except Exception:  # hostile bytes: msgspec raises UnicodeDecodeError for a str that is not UTF-8, too
-        return None
-    request_id = fields[0] if isinstance(fields, list) and fields else None
-    return request_id if isinstance(request_id, str) and len(request_id) <= MAX_REQUEST_ID_CHARS else None
 
 
 class SchedulerServer:
@@ -99,11 +81,7 @@ class SchedulerServer:
             sock.setsockopt(zmq.RCVHWM, 0)
             secure_server(sock, self.key)
         self._workers.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished worker must not block the loop
-        # Sends to clients never wait (_send_client): one that went away or stopped reading is told apart by
-        # the error, and its requests end.
-        self._clients.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._clients.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
-        self._unreachable: set[bytes] = set()  # clients whose requests ended because sends to them failed
+        self._to_clients = ClientSender(self._clients, on_unreachable=self._on_client_gone)
         self._client_peers = PeerConnections()
         self._worker_peers = PeerConnections()
         self._worker_id: bytes | None = None  # the ZeroMQ identity that plans go to
@@ -169,14 +147,14 @@ class SchedulerServer:
 
     def _on_client_frames(self, owner: bytes, fd: int, frames: list[bytes]) -> None:
         self._client_peers.seen(owner, fd)
-        self._unreachable.discard(owner)
+        self._to_clients.heard_from(owner)
         try:
             msg = decode(frames)
         except CodecError as e:
             log.warning("bad_client_message", client=owner.hex(), error=str(e))
-            request_id = _submitted_request_id(frames)
+            request_id = submitted_request_id(frames)
             if request_id is not None:  # its sender waits for an answer: tell it why there is none
-                self._send_client(owner, RequestError(request_id, ErrorKind.INVALID_REQUEST, str(e)))
+                self._to_clients.send(owner, RequestError(request_id, ErrorKind.INVALID_REQUEST, str(e)))
             return
         try:
             self._handle_client(owner, msg)
@@ -191,10 +169,12 @@ class SchedulerServer:
         )
         if not isinstance(request_id, str):
             return
-        self._send_client(owner, RequestError(request_id, ErrorKind.INTERNAL, "the scheduler failed on it"))
+        self._to_clients.send(
+            owner, RequestError(request_id, ErrorKind.INTERNAL, "the scheduler failed on it")
+        )
         if self.core is not None:
             try:
-                self._send_outputs(self.core.abort(owner, request_id))
+                self._to_clients.send_outputs(self.core.abort(owner, request_id))
             except Exception:
                 log.exception("abort_after_failure_failed", request_id=request_id)
 
@@ -204,13 +184,13 @@ class SchedulerServer:
             if self.core is None:
                 refusal = refusal or "no worker is ready yet"
             if refusal is not None:
-                self._send_client(owner, RequestError(msg.request_id, ErrorKind.UNAVAILABLE, refusal))
+                self._to_clients.send(owner, RequestError(msg.request_id, ErrorKind.UNAVAILABLE, refusal))
                 return
             error = self.core.add_request(owner, msg)
             self._send_errors()
             if error is not None:
                 log.info("request_rejected", request_id=msg.request_id, reason=error.message)
-                self._send_client(owner, error)
+                self._to_clients.send(owner, error)
                 return
             log.debug(
                 "request_queued",
@@ -222,15 +202,17 @@ class SchedulerServer:
             self._wake.set()
         elif isinstance(msg, AbortRequest):
             if self.core is not None:
-                self._send_outputs(self.core.abort(owner, msg.request_id, msg.index, msg.finish_reason))
+                self._to_clients.send_outputs(
+                    self.core.abort(owner, msg.request_id, msg.index, msg.finish_reason)
+                )
                 self._send_errors()
         elif isinstance(msg, InfoRequest):
-            self._send_client(owner, self._info(msg.query_id))
+            self._to_clients.send(owner, self._info(msg.query_id))
         else:
             log.warning("unexpected_client_message", client=owner.hex(), type=type(msg).__name__)
 
     def _on_client_left(self, owner: bytes) -> None:
-        self._unreachable.discard(owner)  # nothing more will be sent to it: forget it
+        self._to_clients.heard_from(owner)  # nothing more will be sent to it: forget it
         self._on_client_gone(owner)
 
     def _on_client_gone(self, owner: bytes) -> None:
@@ -262,40 +244,13 @@ class SchedulerServer:
             metrics_text=self.core.metrics_text(),
         )
 
-    def _send_client(self, owner: bytes, msg: Message) -> None:
-        """Sends without waiting; a client that is gone or does not read loses its requests instead."""
-        if owner in self._unreachable:
-            return
-        sent = self._clients.send_multipart([owner, *encode(msg)], copy=False, flags=zmq.NOBLOCK)
-        error = sent.exception() if sent.done() else None
-        if error is None:
-            return
-        self._unreachable.add(owner)
-        reason = "not reading" if isinstance(error, zmq.Again) else "gone"
-        log.warning("client_unreachable", client=owner.hex(), reason=reason)
-        self._on_client_gone(owner)
-
-    def _send_outputs(self, outputs: list[Output]) -> None:
-        by_owner: dict[bytes, list[SeqOutput]] = defaultdict(list)
-        for owner, output in outputs:
-            by_owner[owner].append(output)
-            if output.finish_reason is not None:
-                log.debug(
-                    "sequence_finished",
-                    request_id=output.request_id,
-                    index=output.index,
-                    finish_reason=output.finish_reason,
-                )
-        for owner, outs in by_owner.items():
-            self._send_client(owner, RequestOutputs(outs))
-
     def _send_errors(self) -> None:
         """Sends the errors of the requests the core failed on an internal error (it ended them itself)."""
         if self.core is None:
             return
         for owner, error in self.core.take_errors():
             log.error("request_failed", request_id=error.request_id, reason=error.message)
-            self._send_client(owner, error)
+            self._to_clients.send(owner, error)
 
     # ----------------------------------------------------------------------------------------------------
     # workers
@@ -366,26 +321,8 @@ class SchedulerServer:
             log.warning("worker_restarted", num_failed_requests=len(self.core.live_requests()))
             self._fail_requests(ErrorKind.UNAVAILABLE, "the worker restarted; the request was lost")
             self._drop_worker()
-        max_model_len = msg.max_model_len
-        if self.config.max_model_len:
-            max_model_len = min(max_model_len, self.config.max_model_len)
         config = self.config
-        settings = SchedulerSettings(
-            num_kv_blocks=msg.num_kv_blocks,
-            block_size=msg.block_size,
-            max_model_len=max_model_len,
-            vocab_size=msg.vocab_size,
-            eos_token_ids=tuple(msg.eos_token_ids),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            num_cpu_blocks=msg.num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            preemption_mode=config.preemption_mode,
-            scheduling_policy=config.scheduling_policy,
-            kv_policy=config.kv_policy,
-            max_waiting_seqs=config.max_waiting_seqs,
-            request_seat_quota=config.request_seat_quota,
-        )
+        settings = SchedulerSettings.from_config(config, msg)
         self.core = Scheduler(settings)
         self.ready_msg = msg
         self._worker_id = identity
@@ -402,7 +339,7 @@ class SchedulerServer:
         """Ends every live request with an error to its client."""
         if self.core is not None:
             for owner, request_id in self.core.live_requests():
-                self._send_client(owner, RequestError(request_id, kind, message))
+                self._to_clients.send(owner, RequestError(request_id, kind, message))
 
     def _drop_worker(self) -> None:
         """Forgets the worker, and the core with all its requests and KV bookkeeping (tell the clients
@@ -470,7 +407,7 @@ class SchedulerServer:
                 self._watch.step_sent(time.monotonic())
             elif not in_flight:
                 break  # nothing can run until a request arrives or ends; _wake says when
-            self._send_outputs(outputs)
+            self._to_clients.send_outputs(outputs)
             outputs = []
             if len(in_flight) < depth and plan.scheduled_seq_ids:
                 continue  # room for one more plan at the worker: make it now
@@ -485,4 +422,4 @@ class SchedulerServer:
             del self._pending_steps[step.step_id]
             outputs = core.update(step)
             self._send_errors()
-        self._send_outputs(outputs)
+        self._to_clients.send_outputs(outputs)

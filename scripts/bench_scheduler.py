@@ -23,7 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
 from common.messages import SamplingParams, StepOutput, StepPlan, SubmitRequest  # noqa: E402
-from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
+from scheduler.scheduler import Scheduler  # noqa: E402
+from scheduler.settings import SchedulerSettings  # noqa: E402
 
 
 class SamplingOnlyWorker:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from common.messages import RequestError, SamplingParams, SeqOutput, StepOutput, SubmitRequest
-from scheduler.scheduler import Scheduler, SchedulerSettings
+from scheduler.scheduler import Scheduler
+from scheduler.settings import SchedulerSettings
 from tests.scheduler.fake_worker import FakeWorker
 
 OWNER = b"client-0"

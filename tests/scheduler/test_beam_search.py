@@ -76,7 +76,7 @@ def test_paged_beam_search_equals_a_plain_search(num_blocks, policies):
     if num_blocks == 14:
         assert h.scheduler.metrics.preemptions_total > 0
     s = h.scheduler
-    assert s.num_requests == 0 and not s._seqs and s._beam_reserve == 0
+    assert s.num_requests == 0 and not s._seqs and s._running.beam_reserve == 0
     assert s.block_manager.num_free_blocks == num_blocks
 
 

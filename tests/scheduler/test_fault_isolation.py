@@ -14,7 +14,8 @@ from tests.scheduler.conftest import OWNER, Harness, make_harness
 def _assert_nothing_left(h: Harness, num_blocks: int = 64) -> None:
     s = h.scheduler
     s.check_invariants()
-    assert s.num_requests == 0 and not s._seqs and s._beam_reserve == 0 and s._pending_forks == 0
+    assert s.num_requests == 0 and not s._seqs
+    assert s._running.beam_reserve == 0 and s._running.pending_forks == 0
     assert s.block_manager.num_free_blocks == num_blocks
 
 

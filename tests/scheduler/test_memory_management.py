@@ -17,7 +17,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 def _assert_nothing_left(h) -> None:
     s, bm = h.scheduler, h.scheduler.block_manager
-    assert s.num_requests == 0 and not s._seqs and not s._running and s._pending_forks == 0
+    assert s.num_requests == 0 and not s._seqs and not s._running and s._running.pending_forks == 0
     assert bm.num_free_blocks == bm.num_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks
     assert not bm._tables and not bm._cpu_tables and not bm._seq_hashes and not bm._num_registered
 
@@ -129,7 +129,7 @@ def test_swap_preemption_gives_identical_streams(mode):
 def test_auto_preemption_swaps_long_sequences_and_recomputes_short_ones(
     monkeypatch, swap_min_tokens, swapped
 ):
-    import scheduler.scheduler as sched
+    import scheduler.preemption as sched
 
     monkeypatch.setattr(sched, "SWAP_MIN_TOKENS", swap_min_tokens)
     h = make_harness(num_blocks=12, block_size=4, preemption_mode="auto", num_cpu_blocks=64)

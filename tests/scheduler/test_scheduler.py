@@ -7,7 +7,8 @@ import random
 import pytest
 
 from common.messages import FinishReason, SamplingParams, StepOutput, SubmitRequest
-from scheduler.scheduler import Scheduler, SchedulerSettings
+from scheduler.scheduler import Scheduler
+from scheduler.settings import SchedulerSettings
 from tests.scheduler.conftest import OWNER, FakeClock, make_harness
 
 
