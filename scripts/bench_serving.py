@@ -42,17 +42,16 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from common.client import AsyncEngineClient, load_tokenizer  # noqa: E402
-from scripts._servers import Engine, free_port, start_engine  # noqa: E402
+from common.client import load_tokenizer  # noqa: E402
+from scripts._bench import engine_session, format_table, run_record, write_json  # noqa: E402
+from scripts._servers import Engine, free_port  # noqa: E402
 from scripts.bench_throughput import (  # noqa: E402
     DEFAULT_MODEL,
     BenchRequest,
     MetricsSampler,
-    format_table,
     make_workload,
     parse_metrics,
     resolve_model,
-    wait_ready,
 )
 
 STAT_NAMES = ("mean", "p50", "p90", "p99")
@@ -318,45 +317,41 @@ async def run_rates(
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "log_level": "warning",  # per-request log lines would cost the api and the scheduler time
     }
-    engine = start_engine(model_dir, log_dir, ("scheduler", "worker", "api"), **settings)
     base_url = f"http://127.0.0.1:{port}"
     url = base_url + "/v1/completions"
     rows = []
     # No connection limit: at rate inf every request needs its own connection at once.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, connect=60.0)
-    try:
-        async with (
-            AsyncEngineClient(engine.scheduler_address, detokenize=False) as client,
-            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-        ):
-            info = await wait_ready(client, engine, args.ready_timeout)
-            await wait_healthy(session, base_url, engine, args.ready_timeout)
-            warm, _ = await send_all(session, url, workload[: args.num_warmup], None, args, "warm-up")
-            if any(t.error is not None for t in warm):
-                raise RuntimeError(f"warm-up requests failed: {[t.error for t in warm]}")
-            for rate in args.rates:
-                before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
-                sampler = MetricsSampler(client, args.sample_interval)
-                sampling = asyncio.create_task(sampler.run())
-                label = rate_label(rate)
-                offsets = arrival_offsets(len(workload), rate, random.Random(f"{args.seed}-{label}"))
-                timings, duration_s = await send_all(session, url, workload, offsets, args, f"rate-{label}")
-                sampling.cancel()
-                after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
-                row = summarize(rate, timings, duration_s)
-                row["peak_running"] = sampler.peak("pagedserve_requests_running")
-                row["peak_kv_blocks_used"] = sampler.peak("pagedserve_kv_blocks_used")
-                for name in ("preemptions", "prefix_cache_hits"):
-                    key = f"pagedserve_{name}_total"
-                    row[name] = int(after.get(key, 0) - before.get(key, 0))
-                rows.append(row)
-    except BaseException:
-        for name in engine.procs:
-            print(f"--- {name} log tail ---\n{engine.logs(name)}", file=sys.stderr)
-        raise
-    finally:
-        engine.stop()
+    processes = ("scheduler", "worker", "api")
+    async with (
+        engine_session(model_dir, log_dir, args.ready_timeout, processes, **settings) as (
+            engine,
+            client,
+            info,
+        ),
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+    ):
+        await wait_healthy(session, base_url, engine, args.ready_timeout)
+        warm, _ = await send_all(session, url, workload[: args.num_warmup], None, args, "warm-up")
+        if any(t.error is not None for t in warm):
+            raise RuntimeError(f"warm-up requests failed: {[t.error for t in warm]}")
+        for rate in args.rates:
+            before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+            sampler = MetricsSampler(client, args.sample_interval)
+            sampling = asyncio.create_task(sampler.run())
+            label = rate_label(rate)
+            offsets = arrival_offsets(len(workload), rate, random.Random(f"{args.seed}-{label}"))
+            timings, duration_s = await send_all(session, url, workload, offsets, args, f"rate-{label}")
+            sampling.cancel()
+            after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+            row = summarize(rate, timings, duration_s)
+            row["peak_running"] = sampler.peak("pagedserve_requests_running")
+            row["peak_kv_blocks_used"] = sampler.peak("pagedserve_kv_blocks_used")
+            for name in ("preemptions", "prefix_cache_hits"):
+                key = f"pagedserve_{name}_total"
+                row[name] = int(after.get(key, 0) - before.get(key, 0))
+            rows.append(row)
     return rows, {"kv_blocks_total": info.num_kv_blocks, "block_size": info.block_size}
 
 
@@ -418,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "use_logprobs",
     )
     report = {
+        "record": run_record(__file__, argv),
         "benchmark": "serving",
         "model": str(model_dir),
         "workload": {k: getattr(args, k) for k in keys},
@@ -425,8 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "requests": [{"prompt_len": len(r.prompt_token_ids), "output_len": r.output_len} for r in workload],
         "runs": rows,
     }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json_out, report)
     return report
 
 

@@ -41,16 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 
 from common.client import AsyncEngineClient  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
-from scripts._servers import start_engine  # noqa: E402
+from scripts._bench import engine_session, format_table, run_record, write_json  # noqa: E402
 from scripts.bench_serving import arrival_offsets, parse_rates, stats_ms  # noqa: E402
-from scripts.bench_throughput import (  # noqa: E402
-    DEFAULT_MODEL,
-    MetricsSampler,
-    format_table,
-    parse_metrics,
-    resolve_model,
-    wait_ready,
-)
+from scripts.bench_throughput import DEFAULT_MODEL, MetricsSampler, parse_metrics, resolve_model  # noqa: E402
 
 PARTS = ("prefix", "parallel")
 
@@ -248,21 +241,12 @@ async def run_on_engine(
         "enable_prefix_caching": prefix_caching,
         "log_level": "warning",
     }
-    engine = start_engine(model_dir, log_dir, **settings)
-    try:
-        async with AsyncEngineClient(engine.scheduler_address, detokenize=False) as client:
-            info = await wait_ready(client, engine, args.ready_timeout)
-            await warm_up(client, args.vocab_size)
-            rows = []
-            for name, jobs, offsets in runs:
-                row = await measure(client, name, jobs, offsets, args.sample_interval)
-                rows.append(row | {"prefix_caching": prefix_caching})
-    except BaseException:
-        for name in engine.procs:
-            print(f"--- {name} log tail ---\n{engine.logs(name)}", file=sys.stderr)
-        raise
-    finally:
-        engine.stop()
+    async with engine_session(model_dir, log_dir, args.ready_timeout, **settings) as (_, client, info):
+        await warm_up(client, args.vocab_size)
+        rows = []
+        for name, jobs, offsets in runs:
+            row = await measure(client, name, jobs, offsets, args.sample_interval)
+            rows.append(row | {"prefix_caching": prefix_caching})
     return rows, info.num_kv_blocks
 
 
@@ -319,14 +303,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     settings["request_rate"] = rate
     report = {
+        "record": run_record(__file__, argv),
         "benchmark": "sharing",
         "model": str(model_dir),
         "settings": settings,
         "kv_blocks_total": kv_blocks,
         "runs": rows,
     }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json_out, report)
     return report
 
 

@@ -22,7 +22,23 @@ seconds: KV waste (1 - slots used / slots allocated, averaged over samples with 
 of running requests; preemptions are read at the end. `--peers hf-static,hf-continuous` also runs
 transformers (static batching with left padding; its paged continuous batching, which on the CPU needs
 psutil) on the first `--peer-requests` requests.
-The table goes to stdout; `--json-out` also writes everything as JSON.
+The table goes to stdout; `--json-out` also writes everything as JSON (with the date, GPU, commit and
+command line).
+
+Comparisons are bracketed: `--compare BASELINE CANDIDATE` runs the one run (`--runs` / `--kv-policy`) with
+the baseline's settings before and after every candidate run, all in this call (A B A; `--repeats 2`:
+A B A B A), and prints each candidate beside the baselines around it, its ratio to their mean, and the
+baselines' own spread: a ratio within that spread of 1 is noise, not a difference. A side is
+`KEY=VALUE[,KEY=VALUE]` over `COMPARE_KEYS`, e.g. `kv_cache_dtype=fp8`, `run=paged-sync`, or
+`tree=/tmp/base` for another checkout (`git worktree add /tmp/base COMMIT`) to compare two commits. The FP8
+KV rows of docs/benchmarks.md (Llama-3.2-1B shape at /tmp/m1b; same tokens, then same bytes), on a GPU:
+
+    python3 scripts/bench_throughput.py --model /tmp/m1b --device cuda --num-requests 1000 \
+        --num-kv-blocks 8192 --max-model-len 2048 --runs paged --repeats 2 \
+        --compare kv_cache_dtype=auto kv_cache_dtype=fp8 --json-out fp8-same-tokens.json
+    python3 scripts/bench_throughput.py --model /tmp/m1b --device cuda --num-requests 1000 \
+        --max-model-len 2048 --runs paged --repeats 2 \
+        --compare kv_cache_dtype=auto,num_kv_blocks=8192 kv_cache_dtype=fp8,num_kv_blocks=16384
 """
 
 from __future__ import annotations
@@ -35,6 +51,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +59,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
 from common.client import AsyncEngineClient, RequestResult  # noqa: E402
-from common.messages import InfoReply, SamplingParams  # noqa: E402
-from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
+from common.messages import SamplingParams  # noqa: E402
+from scripts._bench import (  # noqa: E402
+    Bracketed,
+    bracket_order,
+    cell,
+    engine_session,
+    format_table,
+    run_record,
+    write_json,
+)
+from scripts._servers import ROOT  # noqa: E402
 from worker.step_trace import read_trace  # noqa: E402
 from worker.step_trace import summarize as summarize_trace  # noqa: E402
 
@@ -56,6 +82,16 @@ RUNS: dict[str, tuple[str, bool, bool | None, bool]] = {
     "paged-sync": ("paged", False, None, True),
     "paged-unfused": ("paged", True, False, True),
     "paged-eager-mixed": ("paged", True, None, False),
+}
+# What one side of `--compare` may set, and how its value is read.
+COMPARE_KEYS: dict[str, Callable[[str], object]] = {
+    "run": str,  # a name of RUNS
+    "kv_cache_dtype": str,
+    "num_kv_blocks": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "max_model_len": int,
+    "tree": Path,  # another checkout (e.g. `git worktree add /tmp/base COMMIT`) whose processes run
 }
 PEERS = ("hf-static", "hf-continuous")
 _NEEDS_PSUTIL = "hf-continuous on the CPU needs psutil: transformers checks the free memory through it"
@@ -107,6 +143,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
     )
     p.add_argument("--runs", default=None, help=f"comma-separated runs, one after another: {','.join(RUNS)}")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("BASELINE", "CANDIDATE"),
+        default=None,
+        help="bracketed comparison of two settings of the one run, each KEY=VALUE[,KEY=VALUE] with KEY in "
+        f"{','.join(COMPARE_KEYS)}: the baseline runs before and after every candidate run",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="--compare: candidate runs (1: A B A, 2: A B A B A, ...)"
+    )
     p.add_argument("--peers", default="", help=f"comma-separated transformers baselines: {','.join(PEERS)}")
     p.add_argument("--peer-requests", type=int, default=128, help="the peers run the first N requests")
     p.add_argument(
@@ -135,6 +182,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--peer-batch-size: at least one size, each >= 1")
     for bad in [r for r in args.runs if r not in RUNS] + [r for r in args.peers if r not in PEERS]:
         p.error(f"unknown run or peer {bad!r}")
+    if args.compare:
+        try:
+            args.compare = [(text, parse_side(text)) for text in args.compare]
+        except ValueError as e:
+            p.error(f"--compare: {e}")
+        if len(args.runs) != 1 or args.repeats < 1:
+            p.error("--compare brackets one run (--runs or --kv-policy names it), --repeats >= 1")
+        for bad in [side["run"] for _, side in args.compare if side.get("run", args.runs[0]) not in RUNS]:
+            p.error(f"--compare: unknown run {bad!r}")
     if "hf-continuous" in args.peers and args.device == "cpu" and importlib.util.find_spec("psutil") is None:
         p.error(_NEEDS_PSUTIL)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
@@ -142,6 +198,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.min_output_len <= args.max_output_len:
         p.error("need 1 <= --min-output-len <= --max-output-len")
     return args
+
+
+def parse_side(text: str) -> dict[str, object]:
+    """One side of `--compare`: `KEY=VALUE[,KEY=VALUE]` (an empty text: the flags as they are)."""
+    side: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in COMPARE_KEYS:
+            raise ValueError(f"{item!r} is not KEY=VALUE with KEY in {', '.join(COMPARE_KEYS)}")
+        side[key] = COMPARE_KEYS[key](value)
+    return side
 
 
 def make_workload(
@@ -197,21 +264,6 @@ class MetricsSampler:
         return int(max((s.get(name, 0) for s in self.samples), default=0))
 
 
-async def wait_ready(client: AsyncEngineClient, engine: Engine, timeout_s: float) -> InfoReply:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        engine.check_alive()
-        try:
-            info = await client.info(timeout=2.0)
-            if info.ready:
-                return info
-        except TimeoutError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the worker was not ready within {timeout_s:.0f} s:\n{engine.logs('worker')}")
-        await asyncio.sleep(0.2)
-
-
 async def _warm_up(client: AsyncEngineClient, args: argparse.Namespace, vocab_size: int) -> None:
     """`--num-warmup` requests of the workload's prompt lengths (another seed), a few tokens each."""
     params = SamplingParams(max_tokens=min(8, args.max_output_len), ignore_eos=True)
@@ -237,9 +289,15 @@ def check_outputs(name: str, workload: list[BenchRequest], results: list[Request
 
 
 async def run_engine(
-    args: argparse.Namespace, model_dir: Path, run: str, workload: list[BenchRequest], log_dir: Path
+    args: argparse.Namespace,
+    model_dir: Path,
+    run: str,
+    workload: list[BenchRequest],
+    log_dir: Path,
+    root: Path = ROOT,
 ) -> dict[str, Any]:
-    """One run: start scheduler + worker as `run` says, submit the whole workload at once, measure."""
+    """One run: start scheduler + worker (of the checkout at `root`) as `run` says, submit the whole
+    workload at once, measure."""
     policy, async_scheduling, fused_ops, piecewise_graphs = RUNS[run]
     settings: dict[str, object] = {
         "kv_policy": policy,
@@ -256,30 +314,25 @@ async def run_engine(
         "log_level": "warning",  # per-request log lines would cost the scheduler time
         "step_trace": str(log_dir / "steps.jsonl") if args.step_trace else None,
     }
-    engine = start_engine(model_dir, log_dir, **settings)
-    try:
-        async with AsyncEngineClient(engine.scheduler_address, detokenize=False) as client:
-            info = await wait_ready(client, engine, args.ready_timeout)
-            await _warm_up(client, args, info.vocab_size)
-            before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
-            sampler = MetricsSampler(client, args.sample_interval)
-            sampling = asyncio.create_task(sampler.run())
-            start = time.perf_counter()
-            handles = []
-            for i, req in enumerate(workload):
-                params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, seed=args.seed + i)
-                handles.append(await client.submit_one(req.prompt_token_ids, params))
-            results = list(await asyncio.gather(*(h.result() for h in handles)))
-            wall_s = time.perf_counter() - start
-            sampling.cancel()
-            after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
-            final = {name: value - before.get(name, 0.0) for name, value in after.items()}  # counters
-    except BaseException:
-        print(f"--- {run}: scheduler log tail ---\n{engine.logs('scheduler')}", file=sys.stderr)
-        print(f"--- {run}: worker log tail ---\n{engine.logs('worker')}", file=sys.stderr)
-        raise
-    finally:
-        engine.stop()
+    async with engine_session(model_dir, log_dir, args.ready_timeout, root=root, **settings) as (
+        _,
+        client,
+        info,
+    ):
+        await _warm_up(client, args, info.vocab_size)
+        before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+        sampler = MetricsSampler(client, args.sample_interval)
+        sampling = asyncio.create_task(sampler.run())
+        start = time.perf_counter()
+        handles = []
+        for i, req in enumerate(workload):
+            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, seed=args.seed + i)
+            handles.append(await client.submit_one(req.prompt_token_ids, params))
+        results = list(await asyncio.gather(*(h.result() for h in handles)))
+        wall_s = time.perf_counter() - start
+        sampling.cancel()
+        after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+        final = {name: value - before.get(name, 0.0) for name, value in after.items()}  # counters
     check_outputs(run, workload, results)
     trace = None
     if args.step_trace:  # the warm-up's steps come first: skip them
@@ -455,19 +508,8 @@ def _run_hf_continuous(args: argparse.Namespace, model: Any, workload: list[Benc
     return [lengths[str(i)] for i in range(len(workload))]
 
 
-def _cell(value: object) -> str:
-    return "-" if value is None else str(value)
-
-
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
-
-
-def format_table(columns: list[str], rows: list[list[str]]) -> str:
-    """Right-aligned columns under their headers (every benchmark script's table)."""
-    cells = [columns, *rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -478,6 +520,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         waste = row.get("mean_kv_waste")
         steps, gpu_s, decode_gpu_s = row.get("steps"), row.get("gpu_s"), row.get("decode_gpu_s")
         name = row["name"] if row.get("batch_size") is None else f"{row['name']} (batch {row['batch_size']})"
+        name = name if row.get("role") is None else f"{row['role']} {row['side']}"
         cells.append(
             [
                 name,
@@ -487,8 +530,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 f"{row['output_tokens_per_s']:.1f}",
                 f"{row['total_tokens_per_s']:.1f}",
                 "-" if waste is None else f"{waste:.1%}",
-                _cell(row.get("peak_running")),
-                _cell(row.get("preemptions")),
+                cell(row.get("peak_running")),
+                cell(row.get("preemptions")),
                 _percent(row.get("gpu_busy")),
                 _percent(row.get("decode_gpu_busy")),
                 "-" if steps is None else f"{steps} ({row['decode_steps']})",
@@ -496,6 +539,47 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             ]
         )
     print(format_table(columns, cells))
+
+
+def run_bracketed(
+    args: argparse.Namespace, model_dir: Path, workload: list[BenchRequest], log_root: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`--compare`: the baseline before and after every candidate run, all in this call (so that a drift of
+    the machine between calls cannot pass for a difference); each run's row, and the comparison."""
+    sides = dict(zip(("baseline", "candidate"), args.compare, strict=True))
+    rows = []
+    for i, role in enumerate(bracket_order(args.repeats)):
+        text, side = sides[role]
+        flags = {k: v for k, v in side.items() if k not in ("run", "tree")}
+        side_args = argparse.Namespace(**(vars(args) | flags))
+        run = str(side.get("run", args.runs[0]))
+        root = Path(side.get("tree", ROOT))  # type: ignore[arg-type]
+        row = asyncio.run(run_engine(side_args, model_dir, run, workload, log_root / f"{i}-{role}", root))
+        rows.append(row | {"role": role, "side": text})
+    comparison: dict[str, Any] = {"baseline": sides["baseline"][0], "candidate": sides["candidate"][0]}
+    for metric in ("output_tokens_per_s", "total_tokens_per_s"):
+        comparison[metric] = Bracketed(tuple((r["role"], r[metric]) for r in rows)).summary()
+    return rows, comparison
+
+
+def print_comparison(comparison: dict[str, Any]) -> None:
+    """Each candidate run between the baseline runs before and after it, and its ratio to their mean."""
+    columns = ["tok/s", "baseline before", "candidate", "baseline after", "candidate / baselines"]
+    cells = []
+    for metric, label in (("output_tokens_per_s", "out"), ("total_tokens_per_s", "total")):
+        values, ratios = comparison[metric]["values"], comparison[metric]["bracket_ratios"]
+        for k, ratio in enumerate(ratios):
+            before, candidate, after = values[2 * k : 2 * k + 3]
+            cells.append(
+                [f"{label} #{k + 1}", f"{before:.1f}", f"{candidate:.1f}", f"{after:.1f}", f"{ratio:.3f}"]
+            )
+    print(f"baseline: {comparison['baseline'] or '(the flags)'}; candidate: {comparison['candidate']}")
+    print(format_table(columns, cells))
+    out = comparison["output_tokens_per_s"]
+    print(
+        f"out tok/s: candidate / baseline {out['ratio']:.3f} ({out['ratio'] - 1:+.1%}); the baselines' own "
+        f"spread {out['baseline_spread']:.1%} (a ratio within it of 1 is noise)"
+    )
 
 
 def resolve_model(model: str | None) -> Path:
@@ -512,7 +596,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     workload = make_workload(args, vocab_size)
     log_root = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench-throughput-"))
-    runs = [asyncio.run(run_engine(args, model_dir, p, workload, log_root / p)) for p in args.runs]
+    comparison = None
+    if args.compare:
+        runs, comparison = run_bracketed(args, model_dir, workload, log_root)
+    else:
+        runs = [asyncio.run(run_engine(args, model_dir, p, workload, log_root / p)) for p in args.runs]
     peer_workload = workload[: args.peer_requests]
     peers = [
         run_peer(args, model_dir, peer, peer_workload, size)
@@ -525,12 +613,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"x {runs[0]['block_size']}, model {model_dir.name}"
     )
     print_table(runs + peers)
+    if comparison is not None:
+        print_comparison(comparison)
     traced = [(row["name"], row["step_trace"]) for row in runs if row.get("step_trace")]
     if traced:
         print("decode steps, from the worker's step trace (ms):")
         columns = ["run", *traced[0][1]]
-        print(format_table(columns, [[name, *(_cell(v) for v in t.values())] for name, t in traced]))
+        print(format_table(columns, [[name, *(cell(v) for v in t.values())] for name, t in traced]))
     report = {
+        "record": run_record(__file__, argv),
         "model": str(model_dir),
         "workload": {
             k: getattr(args, k)
@@ -551,8 +642,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": runs,
         "peers": peers,
     }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    if comparison is not None:
+        report["comparison"] = comparison
+    write_json(args.json_out, report)
     return report
 
 
