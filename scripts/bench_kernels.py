@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +42,7 @@ from kernels.attention_config import (  # noqa: E402
 )
 from kernels.reference import is_fp8, kv_pool  # noqa: E402
 from kernels.triton_attention import paged_attention  # noqa: E402
+from scripts._bench import git_commit, write_json  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -334,15 +333,6 @@ def _attempt(label: str, fn: Callable[..., dict], *args, **kwargs) -> dict:
         return {"skipped": f"{type(e).__name__}"}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def decode_table(batches: list[int], contexts: list[int], device: torch.device, copy_bw: float) -> list[dict]:
     rows = []
     print("\n| batch | context | splits | triton us | triton TB/s | triton % copy | sdpa us | sdpa % copy |")
@@ -427,7 +417,7 @@ def main() -> None:
         MAX_SETS = 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     res: dict = {
-        "gpu": name, "date": datetime.date.today().isoformat(), "commit": args.commit or _commit(),
+        "gpu": name, "date": datetime.date.today().isoformat(), "commit": args.commit or git_commit(),
         "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "kv_dtype": str(KV_DTYPE),
@@ -451,9 +441,7 @@ def main() -> None:
             res["combine_splits"] = combine_splits(device, copy_bw, args.smoke)
         if not args.smoke and not args.no_extras:
             res["probes"] = _attempt("probes", probes, device)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(res, indent=1))
+        write_json(args.out, res)
         return
     mm = measure_matmul_rate(device, 8192 if not args.smoke else 64)
     res.update(copy_tb_s=copy_bw / 1e12, copy_in_graph_tb_s=copy_bw_graph / 1e12, matmul_tflops=mm / 1e12)
@@ -482,13 +470,10 @@ def main() -> None:
 
     if not args.smoke and not args.cache_ops_only:
         res["probes"] = _attempt("probes", probes, device)
-    if args.out:  # written now and again after the sweep, so a run cut short keeps the main table
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)  # now and again after the sweep, so a run cut short keeps the main table
     if args.sweep:
         res["sweep"] = sweep(device, copy_bw, mm, args.smoke)
-        if args.out:
-            args.out.write_text(json.dumps(res, indent=1))
+        write_json(args.out, res)
 
 
 def combine_splits(device: torch.device, copy_bw: float, smoke: bool) -> dict:
