@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import random
 import shlex
 import statistics
 import subprocess
@@ -185,6 +186,123 @@ class Bracketed:
         }
 
 
+DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
+
+
+def resolve_model(model: str | None) -> Path:
+    """`--model`, or the tiny preset at DEFAULT_MODEL (made on first use)."""
+    if model is not None:
+        return Path(model)
+    from scripts.make_model import make_model
+
+    return make_model(DEFAULT_MODEL, preset="tiny", seed=0)  # does nothing when it is there already
+
+
+def add_engine_flags(p: argparse.ArgumentParser, sample_interval: float = 1.0) -> None:
+    """The flags of every benchmark that starts the engine's processes (`engine_settings` reads them)."""
+    p.add_argument(
+        "--model", default=None, help=f"checkpoint directory; default: {DEFAULT_MODEL} (made if missing)"
+    )
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=0, help="KV pool of every run; 0: the worker's default"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--sample-interval", type=float, default=sample_interval, help="seconds between metrics samples"
+    )
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
+    p.add_argument("--log-dir", default=None, help="the processes' logs go here; default: a temp dir")
+    p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
+
+
+def engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, object]:
+    """PAGEDSERVE_* settings of `add_engine_flags`'s flags, with `settings` over them. Logs at warning:
+    per-request log lines would cost the processes time."""
+    keys = ("device", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
+    return {k: getattr(args, k) for k in keys} | {"log_level": "warning"} | settings
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int  # max_tokens with ignore_eos: exactly this many tokens come back
+
+
+def add_workload_flags(p: argparse.ArgumentParser) -> None:
+    """The length ranges of `make_workload`'s requests."""
+    p.add_argument("--min-prompt-len", type=int, default=32)
+    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=16)
+    p.add_argument("--max-output-len", type=int, default=512)
+
+
+def check_workload_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+        p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+    if not 1 <= args.min_output_len <= args.max_output_len:
+        p.error("need 1 <= --min-output-len <= --max-output-len")
+
+
+def make_workload(
+    args: argparse.Namespace, vocab_size: int, num_requests: int | None = None, seed: int | None = None
+) -> list[BenchRequest]:
+    """`--num-requests` requests of the flags' length ranges, drawn from `--seed` (or as many / as seeded)."""
+    rng = random.Random(args.seed if seed is None else seed)
+    workload = []
+    for _ in range(args.num_requests if num_requests is None else num_requests):
+        prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
+        output_len = rng.randint(args.min_output_len, args.max_output_len)
+        workload.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
+    return workload
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The unlabelled samples of Prometheus text (`name value` lines)."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+class MetricsSampler:
+    """Reads the scheduler's metrics every `interval` seconds until cancelled."""
+
+    def __init__(self, client: AsyncEngineClient, interval: float) -> None:
+        self.client = client
+        self.interval = interval
+        self.samples: list[dict[str, float]] = []
+
+    async def run(self) -> None:
+        while True:
+            try:
+                info = await self.client.info(timeout=5.0)
+                self.samples.append(parse_metrics(info.metrics_text))
+            except TimeoutError:
+                pass  # a busy scheduler: skip this sample
+            await asyncio.sleep(self.interval)
+
+    def mean_kv_waste(self) -> float | None:
+        """1 - used / allocated KV slots, averaged over samples that had any allocated; None without one."""
+        wastes = [
+            1.0 - s["pagedserve_kv_slots_used"] / s["pagedserve_kv_slots_allocated"]
+            for s in self.samples
+            if s.get("pagedserve_kv_slots_allocated", 0) > 0
+        ]
+        return sum(wastes) / len(wastes) if wastes else None
+
+    def peak(self, name: str) -> int:
+        return int(max((s.get(name, 0) for s in self.samples), default=0))
+
+
+async def read_metrics(client: AsyncEngineClient) -> dict[str, float]:
+    """The scheduler's metrics now."""
+    return parse_metrics((await client.info(timeout=10.0)).metrics_text)
+
+
 async def wait_ready(client: AsyncEngineClient, engine: Engine, timeout_s: float) -> InfoReply:
     """Polls the scheduler until it reports the worker ready; raises with the worker's log tail when a
     process exits or `timeout_s` passes."""
@@ -257,3 +375,21 @@ def add_worker_flags(
 def worker_config(args: argparse.Namespace, names: Sequence[str], **settings: object) -> WorkerConfig:
     """The WorkerConfig of the flags `add_worker_flags(parser, names)` added, with `settings` over them."""
     return WorkerConfig(**({name: getattr(args, name) for name in names} | settings))
+
+
+def in_process_scheduler(runner: Any, max_num_seqs: int, max_num_batched_tokens: int = 8192) -> Any:
+    """A scheduler core (scheduler/scheduler.py) sized to `runner`'s KV pool and model, as the worker's
+    announcement sizes the real one: for scripts that run the core and a ModelRunner in one process."""
+    from scheduler.scheduler import Scheduler, SchedulerSettings  # the CPU-only scripts need no scheduler
+
+    return Scheduler(
+        SchedulerSettings(
+            num_kv_blocks=runner.num_kv_blocks,
+            block_size=runner.block_size,
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=tuple(runner.eos_token_ids),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    )

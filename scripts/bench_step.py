@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 import torch  # noqa: E402
 
 from common.messages import SamplingParams, SubmitRequest, decode, encode  # noqa: E402
-from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
-from scripts._bench import add_worker_flags, worker_config, write_json  # noqa: E402
+from scripts._bench import add_worker_flags, in_process_scheduler, worker_config, write_json  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 
 # The worker's own flags (--fused-ops, --piecewise-graphs, ...); the rest of its config follows the workload.
@@ -116,17 +115,8 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
     started = time.monotonic()
     runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend)
     startup_s = time.monotonic() - started
-    core = Scheduler(
-        SchedulerSettings(
-            num_kv_blocks=num_blocks,
-            block_size=bs,
-            max_model_len=runner.max_model_len,
-            vocab_size=runner.vocab_size,
-            eos_token_ids=tuple(runner.eos_token_ids),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
-    )
+    core = in_process_scheduler(runner, max_num_seqs, args.max_num_batched_tokens)
+    assert (runner.num_kv_blocks, runner.block_size) == (num_blocks, bs)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

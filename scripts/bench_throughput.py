@@ -47,12 +47,10 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import random
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +59,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 from common.client import AsyncEngineClient, RequestResult  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
 from scripts._bench import (  # noqa: E402
+    BenchRequest,
     Bracketed,
+    MetricsSampler,
+    add_engine_flags,
+    add_workload_flags,
     bracket_order,
     cell,
+    check_workload_flags,
     engine_session,
+    engine_settings,
     format_table,
+    make_workload,
+    read_metrics,
+    resolve_model,
     run_record,
     write_json,
 )
@@ -73,7 +80,6 @@ from scripts._servers import ROOT  # noqa: E402
 from worker.step_trace import read_trace  # noqa: E402
 from worker.step_trace import summarize as summarize_trace  # noqa: E402
 
-DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
 POLICIES = ("paged", "reserved", "reserved-max")
 # run name -> (kv policy, async scheduling, fused elementwise kernels (None: the worker's default), piecewise
 # CUDA graphs for prefill and mixed steps)
@@ -94,26 +100,17 @@ COMPARE_KEYS: dict[str, Callable[[str], object]] = {
     "tree": Path,  # another checkout (e.g. `git worktree add /tmp/base COMMIT`) whose processes run
 }
 PEERS = ("hf-static", "hf-continuous")
+# The settings the JSON's "workload" records.
+WORKLOAD_KEYS = """num_requests min_prompt_len max_prompt_len min_output_len max_output_len seed num_kv_blocks
+max_num_seqs max_num_batched_tokens device""".split()
 _NEEDS_PSUTIL = "hf-continuous on the CPU needs psutil: transformers checks the free memory through it"
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_token_ids: list[int]
-    output_len: int  # max_tokens with ignore_eos: exactly this many tokens come back
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--model", default=None, help=f"checkpoint directory; default: {DEFAULT_MODEL} (made if missing)"
-    )
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    add_engine_flags(p)
     p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--min-prompt-len", type=int, default=32)
-    p.add_argument("--max-prompt-len", type=int, default=1024)
-    p.add_argument("--min-output-len", type=int, default=16)
-    p.add_argument("--max-output-len", type=int, default=512)
+    add_workload_flags(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the sampling")
     p.add_argument(
         "--num-warmup",
@@ -123,17 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it meets first; the compile would otherwise land in the first run's time)",
     )
     p.add_argument(
-        "--num-kv-blocks", type=int, default=0, help="KV pool of every run; 0: the worker's default"
-    )
-    p.add_argument("--max-num-seqs", type=int, default=512)
-    p.add_argument(
         "--max-model-len",
         type=int,
         default=0,
         help="every run's max_model_len (what reserved-max claims per request); 0: the model's own limit",
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks, one GPU each")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -161,10 +153,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="32",
         help="hf-static's batch size; a comma-separated list runs it once per size (32,128: the best of two)",
     )
-    p.add_argument("--sample-interval", type=float, default=1.0, help="seconds between metrics samples")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
-    p.add_argument("--log-dir", default=None, help="scheduler/worker logs go here; default: a temp dir")
-    p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     p.add_argument(
         "--step-trace",
         action="store_true",
@@ -193,10 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--compare: unknown run {bad!r}")
     if "hf-continuous" in args.peers and args.device == "cpu" and importlib.util.find_spec("psutil") is None:
         p.error(_NEEDS_PSUTIL)
-    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
-        p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
-    if not 1 <= args.min_output_len <= args.max_output_len:
-        p.error("need 1 <= --min-output-len <= --max-output-len")
+    check_workload_flags(p, args)
     return args
 
 
@@ -209,59 +194,6 @@ def parse_side(text: str) -> dict[str, object]:
             raise ValueError(f"{item!r} is not KEY=VALUE with KEY in {', '.join(COMPARE_KEYS)}")
         side[key] = COMPARE_KEYS[key](value)
     return side
-
-
-def make_workload(
-    args: argparse.Namespace, vocab_size: int, num_requests: int | None = None, seed: int | None = None
-) -> list[BenchRequest]:
-    """`--num-requests` requests of the flags' length ranges, drawn from `--seed` (or as many / as seeded)."""
-    rng = random.Random(args.seed if seed is None else seed)
-    workload = []
-    for _ in range(args.num_requests if num_requests is None else num_requests):
-        prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
-        output_len = rng.randint(args.min_output_len, args.max_output_len)
-        workload.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
-    return workload
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """The unlabelled samples of Prometheus text (`name value` lines)."""
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
-class MetricsSampler:
-    """Reads the scheduler's metrics every `interval` seconds until cancelled."""
-
-    def __init__(self, client: AsyncEngineClient, interval: float) -> None:
-        self.client = client
-        self.interval = interval
-        self.samples: list[dict[str, float]] = []
-
-    async def run(self) -> None:
-        while True:
-            try:
-                info = await self.client.info(timeout=5.0)
-                self.samples.append(parse_metrics(info.metrics_text))
-            except TimeoutError:
-                pass  # a busy scheduler: skip this sample
-            await asyncio.sleep(self.interval)
-
-    def mean_kv_waste(self) -> float | None:
-        """1 - used / allocated KV slots, averaged over samples that had any allocated; None without one."""
-        wastes = [
-            1.0 - s["pagedserve_kv_slots_used"] / s["pagedserve_kv_slots_allocated"]
-            for s in self.samples
-            if s.get("pagedserve_kv_slots_allocated", 0) > 0
-        ]
-        return sum(wastes) / len(wastes) if wastes else None
-
-    def peak(self, name: str) -> int:
-        return int(max((s.get(name, 0) for s in self.samples), default=0))
 
 
 async def _warm_up(client: AsyncEngineClient, args: argparse.Namespace, vocab_size: int) -> None:
@@ -299,28 +231,21 @@ async def run_engine(
     """One run: start scheduler + worker (of the checkout at `root`) as `run` says, submit the whole
     workload at once, measure."""
     policy, async_scheduling, fused_ops, piecewise_graphs = RUNS[run]
-    settings: dict[str, object] = {
-        "kv_policy": policy,
-        "async_scheduling": async_scheduling,
-        "fused_ops": fused_ops,
-        "piecewise_graphs": piecewise_graphs,
-        "device": args.device,
-        "num_kv_blocks": args.num_kv_blocks,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "log_level": "warning",  # per-request log lines would cost the scheduler time
-        "step_trace": str(log_dir / "steps.jsonl") if args.step_trace else None,
-    }
-    async with engine_session(model_dir, log_dir, args.ready_timeout, root=root, **settings) as (
-        _,
-        client,
-        info,
-    ):
+    settings = engine_settings(
+        args,
+        kv_policy=policy,
+        async_scheduling=async_scheduling,
+        fused_ops=fused_ops,
+        piecewise_graphs=piecewise_graphs,
+        max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        step_trace=str(log_dir / "steps.jsonl") if args.step_trace else None,
+    )
+    session = engine_session(model_dir, log_dir, args.ready_timeout, root=root, **settings)
+    async with session as (_, client, info):
         await _warm_up(client, args, info.vocab_size)
-        before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+        before = await read_metrics(client)
         sampler = MetricsSampler(client, args.sample_interval)
         sampling = asyncio.create_task(sampler.run())
         start = time.perf_counter()
@@ -331,7 +256,7 @@ async def run_engine(
         results = list(await asyncio.gather(*(h.result() for h in handles)))
         wall_s = time.perf_counter() - start
         sampling.cancel()
-        after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+        after = await read_metrics(client)
         final = {name: value - before.get(name, 0.0) for name, value in after.items()}  # counters
     check_outputs(run, workload, results)
     trace = None
@@ -573,21 +498,14 @@ def print_comparison(comparison: dict[str, Any]) -> None:
             cells.append(
                 [f"{label} #{k + 1}", f"{before:.1f}", f"{candidate:.1f}", f"{after:.1f}", f"{ratio:.3f}"]
             )
-    print(f"baseline: {comparison['baseline'] or '(the flags)'}; candidate: {comparison['candidate']}")
+    sides = [comparison[role] or "(the flags as given)" for role in ("baseline", "candidate")]
+    print(f"baseline: {sides[0]}; candidate: {sides[1]}")
     print(format_table(columns, cells))
     out = comparison["output_tokens_per_s"]
     print(
         f"out tok/s: candidate / baseline {out['ratio']:.3f} ({out['ratio'] - 1:+.1%}); the baselines' own "
         f"spread {out['baseline_spread']:.1%} (a ratio within it of 1 is noise)"
     )
-
-
-def resolve_model(model: str | None) -> Path:
-    if model is not None:
-        return Path(model)
-    from scripts.make_model import make_model
-
-    return make_model(DEFAULT_MODEL, preset="tiny", seed=0)  # does nothing when it is there already
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -623,21 +541,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "record": run_record(__file__, argv),
         "model": str(model_dir),
-        "workload": {
-            k: getattr(args, k)
-            for k in (
-                "num_requests",
-                "min_prompt_len",
-                "max_prompt_len",
-                "min_output_len",
-                "max_output_len",
-                "seed",
-                "num_kv_blocks",
-                "max_num_seqs",
-                "max_num_batched_tokens",
-                "device",
-            )
-        },
+        "workload": {k: getattr(args, k) for k in WORKLOAD_KEYS},
         "requests": [{"prompt_len": len(r.prompt_token_ids), "output_len": r.output_len} for r in workload],
         "runs": runs,
         "peers": peers,

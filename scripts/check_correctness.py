@@ -32,8 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common.messages import SamplingParams, SubmitRequest  # noqa: E402
-from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
-from scripts._bench import add_worker_flags, run_record, worker_config, write_json  # noqa: E402
+from scripts._bench import add_worker_flags, in_process_scheduler, run_record, worker_config, write_json  # noqa: E402
 from scripts.train_synthetic import SyntheticLanguage  # noqa: E402
 from worker.inputs import BlockTableArray, build_inputs  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
@@ -60,12 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Every prompt's greedy tokens, all prompts batched by the scheduler core."""
-    settings = SchedulerSettings(
-        num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size, max_model_len=runner.max_model_len,
-        vocab_size=runner.vocab_size, eos_token_ids=tuple(runner.eos_token_ids), max_num_seqs=len(prompts),
-        max_num_batched_tokens=8192,
-    )  # fmt: skip
-    scheduler = Scheduler(settings)
+    scheduler = in_process_scheduler(runner, max_num_seqs=len(prompts))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     for i, prompt in enumerate(prompts):
         assert scheduler.add_request(b"check", SubmitRequest(str(i), prompt, params)) is None

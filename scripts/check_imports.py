@@ -61,38 +61,21 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
-    """Every elementary cycle's strongly connected set of modules, as sorted tuples (Tarjan's algorithm)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[tuple[str, ...]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                components.append(tuple(sorted(component)))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return sorted(components)
+    """The groups of modules that import each other, directly or through others (each a sorted tuple)."""
+    reach: dict[str, set[str]] = {}
+    for start in graph:
+        seen: set[str] = set()
+        todo = list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph.get(m, ()))
+        reach[start] = seen
+    groups = {
+        tuple(sorted({v} | {w for w in reach[v] if v in reach.get(w, ())})) for v in graph if v in reach[v]
+    }
+    return sorted(groups)
 
 
 def oversized_files(root: Path = ROOT, limit: int = MAX_LINES) -> dict[str, int]:
