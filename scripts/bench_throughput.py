@@ -70,6 +70,7 @@ from scripts._bench import (  # noqa: E402
     engine_session,
     engine_settings,
     format_table,
+    git_commit,
     make_workload,
     read_metrics,
     resolve_model,
@@ -480,7 +481,7 @@ def run_bracketed(
         run = str(side.get("run", args.runs[0]))
         root = Path(side.get("tree", ROOT))  # type: ignore[arg-type]
         row = asyncio.run(run_engine(side_args, model_dir, run, workload, log_root / f"{i}-{role}", root))
-        rows.append(row | {"role": role, "side": text})
+        rows.append(row | {"role": role, "side": text, "commit": git_commit(root)})
     comparison: dict[str, Any] = {"baseline": sides["baseline"][0], "candidate": sides["candidate"][0]}
     for metric in ("output_tokens_per_s", "total_tokens_per_s"):
         comparison[metric] = Bracketed(tuple((r["role"], r[metric]) for r in rows)).summary()

@@ -123,6 +123,7 @@ def test_compare_brackets_the_candidate_between_baseline_runs_in_one_call(
     assert [r["role"] for r in runs] == ["baseline", "candidate", "baseline"]
     assert [r["num_kv_blocks"] for r in runs] == [24, 32, 24]
     assert all(r["name"] == "paged" and r["completed"] == 6 for r in runs)
+    assert runs[0]["commit"] == runs[1]["commit"] == report["record"]["commit"]  # the same checkout
     comparison = report["comparison"]
     assert (comparison["baseline"], comparison["candidate"]) == (
         "num_kv_blocks=24",
