@@ -13,338 +13,31 @@ over several programs ("flash decoding"). In decode batches the last split progr
 head) to finish, found through an atomic counter, combines the partial results in the same launch; prefill
 and mixed batches with splits (only when asked for) combine them in a second kernel. A mixed batch's
 leading decodes (given as `num_decode_seqs`) take the decode path, in a launch of their own.
+
+The tiles and split counts come from `kernels/attention_config.py`; the jitted helpers the kernel calls (tile
+loops, the in-launch combine) from `kernels/attention_tiles.py`.
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_config import (
+    FP8_DOTS_IN_FP16,
+    AttentionConfig,
+    choose_num_splits,
+    decode_config,
+    prefill_config,
+)
+from kernels.attention_tiles import (
+    attend_decode_tile,
+    attend_decode_tiles_prefetched,
+    attend_tiles,
+    combine_group,
+)
 from kernels.reference import is_fp8
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    """Tile shape and launch options of the attention kernel."""
-
-    block_m: int  # query rows per program (tokens x query heads of one KV group), a power of 2 >= 16
-    tile_n: int  # cached tokens per inner iteration, a power of 2 >= 16
-    num_warps: int
-    num_stages: int
-    # Decode only: each program loads its next K/V tile into registers before the current tile's math (one
-    # tile ahead, by hand) instead of through the compiler's shared-memory pipeline (num_stages then 1).
-    register_prefetch: bool = False
-
-
-# Tiles and split counts picked from sweeps on an H100 and an H200 (docs/kernels.md).
-DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=2)
-# Split-KV decode (few programs, each reading a short stretch): tiles of 8 KB per KV head prefetched one
-# ahead in registers. H100, bf16, against DECODE_CONFIG: head size 128 (32-token tiles) batch 1 x 8k 18.6 ->
-# 17.4 us, 1 x 2k 9.5 -> 8.5, 8 x 512 11.8 -> 10.7, 8 x 2k 29.2 -> 28.2, 64 x 8k 720 -> 712; head size 64
-# (64-token tiles) 1 x 8k 13.0 -> 11.3, 1 x 2k 8.1 -> 6.5, 8 x 2k 17.7 -> 17.1, and the same tiles over FP8
-# caches 1 x 8k 12.3 -> 10.0, 1 x 2k 7.5 -> 6.1. Unsplit batches lost 6% with them (256 x 2k), and FP8 caches
-# at head size 128 5-32% at batch 8-64, so those keep the shared-memory pipeline.
-DECODE_SPLIT_CONFIG = AttentionConfig(
-    block_m=16, tile_n=32, num_warps=4, num_stages=1, register_prefetch=True
-)
-DECODE_SPLIT_CONFIG_SMALL_HEADS = AttentionConfig(
-    block_m=16, tile_n=64, num_warps=4, num_stages=1, register_prefetch=True
-)
-PREFILL_CONFIG = AttentionConfig(block_m=128, tile_n=32, num_warps=4, num_stages=3)
-# Head size <= 64: half the bytes per row, so longer KV tiles and more, shorter query blocks (H100: batched
-# prompts of 512-4096 tokens 24-27% faster than the tiles above, single prompts 18-33%; docs/kernels.md).
-PREFILL_CONFIG_SMALL_HEADS = AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=2)
-# FP8 caches at head sizes above 64: tiles of 128 tokens (the bytes of a bf16 tile of 64) and 3 stages.
-# H100, head size 128: batch 256 x 8k 2232 -> 1586 us, 64 x 2k 135 -> 117, 1 x 8k 15.8 -> 14.5 against the
-# bf16 tiles; at head size 64 they won at batch 256 and lost at 8-64: DECODE_CONFIG there (docs/kernels.md).
-DECODE_CONFIG_FP8 = AttentionConfig(block_m=16, tile_n=128, num_warps=4, num_stages=3)
-# Prefill over FP8 caches: every query block converts the K/V tiles it reads, so longer tiles and (at head
-# size 64) taller query blocks with 8 warps. H100, 16k prompt tokens: head size 128 1k 591 -> 550 us, 4k
-# 1954 -> 1730, one 8k prompt 1831 -> 1620; head size 64 1k 316 -> 291, 4k 1045 -> 928 (docs/kernels.md).
-PREFILL_CONFIG_FP8 = AttentionConfig(block_m=128, tile_n=64, num_warps=4, num_stages=3)
-PREFILL_CONFIG_FP8_SMALL_HEADS = AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=2)
-
-
-def decode_config(head_dim: int, fp8: bool, split: bool = False) -> AttentionConfig:
-    """The tiles of the decode path for this head size and cache dtype, split-KV or not."""
-    if fp8 and head_dim > 64:
-        return DECODE_CONFIG_FP8
-    if split:
-        return DECODE_SPLIT_CONFIG if head_dim > 64 else DECODE_SPLIT_CONFIG_SMALL_HEADS
-    return DECODE_CONFIG
-
-
-def prefill_config(head_dim: int, fp8: bool = False) -> AttentionConfig:
-    """The tiles of the prefill / mixed path for this head size and cache dtype."""
-    if fp8:
-        return PREFILL_CONFIG_FP8_SMALL_HEADS if head_dim <= 64 else PREFILL_CONFIG_FP8
-    return PREFILL_CONFIG_SMALL_HEADS if head_dim <= 64 else PREFILL_CONFIG
-
-
-# Split-KV: about this many decode programs per multiprocessor, each split holding at least
-# _MIN_SPLIT_TOKENS; at head sizes above 64, batches of up to twice that many programs still split in two,
-# which shortens the last wave. Split counts are powers of 2 (with the tiles dealt round-robin any count
-# balances, but 33 and 48 splits measured no better than 32 at batch 1 x 8k).
-_SPLIT_PROGRAMS_PER_SM = 4
-# Decode batches combine the splits inside the attention kernel (the last split to finish reduces); False
-# falls back to the separate combine kernel (kept for prefill splits, and for benchmarking the two).
-FUSE_DECODE_COMBINE = True
-_MIN_SPLIT_TOKENS = 128
-_MAX_SPLITS = 32  # H100, batch 1 x 8k: 32 splits beat 64 (docs/kernels.md)
-# FP8 caches with half-precision queries: products in fp16 (the query converted once), whose conversion
-# from e4m3 is one instruction per pair of values on Hopper; bf16 takes a detour through fp32.
-FP8_DOTS_IN_FP16 = True
-
-
-@triton.jit
-def _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT: tl.constexpr):
-    """One tile of online softmax: scores s [BLOCK_M, TILE_N] (log2 units, -inf where masked) and values v
-    [TILE_N, HEAD_DIM] into the running (acc, l, m)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row with nothing visible yet keeps m = -inf; shift by 0 so that exp2 gives 0, never NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE_DOT:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return acc * alpha[:, None] + pv, l_i, m_new
-
-
-@triton.jit
-def _kv_offsets(
-    block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr
-):
-    """[TILE_N, HEAD_DIM] element offsets of one KV head's K (or V) at context positions `pos`."""
-    row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-    return row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
-
-
-@triton.jit
-def _attend_tiles(
-    acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
-    l_i,  # [BLOCK_M] fp32 running sum of exponentials
-    m_i,  # [BLOCK_M] fp32 running max score, log2 units
-    q,  # [BLOCK_M, HEAD_DIM] the program's query rows
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
-    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
-    table_ptr,  # [max_blocks] int32, this sequence's block table row
-    kv_head,
-    q_pos,  # [BLOCK_M] context position of each row's query token
-    kv_len,  # tokens of context the program may read
-    qk_scale,  # softmax scale * log2(e)
-    tile_lo,
-    tile_hi,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    MASKED: tl.constexpr,  # False only for tiles wholly inside every row's causal window
-    IEEE_DOT: tl.constexpr,  # float32 caches: exact float32 products instead of tf32
-):
-    offs_n = tl.arange(0, TILE_N)
-    for t in range(tile_lo, tile_hi):
-        pos = t * TILE_N + offs_n  # [TILE_N] context positions of the tile
-        in_ctx = pos < kv_len
-        if MASKED:
-            block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0)
-        else:
-            block = tl.load(table_ptr + pos // BLOCK_SIZE)
-        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
-        if MASKED:
-            k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
-        else:
-            k = tl.load(k_cache_ptr + kv_offs)
-            v = tl.load(v_cache_ptr + kv_offs)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # FP8 caches: the scales are folded into qk_scale and the output
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale  # [BLOCK_M, TILE_N]
-        if MASKED:
-            s = tl.where(in_ctx[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE: tl.constexpr):
-    """Block ids of context positions `pos`, loaded before the sequence length is known: past the context a
-    block-table row holds anything, so the entry index and the block id are clamped in bounds."""
-    block = tl.load(table_ptr + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1))
-    return tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-
-
-@triton.jit
-def _decode_tile_math(acc, l_i, m_i, q, k, v, in_ctx, qk_scale, IEEE_DOT: tl.constexpr, ZERO_V: tl.constexpr):
-    """One decode tile's scores and online-softmax step. The scores of slots outside the context (`in_ctx`
-    false) are masked; ZERO_V zeroes their values too, for tiles whose loads were not masked (speculative):
-    such slots may hold anything, even NaN, and NaN * 0 is NaN."""
-    k = k.to(q.dtype)  # FP8 caches: the scales are folded into qk_scale and the output
-    v = v.to(q.dtype)
-    if ZERO_V:
-        v = tl.where(in_ctx[:, None], v, 0.0)
-    if IEEE_DOT:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(in_ctx[None, :], s * qk_scale, float("-inf"))  # [BLOCK_M, TILE_N]
-    return _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
-
-
-@triton.jit
-def _attend_decode_tile(
-    acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
-    l_i,  # [BLOCK_M] fp32 running sum of exponentials
-    m_i,  # [BLOCK_M] fp32 running max score, log2 units
-    q,  # [BLOCK_M, HEAD_DIM] the query heads of one KV group, one token
-    k_cache_ptr,
-    v_cache_ptr,
-    table_ptr,  # [max_blocks] int32, this sequence's block table row
-    t,  # the tile
-    kv_head,
-    seq_len,  # tokens of context; the decode token is the last, so it sees all of them
-    qk_scale,
-    max_blocks,  # entries in a block-table row
-    num_blocks,  # blocks in the cache
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    SPECULATIVE: tl.constexpr,  # load without waiting for seq_len: indices clamped in bounds, V zeroed after
-    IEEE_DOT: tl.constexpr,
-):
-    """One K/V tile of a decode token's context. K/V are read by this program only, so they are loaded
-    evict-first (they would only push the split partials and block tables out of the L2)."""
-    pos = t * TILE_N + tl.arange(0, TILE_N)
-    in_ctx = pos < seq_len
-    if SPECULATIVE:
-        block = _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE)
-        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
-        v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
-    else:
-        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0)
-        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
-        v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
-    return _decode_tile_math(acc, l_i, m_i, q, k, v, in_ctx, qk_scale, IEEE_DOT, SPECULATIVE)
-
-
-@triton.jit
-def _attend_decode_tiles_prefetched(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_cache_ptr,
-    v_cache_ptr,
-    table_ptr,
-    first_tile,  # this program's tiles: first_tile, first_tile + step, ... below num_tiles
-    step,
-    num_tiles,
-    kv_head,
-    seq_len,
-    qk_scale,
-    max_blocks,
-    num_blocks,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-):
-    """All of a decode program's tiles, each one's K/V requested into registers before the math of the one
-    before it, and its block-table entries one tile earlier still. The first tile's K/V and the second's
-    entries load speculatively (before seq_len is known); later loads are masked to the context."""
-    offs_n = tl.arange(0, TILE_N)
-    pos = first_tile * TILE_N + offs_n
-    block = _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE)
-    kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
-    k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
-    v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
-    next_block = _speculative_block_ids(table_ptr, pos + step * TILE_N, max_blocks, num_blocks, BLOCK_SIZE)
-    for t in range(first_tile, num_tiles, step):
-        pos = t * TILE_N + offs_n
-        next_pos = pos + step * TILE_N
-        next_in_ctx = next_pos < seq_len
-        kv_offs = _kv_offsets(
-            next_block, next_pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE
-        )
-        next_k = tl.load(
-            k_cache_ptr + kv_offs, mask=next_in_ctx[:, None], other=0.0, eviction_policy="evict_first"
-        )
-        next_v = tl.load(
-            v_cache_ptr + kv_offs, mask=next_in_ctx[:, None], other=0.0, eviction_policy="evict_first"
-        )
-        after_pos = next_pos + step * TILE_N
-        next_block = tl.load(table_ptr + after_pos // BLOCK_SIZE, mask=after_pos < seq_len, other=0)
-        acc, l_i, m_i = _decode_tile_math(acc, l_i, m_i, q, k, v, pos < seq_len, qk_scale, IEEE_DOT, True)
-        k = next_k
-        v = next_v
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _combine_group(
-    out_ptr,  # [T, Hq, HEAD_DIM]
-    part_acc_ptr,  # [T, Hq, SPLITS, HEAD_DIM] fp32
-    part_ml_ptr,  # [T, Hq, SPLITS, 2] fp32
-    row,  # the decode token (= sequence) whose GROUP heads are combined
-    first_head,  # kv_head * GROUP
-    num_heads,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,  # next power of 2 of GROUP
-    SPLITS: tl.constexpr,
-    CHUNK: tl.constexpr,  # splits merged per step, a power of 2
-    HEAD_DIM: tl.constexpr,
-):
-    """Merges the SPLITS partial results of one token's GROUP query heads and writes the output. The loads
-    bypass L1 (.cg): the other splits wrote them from other multiprocessors during this launch."""
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_c = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    g_ok = offs_g < GROUP
-    head_row = row.to(tl.int64) * num_heads + first_head + offs_g  # [GROUP_PAD]
-    m_run = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for c in tl.static_range(0, SPLITS, CHUNK):
-        s_ok = g_ok[:, None] & (c + offs_c[None, :] < SPLITS)  # [GROUP_PAD, CHUNK]
-        part = head_row[:, None] * SPLITS + c + offs_c[None, :]
-        m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
-        a = tl.load(
-            part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-            mask=s_ok[:, :, None], other=0.0, cache_modifier=".cg",
-        )  # fmt: skip
-        m_new = tl.maximum(m_run, tl.max(m, 1))
-        # Empty splits (and padding) have m = -inf and weigh 0; shift by 0 while every one so far is empty.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(m - m_shift[:, None])
-        alpha = tl.exp2(m_run - m_shift)
-        l_run = l_run * alpha + tl.sum(l_s * w, 1)
-        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 1)
-        m_run = m_new
-    out = acc / l_run[:, None]
-    out_offs = row.to(tl.int64) * stride_ot + (first_head + offs_g)[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
 # Arguments that change from call to call: not specialized (on divisibility by 16, or == 1), which would
@@ -388,8 +81,8 @@ def _paged_attention_kernel(
     DOTS_FP16: tl.constexpr = False,  # FP8 caches: the query (and so K, V and the products) in fp16
     FUSED_SPLITS: tl.constexpr = 0,  # > 0 (= num_splits, DECODE_ONLY): the last split combines in place
     GROUP_PAD: tl.constexpr = 1,  # next power of 2 of GROUP (FUSED_SPLITS)
-    COMBINE_CHUNK: tl.constexpr = 1,  # splits merged per step by _combine_group (FUSED_SPLITS)
-    REGISTER_PREFETCH: tl.constexpr = False,  # DECODE_ONLY: _attend_decode_tiles_prefetched
+    COMBINE_CHUNK: tl.constexpr = 1,  # splits merged per step by combine_group (FUSED_SPLITS)
+    REGISTER_PREFETCH: tl.constexpr = False,  # DECODE_ONLY: attend_decode_tiles_prefetched
 ):
     if DECODE_ONLY:
         pid_q = tl.program_id(0)
@@ -458,19 +151,19 @@ def _paged_attention_kernel(
         else:
             step = num_splits
         if REGISTER_PREFETCH:
-            acc, l_i, m_i = _attend_decode_tiles_prefetched(
+            acc, l_i, m_i = attend_decode_tiles_prefetched(
                 acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, split, step, num_tiles, kv_head,
                 kv_len, qk_scale, max_blocks, num_blocks, stride_cb, stride_ct, stride_ch,
                 HEAD_DIM, BLOCK_SIZE, TILE_N, IEEE_DOT,
             )  # fmt: skip
         else:
-            acc, l_i, m_i = _attend_decode_tile(
+            acc, l_i, m_i = attend_decode_tile(
                 acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, split, kv_head, kv_len, qk_scale,
                 max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE, TILE_N, True,
                 IEEE_DOT,
             )  # fmt: skip
             for t in range(split + step, num_tiles, step):
-                acc, l_i, m_i = _attend_decode_tile(
+                acc, l_i, m_i = attend_decode_tile(
                     acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, t, kv_head, kv_len, qk_scale,
                     max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE, TILE_N,
                     False, IEEE_DOT,
@@ -485,12 +178,12 @@ def _paged_attention_kernel(
             tile_hi = num_tiles
         # Tiles ending at or before first_pos are visible to every row: no mask needed there.
         full_hi = tl.maximum(tile_lo, tl.minimum(tile_hi, (first_pos + 1) // TILE_N))
-        acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i = attend_tiles(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
             tile_lo, full_hi, stride_cb, stride_ct, stride_ch,
             HEAD_DIM, BLOCK_SIZE, TILE_N, False, IEEE_DOT,
         )  # fmt: skip
-        acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i = attend_tiles(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
             full_hi, tile_hi, stride_cb, stride_ct, stride_ch,
             HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT,
@@ -512,7 +205,7 @@ def _paged_attention_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == FUSED_SPLITS - 1:
                 tl.store(counter, 0)
-                _combine_group(
+                combine_group(
                     out_ptr, part_acc_ptr, part_ml_ptr, seq, kv_head * GROUP, num_heads, stride_ot, stride_oh,
                     GROUP, GROUP_PAD, FUSED_SPLITS, COMBINE_CHUNK, HEAD_DIM,
                 )  # fmt: skip
@@ -565,32 +258,6 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the CPU interpreter: a few splits, so the automatic choice is exercised there too
-
-
-def choose_num_splits(
-    device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int, head_dim: int
-) -> int:
-    """Splits of the KV range per decode program: enough programs to fill the GPU when the batch is small,
-    none when the batch alone fills it or the contexts are short."""
-    programs = num_seqs * num_kv_heads
-    target = _SPLIT_PROGRAMS_PER_SM * _num_sms(device)
-    splits = min(target // programs, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS)
-    if splits < 2:
-        # Two splits shorten the last wave of a batch a little larger than the GPU holds at once. Programs of
-        # head size 64 take half the shared memory, twice as many run at once and there is no such wave:
-        # splitting them only adds the partials (H100, batch 64-128 at contexts 1k-8k: 90-100% of the copy
-        # rate unsplit against 75-89% in two splits, docs/kernels.md).
-        holds_all = head_dim <= 64
-        short = max_seq_len < 4 * _MIN_SPLIT_TOKENS
-        return 2 if programs < 2 * target and not short and not holds_all else 1
-    return 1 << (splits.bit_length() - 1)
-
-
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -618,6 +285,8 @@ def paged_attention(
     carry one decode token's 1-8 rows through its whole context (docs/kernels.md has the measurement).
     `num_splits` then applies to the rest. An FP8 cache is read as bytes and converted to the query's dtype
     in registers (half the bytes of a bf16 cache); its scales fold into the softmax scale and the output.
+    `config` (default: `decode_config` / `prefill_config` for the path) sets the tiles and, for decode
+    splits, where they are combined (`AttentionConfig.combine`).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -671,7 +340,7 @@ def paged_attention(
         part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, device=query.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out  # unused
-    fused = decode_only and num_splits > 1 and FUSE_DECODE_COMBINE
+    fused = decode_only and num_splits > 1 and cfg.combine == "fused"
     counters = _split_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens  # else unused
     group_pad = triton.next_power_of_2(group)
     # Splits merged per step by the last split: about 8k fp32 partial-output elements in registers at a time.
@@ -693,7 +362,7 @@ def paged_attention(
         COMBINE_CHUNK=combine_chunk if fused else 1, REGISTER_PREFETCH=decode_only and cfg.register_prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1 and not fused:
+    if num_splits > 1 and not fused and not (decode_only and cfg.combine == "none"):
         _combine_splits_kernel[(num_tokens - first_seq, num_heads)](
             out[first_seq:], part_acc[first_seq:], part_ml[first_seq:], num_splits,
             out.stride(0), out.stride(1),

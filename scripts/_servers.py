@@ -42,6 +42,7 @@ class Engine:
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)  # every process's environment, PAGEDSERVE_* settings
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    root: Path = ROOT  # the checkout whose code runs (another worktree: a comparison of two commits)
 
     def start(self, name: str, rank: int = 0) -> subprocess.Popen:
         """Starts `python -m NAME` (again, after it exited: tests restart a worker), logging to KEY.log, where
@@ -52,7 +53,7 @@ class Engine:
         env = self.env | {"PAGEDSERVE_RANK": str(rank)} if rank else self.env
         with open(self.log_dir / f"{key}.log", mode) as log:  # the child holds its own copy of the fd
             self.procs[key] = subprocess.Popen(
-                [sys.executable, "-m", name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, "-m", name], cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT
             )
         return self.procs[key]
 
@@ -79,9 +80,14 @@ class Engine:
 
 
 def start_engine(
-    model_dir: Path, log_dir: Path, processes: tuple[str, ...] = ("scheduler", "worker"), **settings: object
+    model_dir: Path,
+    log_dir: Path,
+    processes: tuple[str, ...] = ("scheduler", "worker"),
+    root: Path = ROOT,
+    **settings: object,
 ) -> Engine:
-    """Starts `python -m NAME` for each of `processes` with PAGEDSERVE_* settings (e.g. num_kv_blocks=64).
+    """Starts `python -m NAME` for each of `processes` with PAGEDSERVE_* settings (e.g. num_kv_blocks=64),
+    from the checkout at `root` (this one by default).
     With `tensor_parallel_size=N`, "worker" starts N ranks (procs "worker", "worker1", ...) that meet at a
     free 127.0.0.1 port.
 
@@ -98,7 +104,7 @@ def start_engine(
     num_ranks = int(settings.get("tensor_parallel_size", 1))  # type: ignore[call-overload]
     if num_ranks > 1:
         env["PAGEDSERVE_DIST_INIT_METHOD"] = f"tcp://127.0.0.1:{free_port()}"
-    engine = Engine(env["PAGEDSERVE_SCHEDULER_ADDRESS"], log_dir, env)
+    engine = Engine(env["PAGEDSERVE_SCHEDULER_ADDRESS"], log_dir, env, root=Path(root))
     for name in processes:
         for rank in range(num_ranks if name == "worker" else 1):
             engine.start(name, rank)

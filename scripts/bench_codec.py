@@ -11,16 +11,13 @@ top logprobs each.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import timeit
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.messages import (
+from common.messages import (  # noqa: E402
     Message,
     NewSequence,
     SamplingParams,
@@ -29,7 +26,8 @@ from common.messages import (
     TokenLogprobs,
     decode,
     encode,
-)  # noqa: E402
+)
+from scripts._bench import format_table, time_repeats, write_json  # noqa: E402
 
 
 def step_plan(num_seqs: int) -> StepPlan:
@@ -68,7 +66,7 @@ def step_output(num_seqs: int, num_logprobs: int) -> StepOutput:
 
 
 def median_us(fn: Callable[[], object], number: int = 2000, repeat: int = 15) -> float:
-    return statistics.median(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+    return time_repeats(fn, repeat, number).median * 1e6
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float | int | str]]:
@@ -85,7 +83,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, float | int | str]]:
         (f"StepOutput, {n} tokens + 5 logprobs", step_output(n, 5)),
     ]
     rows: list[dict[str, float | int | str]] = []
-    print(f"{'message':40s} {'bytes':>7s} {'encode us':>10s} {'decode us':>10s}")
     for name, msg in cases:
         frames = encode(msg)
         assert decode(frames) == msg
@@ -96,9 +93,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float | int | str]]:
             "decode_us": round(median_us(lambda frames=frames: decode(frames)), 2),
         }
         rows.append(row)
-        print(f"{name:40s} {row['bytes']:7d} {row['encode_us']:10.2f} {row['decode_us']:10.2f}")
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(rows, indent=2))
+    cells = [[r["message"], str(r["bytes"]), f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}"] for r in rows]
+    print(format_table(["message", "bytes", "encode us", "decode us"], cells))
+    write_json(args.json_out, rows)
     return rows
 
 

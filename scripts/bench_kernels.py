@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,16 +32,17 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels import cache_ops, reference  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
-from kernels.reference import kv_pool  # noqa: E402
-from kernels.triton_attention import (  # noqa: E402
+from kernels.attention_config import (  # noqa: E402
     DECODE_CONFIG,
     AttentionConfig,
+    SplitCombine,
     choose_num_splits,
     decode_config,
-    paged_attention,
     prefill_config,
 )
+from kernels.reference import is_fp8, kv_pool  # noqa: E402
+from kernels.triton_attention import paged_attention  # noqa: E402
+from scripts._bench import git_commit, write_json  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -154,7 +154,9 @@ def bench_decode(
     device: torch.device,
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
+    combine: SplitCombine | None = None,
 ) -> dict:
+    """`combine` overrides where the splits are combined (the config's default otherwise)."""
     kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
     qo_bytes = 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
     num_sets = _num_sets(kv_bytes)
@@ -166,6 +168,10 @@ def bench_decode(
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     splits = num_splits or choose_num_splits(device, batch, NUM_KV_HEADS, ctx, HEAD_DIM)
+    if combine is not None:
+        config = replace(
+            config or decode_config(HEAD_DIM, is_fp8(k_cache), split=splits > 1), combine=combine
+        )
 
     def call(i: int) -> Callable[[], torch.Tensor]:
         return lambda: paged_attention(
@@ -327,15 +333,6 @@ def _attempt(label: str, fn: Callable[..., dict], *args, **kwargs) -> dict:
         return {"skipped": f"{type(e).__name__}"}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def decode_table(batches: list[int], contexts: list[int], device: torch.device, copy_bw: float) -> list[dict]:
     rows = []
     print("\n| batch | context | splits | triton us | triton TB/s | triton % copy | sdpa us | sdpa % copy |")
@@ -420,7 +417,7 @@ def main() -> None:
         MAX_SETS = 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     res: dict = {
-        "gpu": name, "date": datetime.date.today().isoformat(), "commit": args.commit or _commit(),
+        "gpu": name, "date": datetime.date.today().isoformat(), "commit": args.commit or git_commit(),
         "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "kv_dtype": str(KV_DTYPE),
@@ -444,9 +441,7 @@ def main() -> None:
             res["combine_splits"] = combine_splits(device, copy_bw, args.smoke)
         if not args.smoke and not args.no_extras:
             res["probes"] = _attempt("probes", probes, device)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(res, indent=1))
+        write_json(args.out, res)
         return
     mm = measure_matmul_rate(device, 8192 if not args.smoke else 64)
     res.update(copy_tb_s=copy_bw / 1e12, copy_in_graph_tb_s=copy_bw_graph / 1e12, matmul_tflops=mm / 1e12)
@@ -475,13 +470,10 @@ def main() -> None:
 
     if not args.smoke and not args.cache_ops_only:
         res["probes"] = _attempt("probes", probes, device)
-    if args.out:  # written now and again after the sweep, so a run cut short keeps the main table
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)  # now and again after the sweep, so a run cut short keeps the main table
     if args.sweep:
         res["sweep"] = sweep(device, copy_bw, mm, args.smoke)
-        if args.out:
-            args.out.write_text(json.dumps(res, indent=1))
+        write_json(args.out, res)
 
 
 def combine_splits(device: torch.device, copy_bw: float, smoke: bool) -> dict:
@@ -494,13 +486,8 @@ def combine_splits(device: torch.device, copy_bw: float, smoke: bool) -> dict:
     for b, ctx, counts in shapes:
         for s in counts:
             row: dict = {"batch": b, "ctx": ctx, "splits": s}
-            for fused in (True, False):
-                ta.FUSE_DECODE_COMBINE = fused
-                try:
-                    r = _attempt(f"{b}x{ctx}/{s}", bench_decode, b, ctx, device, num_splits=s)
-                finally:
-                    ta.FUSE_DECODE_COMBINE = True
-                key = "fused" if fused else "separate"
+            for key in ("fused", "separate"):
+                r = _attempt(f"{b}x{ctx}/{s}", bench_decode, b, ctx, device, num_splits=s, combine=key)
                 row[f"{key}_us"] = r.get("us", float("nan"))
                 row[f"{key}_frac"] = r.get("tb_s", float("nan")) * 1e12 / copy_bw
             out.append(row)
@@ -563,21 +550,9 @@ def probes(device: torch.device) -> dict:
     out: dict = {}
     x = torch.zeros(1, device=device)
     out["noop_kernel_us"] = time_per_call([lambda: _noop_kernel[(1,)](x)], device) * 1e6  # graph node
-    real = ta._combine_splits_kernel
-
-    class _Skip:
-        def __getitem__(self, grid: tuple) -> Callable[..., None]:
-            return lambda *a, **k: None
-
     for b, ctx in [(1, 8192), (1, 2048), (8, 2048)]:
         full = bench_decode(b, ctx, device)
-        ta._combine_splits_kernel = _Skip()
-        ta.FUSE_DECODE_COMBINE = False  # the attention kernel without any combine
-        try:
-            alone = bench_decode(b, ctx, device)
-        finally:
-            ta._combine_splits_kernel = real
-            ta.FUSE_DECODE_COMBINE = True
+        alone = bench_decode(b, ctx, device, combine="none")  # the attention kernel without any combine
         row = {"batch": b, "ctx": ctx, "splits": full["num_splits"], "us": full["us"],
                "attention_only_us": alone["us"]}  # fmt: skip
         if b == 1:

@@ -10,11 +10,8 @@ runner can do before its forward pass. Both include the wait for the device and 
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.messages import SamplingParams  # noqa: E402
+from scripts._bench import format_table, run_record, time_repeats, write_json  # noqa: E402
 from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors  # noqa: E402
 
 
@@ -50,15 +48,8 @@ CASES: dict[str, Callable[[random.Random], SamplingRow]] = {
 
 
 def median_seconds(fn: Callable[[], object], iters: int, device: torch.device) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    return time_repeats(fn, iters, sync=sync).median
 
 
 def main() -> None:
@@ -77,7 +68,6 @@ def main() -> None:
 
     results = []
     print(f"batch {args.batch} x vocab {args.vocab}, {dtype}, on {device}")
-    print(f"{'case':<16} {'sample() ms':>12} {'prepared ms':>12}")
     for name, make_row in CASES.items():
         rng = random.Random(0)
         rows = [make_row(rng) for _ in range(args.batch)]
@@ -86,13 +76,11 @@ def main() -> None:
         prepared = median_seconds(
             lambda tensors=tensors: sample_tensors(logits, tensors).start_copy().wait(), args.iters, device
         )
-        print(f"{name:<16} {plain * 1e3:>12.3f} {prepared * 1e3:>12.3f}")
         results.append({"case": name, "sample_ms": plain * 1e3, "prepared_ms": prepared * 1e3})
-
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        report = {"batch": args.batch, "vocab": args.vocab, "dtype": str(dtype), "device": str(device)}
-        args.out.write_text(json.dumps({**report, "results": results}, indent=2) + "\n")
+    cells = [[r["case"], f"{r['sample_ms']:.3f}", f"{r['prepared_ms']:.3f}"] for r in results]
+    print(format_table(["case", "sample() ms", "prepared ms"], cells))
+    report = {"batch": args.batch, "vocab": args.vocab, "dtype": str(dtype), "device": str(device)}
+    write_json(args.out, {**report, "results": results, "record": run_record(__file__)})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ reserving whole lengths up front, against paging's partly filled last blocks. Th
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 from common.messages import SamplingParams, StepOutput, StepPlan, SubmitRequest  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
 from scheduler.settings import SchedulerSettings  # noqa: E402
+from scripts._bench import format_table, write_json  # noqa: E402
 
 
 class SamplingOnlyWorker:
@@ -105,17 +105,15 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     rows = [run(r, args.requests, args.steps, args.seed) for r in args.running]
     rows.append(run(256, args.requests, args.steps, args.seed, kv_policy="reserved"))
-    header = f"{'policy':>8} {'running':>8} {'us/step p50':>12} {'us/step p90':>12} "
-    header += f"{'seqs/step':>10} {'us/seq':>8}"
-    print(header + f" {'KV waste':>9}")
-    for row in rows:
-        print(
-            f"{row['kv_policy']:>8} {row['max_num_seqs']:>8} {row['median_us_per_step']:>12.0f} "
-            f"{row['p90_us_per_step']:>12.0f} {row['mean_scheduled_seqs']:>10.1f} "
-            f"{row['us_per_scheduled_seq']:>8.2f} {row['kv_waste']:>8.1%}"
-        )
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+    columns = ["policy", "running", "us/step p50", "us/step p90", "seqs/step", "us/seq", "KV waste"]
+    cells = [
+        [row["kv_policy"], str(row["max_num_seqs"]), f"{row['median_us_per_step']:.0f}"]
+        + [f"{row['p90_us_per_step']:.0f}", f"{row['mean_scheduled_seqs']:.1f}"]
+        + [f"{row['us_per_scheduled_seq']:.2f}", f"{row['kv_waste']:.1%}"]
+        for row in rows
+    ]
+    print(format_table(columns, cells))
+    write_json(args.json_out, rows)
     for row in rows:
         if row["max_num_seqs"] == 256 and row["kv_policy"] == "paged":
             print(f"256 running: {row['median_us_per_step']:.0f} us/step")

@@ -42,18 +42,24 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from client import AsyncEngineClient, load_tokenizer  # noqa: E402
-from scripts._servers import Engine, free_port, start_engine  # noqa: E402
-from scripts.bench_throughput import (  # noqa: E402
-    DEFAULT_MODEL,
+from client import load_tokenizer  # noqa: E402
+from scripts._bench import (  # noqa: E402
     BenchRequest,
     MetricsSampler,
+    Timing,
+    add_engine_flags,
+    add_workload_flags,
+    check_workload_flags,
+    engine_session,
+    engine_settings,
     format_table,
     make_workload,
-    parse_metrics,
+    read_metrics,
     resolve_model,
-    wait_ready,
+    run_record,
+    write_json,
 )
+from scripts._servers import Engine, free_port  # noqa: E402
 
 STAT_NAMES = ("mean", "p50", "p90", "p99")
 
@@ -94,21 +100,12 @@ def rate_label(rate: float) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--model", default=None, help=f"checkpoint directory; default: {DEFAULT_MODEL} (made if missing)"
-    )
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    add_engine_flags(p)
     p.add_argument("--num-requests", type=int, default=500, help="requests sent at each rate")
     p.add_argument("--rates", default="1,4,16,inf", help="comma-separated requests/s; inf: all at once")
-    p.add_argument("--min-prompt-len", type=int, default=32)
-    p.add_argument("--max-prompt-len", type=int, default=1024)
-    p.add_argument("--min-output-len", type=int, default=16)
-    p.add_argument("--max-output-len", type=int, default=512)
+    add_workload_flags(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the workload, the arrivals and the sampling")
     p.add_argument("--num-warmup", type=int, default=2, help="requests sent (and not measured) first")
-    p.add_argument("--num-kv-blocks", type=int, default=0, help="KV pool; 0: the worker's default")
-    p.add_argument("--max-num-seqs", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
         "--logprobs",
         default="auto",
@@ -116,10 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ask for logprobs, so that tokens without text still stream a chunk; auto: on when the "
         "model's vocabulary is larger than its tokenizer's (random-weight presets)",
     )
-    p.add_argument("--sample-interval", type=float, default=1.0, help="seconds between metrics samples")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
-    p.add_argument("--log-dir", default=None, help="api/scheduler/worker logs go here; default: a temp dir")
-    p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     try:
         args.rates = parse_rates(args.rates)
@@ -127,10 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     if args.num_requests < 1 or args.num_warmup < 0:
         p.error("need --num-requests >= 1 and --num-warmup >= 0")
-    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
-        p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
-    if not 1 <= args.min_output_len <= args.max_output_len:
-        p.error("need 1 <= --min-output-len <= --max-output-len")
+    check_workload_flags(p, args)
     return args
 
 
@@ -147,13 +137,7 @@ def arrival_offsets(num_requests: int, rate: float, rng: random.Random) -> list[
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) with linear interpolation between order statistics; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return Timing(tuple(values)).quantile(q / 100) if values else None
 
 
 def stats_ms(values: Sequence[float]) -> dict[str, float | None]:
@@ -309,54 +293,42 @@ async def run_rates(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Starts the trio once and runs the workload at every rate; returns the per-rate rows and engine info."""
     port = free_port()
-    settings: dict[str, object] = {
-        "host": "127.0.0.1",
-        "port": port,
-        "device": args.device,
-        "num_kv_blocks": args.num_kv_blocks,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "log_level": "warning",  # per-request log lines would cost the api and the scheduler time
-    }
-    engine = start_engine(model_dir, log_dir, ("scheduler", "worker", "api"), **settings)
+    settings = engine_settings(args, host="127.0.0.1", port=port)
     base_url = f"http://127.0.0.1:{port}"
     url = base_url + "/v1/completions"
     rows = []
     # No connection limit: at rate inf every request needs its own connection at once.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, connect=60.0)
-    try:
-        async with (
-            AsyncEngineClient(engine.scheduler_address, detokenize=False) as client,
-            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-        ):
-            info = await wait_ready(client, engine, args.ready_timeout)
-            await wait_healthy(session, base_url, engine, args.ready_timeout)
-            warm, _ = await send_all(session, url, workload[: args.num_warmup], None, args, "warm-up")
-            if any(t.error is not None for t in warm):
-                raise RuntimeError(f"warm-up requests failed: {[t.error for t in warm]}")
-            for rate in args.rates:
-                before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
-                sampler = MetricsSampler(client, args.sample_interval)
-                sampling = asyncio.create_task(sampler.run())
-                label = rate_label(rate)
-                offsets = arrival_offsets(len(workload), rate, random.Random(f"{args.seed}-{label}"))
-                timings, duration_s = await send_all(session, url, workload, offsets, args, f"rate-{label}")
-                sampling.cancel()
-                after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
-                row = summarize(rate, timings, duration_s)
-                row["peak_running"] = sampler.peak("pagedserve_requests_running")
-                row["peak_kv_blocks_used"] = sampler.peak("pagedserve_kv_blocks_used")
-                for name in ("preemptions", "prefix_cache_hits"):
-                    key = f"pagedserve_{name}_total"
-                    row[name] = int(after.get(key, 0) - before.get(key, 0))
-                rows.append(row)
-    except BaseException:
-        for name in engine.procs:
-            print(f"--- {name} log tail ---\n{engine.logs(name)}", file=sys.stderr)
-        raise
-    finally:
-        engine.stop()
+    processes = ("scheduler", "worker", "api")
+    async with (
+        engine_session(model_dir, log_dir, args.ready_timeout, processes, **settings) as (
+            engine,
+            client,
+            info,
+        ),
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+    ):
+        await wait_healthy(session, base_url, engine, args.ready_timeout)
+        warm, _ = await send_all(session, url, workload[: args.num_warmup], None, args, "warm-up")
+        if any(t.error is not None for t in warm):
+            raise RuntimeError(f"warm-up requests failed: {[t.error for t in warm]}")
+        for rate in args.rates:
+            before = await read_metrics(client)
+            sampler = MetricsSampler(client, args.sample_interval)
+            sampling = asyncio.create_task(sampler.run())
+            label = rate_label(rate)
+            offsets = arrival_offsets(len(workload), rate, random.Random(f"{args.seed}-{label}"))
+            timings, duration_s = await send_all(session, url, workload, offsets, args, f"rate-{label}")
+            sampling.cancel()
+            after = await read_metrics(client)
+            row = summarize(rate, timings, duration_s)
+            row["peak_running"] = sampler.peak("pagedserve_requests_running")
+            row["peak_kv_blocks_used"] = sampler.peak("pagedserve_kv_blocks_used")
+            for name in ("preemptions", "prefix_cache_hits"):
+                key = f"pagedserve_{name}_total"
+                row[name] = int(after.get(key, 0) - before.get(key, 0))
+            rows.append(row)
     return rows, {"kv_blocks_total": info.num_kv_blocks, "block_size": info.block_size}
 
 
@@ -418,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "use_logprobs",
     )
     report = {
+        "record": run_record(__file__, argv),
         "benchmark": "serving",
         "model": str(model_dir),
         "workload": {k: getattr(args, k) for k in keys},
@@ -425,8 +398,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "requests": [{"prompt_len": len(r.prompt_token_ids), "output_len": r.output_len} for r in workload],
         "runs": rows,
     }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json_out, report)
     return report
 
 

@@ -41,16 +41,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 
 from client import AsyncEngineClient  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
-from scripts._servers import start_engine  # noqa: E402
-from scripts.bench_serving import arrival_offsets, parse_rates, stats_ms  # noqa: E402
-from scripts.bench_throughput import (  # noqa: E402
-    DEFAULT_MODEL,
+from scripts._bench import (  # noqa: E402
     MetricsSampler,
+    add_engine_flags,
+    engine_session,
+    engine_settings,
     format_table,
-    parse_metrics,
+    read_metrics,
     resolve_model,
-    wait_ready,
+    run_record,
+    write_json,
 )
+from scripts.bench_serving import arrival_offsets, parse_rates, stats_ms  # noqa: E402
 
 PARTS = ("prefix", "parallel")
 
@@ -74,10 +76,7 @@ class JobTiming:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--model", default=None, help=f"checkpoint directory; default: {DEFAULT_MODEL} (made if missing)"
-    )
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    add_engine_flags(p, sample_interval=0.2)
     p.add_argument("--parts", default="prefix,parallel", help=f"comma-separated: {','.join(PARTS)}")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts, the arrivals and the sampling")
     p.add_argument("--prefix-requests", type=int, default=200)
@@ -92,13 +91,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel-n", type=int, default=4)
     p.add_argument("--temperature", type=float, default=1.0, help="parallel part's sampling temperature")
     p.add_argument("--parallel-prefix-caching", action="store_true", help="parallel part: caching on")
-    p.add_argument("--num-kv-blocks", type=int, default=0, help="KV pool; 0: the worker's default")
-    p.add_argument("--max-num-seqs", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--sample-interval", type=float, default=0.2, help="seconds between metrics samples")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
-    p.add_argument("--log-dir", default=None, help="scheduler/worker logs go here; default: a temp dir")
-    p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     args.parts = [s.strip() for s in args.parts.split(",") if s.strip()]
     if not args.parts or any(s not in PARTS for s in args.parts):
@@ -173,14 +165,14 @@ async def measure(
     client: AsyncEngineClient, name: str, jobs: list[Job], offsets: list[float], sample_interval: float
 ) -> dict[str, Any]:
     """Runs `jobs` (job i submitted at offsets[i] s) on a ready engine; checks the lengths and measures."""
-    before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+    before = await read_metrics(client)
     sampler = MetricsSampler(client, sample_interval)
     sampling = asyncio.create_task(sampler.run())
     start = time.perf_counter()
     timings = await asyncio.gather(*(stream_job(client, j, t) for j, t in zip(jobs, offsets, strict=True)))
     wall_s = time.perf_counter() - start
     sampling.cancel()
-    after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
+    after = await read_metrics(client)
     wrong = [
         (i, t.output_lens, t.finish_reasons)
         for i, (j, t) in enumerate(zip(jobs, timings, strict=True))
@@ -240,29 +232,13 @@ async def run_on_engine(
     runs: list[tuple[str, list[Job], list[float]]],
 ) -> tuple[list[dict[str, Any]], int]:
     """Starts a scheduler + worker, warms it up and measures each (name, jobs, offsets) in turn on it."""
-    settings: dict[str, object] = {
-        "device": args.device,
-        "num_kv_blocks": args.num_kv_blocks,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enable_prefix_caching": prefix_caching,
-        "log_level": "warning",
-    }
-    engine = start_engine(model_dir, log_dir, **settings)
-    try:
-        async with AsyncEngineClient(engine.scheduler_address, detokenize=False) as client:
-            info = await wait_ready(client, engine, args.ready_timeout)
-            await warm_up(client, args.vocab_size)
-            rows = []
-            for name, jobs, offsets in runs:
-                row = await measure(client, name, jobs, offsets, args.sample_interval)
-                rows.append(row | {"prefix_caching": prefix_caching})
-    except BaseException:
-        for name in engine.procs:
-            print(f"--- {name} log tail ---\n{engine.logs(name)}", file=sys.stderr)
-        raise
-    finally:
-        engine.stop()
+    settings = engine_settings(args, enable_prefix_caching=prefix_caching)
+    async with engine_session(model_dir, log_dir, args.ready_timeout, **settings) as (_, client, info):
+        await warm_up(client, args.vocab_size)
+        rows = []
+        for name, jobs, offsets in runs:
+            row = await measure(client, name, jobs, offsets, args.sample_interval)
+            rows.append(row | {"prefix_caching": prefix_caching})
     return rows, info.num_kv_blocks
 
 
@@ -319,14 +295,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     settings["request_rate"] = rate
     report = {
+        "record": run_record(__file__, argv),
         "benchmark": "sharing",
         "model": str(model_dir),
         "settings": settings,
         "kv_blocks_total": kv_blocks,
         "runs": rows,
     }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json_out, report)
     return report
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import random
 import statistics
 import sys
@@ -36,10 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 
 import torch  # noqa: E402
 
-from common.config import WorkerConfig  # noqa: E402
 from common.messages import SamplingParams, SubmitRequest, decode, encode  # noqa: E402
-from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
+from scripts._bench import add_worker_flags, in_process_scheduler, worker_config, write_json  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
+
+# The worker's own flags (--fused-ops, --piecewise-graphs, ...); the rest of its config follows the workload.
+WORKER_FLAGS = ("model", "device", "fused_ops", "piecewise_graphs")
 
 
 def _sync(device: torch.device) -> None:
@@ -102,31 +103,20 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
     max_len = max(args.context, args.prefill_len) + max_tokens + 16
     max_num_seqs = args.batch + (args.steps + args.kernels + 3 if args.prefill_len else 0)
     num_blocks = max_num_seqs * -(-max_len // bs) + 16
-    cfg = WorkerConfig(
-        model=args.model,
-        device=args.device,
+    cfg = worker_config(
+        args,
+        WORKER_FLAGS,
         num_kv_blocks=num_blocks,
         swap_space=0,
         max_model_len=max_len if args.device == "cpu" else 0,
         max_num_seqs=max_num_seqs,
         enforce_eager=mode == "eager",
-        fused_ops=args.fused_ops,
-        piecewise_graphs=args.piecewise_graphs,
     )
     started = time.monotonic()
     runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend)
     startup_s = time.monotonic() - started
-    core = Scheduler(
-        SchedulerSettings(
-            num_kv_blocks=num_blocks,
-            block_size=bs,
-            max_model_len=runner.max_model_len,
-            vocab_size=runner.vocab_size,
-            eos_token_ids=tuple(runner.eos_token_ids),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
-    )
+    core = in_process_scheduler(runner, max_num_seqs, args.max_num_batched_tokens)
+    assert (runner.num_kv_blocks, runner.block_size) == (num_blocks, bs)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -216,8 +206,7 @@ def print_kernels(r: dict, top: int = 12) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/tiny-llama")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_worker_flags(p, WORKER_FLAGS, device="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
@@ -225,18 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="graphs,eager", help="graphs,eager (graphs needs CUDA)")
     p.add_argument(
         "--prefill-len", type=int, default=0, help="time mixed steps: the decodes and one prefill this long"
-    )
-    p.add_argument(
-        "--fused-ops",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul (default: on with CUDA)",
-    )
-    p.add_argument(
-        "--piecewise-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="mode graphs: piecewise graphs for the mixed steps (--prefill-len) too (default: on)",
     )
     p.add_argument(
         "--kernels", type=int, default=0, help="profile N more steps and report GPU time per kernel (CUDA)"
@@ -263,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if r["kernels"]:
             print_kernels(r)
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    if args.json_out:
-        args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.json_out, results)
     return 0
 
 

@@ -22,7 +22,23 @@ seconds: KV waste (1 - slots used / slots allocated, averaged over samples with 
 of running requests; preemptions are read at the end. `--peers hf-static,hf-continuous` also runs
 transformers (static batching with left padding; its paged continuous batching, which on the CPU needs
 psutil) on the first `--peer-requests` requests.
-The table goes to stdout; `--json-out` also writes everything as JSON.
+The table goes to stdout; `--json-out` also writes everything as JSON (with the date, GPU, commit and
+command line).
+
+Comparisons are bracketed: `--compare BASELINE CANDIDATE` runs the one run (`--runs` / `--kv-policy`) with
+the baseline's settings before and after every candidate run, all in this call (A B A; `--repeats 2`:
+A B A B A), and prints each candidate beside the baselines around it, its ratio to their mean, and the
+baselines' own spread: a ratio within that spread of 1 is noise, not a difference. A side is
+`KEY=VALUE[,KEY=VALUE]` over `COMPARE_KEYS`, e.g. `kv_cache_dtype=fp8`, `run=paged-sync`, or
+`tree=/tmp/base` for another checkout (`git worktree add /tmp/base COMMIT`) to compare two commits. The FP8
+KV rows of docs/benchmarks.md (Llama-3.2-1B shape at /tmp/m1b; same tokens, then same bytes), on a GPU:
+
+    python3 scripts/bench_throughput.py --model /tmp/m1b --device cuda --num-requests 1000 \
+        --num-kv-blocks 8192 --max-model-len 2048 --runs paged --repeats 2 \
+        --compare kv_cache_dtype=auto kv_cache_dtype=fp8 --json-out fp8-same-tokens.json
+    python3 scripts/bench_throughput.py --model /tmp/m1b --device cuda --num-requests 1000 \
+        --max-model-len 2048 --runs paged --repeats 2 \
+        --compare kv_cache_dtype=auto,num_kv_blocks=8192 kv_cache_dtype=fp8,num_kv_blocks=16384
 """
 
 from __future__ import annotations
@@ -31,23 +47,40 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
 from client import AsyncEngineClient, RequestResult  # noqa: E402
-from common.messages import InfoReply, SamplingParams  # noqa: E402
-from scripts._servers import ROOT, Engine, start_engine  # noqa: E402
+from common.messages import SamplingParams  # noqa: E402
+from scripts._bench import (  # noqa: E402
+    BenchRequest,
+    Bracketed,
+    MetricsSampler,
+    add_engine_flags,
+    add_workload_flags,
+    bracket_order,
+    cell,
+    check_workload_flags,
+    engine_session,
+    engine_settings,
+    format_table,
+    git_commit,
+    make_workload,
+    read_metrics,
+    resolve_model,
+    run_record,
+    write_json,
+)
+from scripts._servers import ROOT  # noqa: E402
 from worker.step_trace import read_trace  # noqa: E402
 from worker.step_trace import summarize as summarize_trace  # noqa: E402
 
-DEFAULT_MODEL = ROOT / "models" / "tiny-llama"
 POLICIES = ("paged", "reserved", "reserved-max")
 # run name -> (kv policy, async scheduling, fused elementwise kernels (None: the worker's default), piecewise
 # CUDA graphs for prefill and mixed steps)
@@ -57,27 +90,28 @@ RUNS: dict[str, tuple[str, bool, bool | None, bool]] = {
     "paged-unfused": ("paged", True, False, True),
     "paged-eager-mixed": ("paged", True, None, False),
 }
+# What one side of `--compare` may set, and how its value is read.
+COMPARE_KEYS: dict[str, Callable[[str], object]] = {
+    "run": str,  # a name of RUNS
+    "kv_cache_dtype": str,
+    "num_kv_blocks": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "max_model_len": int,
+    "tree": Path,  # another checkout (e.g. `git worktree add /tmp/base COMMIT`) whose processes run
+}
 PEERS = ("hf-static", "hf-continuous")
+# The settings the JSON's "workload" records.
+WORKLOAD_KEYS = """num_requests min_prompt_len max_prompt_len min_output_len max_output_len seed num_kv_blocks
+max_num_seqs max_num_batched_tokens device""".split()
 _NEEDS_PSUTIL = "hf-continuous on the CPU needs psutil: transformers checks the free memory through it"
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_token_ids: list[int]
-    output_len: int  # max_tokens with ignore_eos: exactly this many tokens come back
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--model", default=None, help=f"checkpoint directory; default: {DEFAULT_MODEL} (made if missing)"
-    )
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    add_engine_flags(p)
     p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--min-prompt-len", type=int, default=32)
-    p.add_argument("--max-prompt-len", type=int, default=1024)
-    p.add_argument("--min-output-len", type=int, default=16)
-    p.add_argument("--max-output-len", type=int, default=512)
+    add_workload_flags(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the sampling")
     p.add_argument(
         "--num-warmup",
@@ -87,17 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it meets first; the compile would otherwise land in the first run's time)",
     )
     p.add_argument(
-        "--num-kv-blocks", type=int, default=0, help="KV pool of every run; 0: the worker's default"
-    )
-    p.add_argument("--max-num-seqs", type=int, default=512)
-    p.add_argument(
         "--max-model-len",
         type=int,
         default=0,
         help="every run's max_model_len (what reserved-max claims per request); 0: the model's own limit",
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks, one GPU each")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -107,6 +136,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
     )
     p.add_argument("--runs", default=None, help=f"comma-separated runs, one after another: {','.join(RUNS)}")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("BASELINE", "CANDIDATE"),
+        default=None,
+        help="bracketed comparison of two settings of the one run, each KEY=VALUE[,KEY=VALUE] with KEY in "
+        f"{','.join(COMPARE_KEYS)}: the baseline runs before and after every candidate run",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="--compare: candidate runs (1: A B A, 2: A B A B A, ...)"
+    )
     p.add_argument("--peers", default="", help=f"comma-separated transformers baselines: {','.join(PEERS)}")
     p.add_argument("--peer-requests", type=int, default=128, help="the peers run the first N requests")
     p.add_argument(
@@ -114,10 +154,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="32",
         help="hf-static's batch size; a comma-separated list runs it once per size (32,128: the best of two)",
     )
-    p.add_argument("--sample-interval", type=float, default=1.0, help="seconds between metrics samples")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
-    p.add_argument("--log-dir", default=None, help="scheduler/worker logs go here; default: a temp dir")
-    p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     p.add_argument(
         "--step-trace",
         action="store_true",
@@ -135,81 +171,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--peer-batch-size: at least one size, each >= 1")
     for bad in [r for r in args.runs if r not in RUNS] + [r for r in args.peers if r not in PEERS]:
         p.error(f"unknown run or peer {bad!r}")
+    if args.compare:
+        try:
+            args.compare = [(text, parse_side(text)) for text in args.compare]
+        except ValueError as e:
+            p.error(f"--compare: {e}")
+        if len(args.runs) != 1 or args.repeats < 1:
+            p.error("--compare brackets one run (--runs or --kv-policy names it), --repeats >= 1")
+        for bad in [side["run"] for _, side in args.compare if side.get("run", args.runs[0]) not in RUNS]:
+            p.error(f"--compare: unknown run {bad!r}")
     if "hf-continuous" in args.peers and args.device == "cpu" and importlib.util.find_spec("psutil") is None:
         p.error(_NEEDS_PSUTIL)
-    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
-        p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
-    if not 1 <= args.min_output_len <= args.max_output_len:
-        p.error("need 1 <= --min-output-len <= --max-output-len")
+    check_workload_flags(p, args)
     return args
 
 
-def make_workload(
-    args: argparse.Namespace, vocab_size: int, num_requests: int | None = None, seed: int | None = None
-) -> list[BenchRequest]:
-    """`--num-requests` requests of the flags' length ranges, drawn from `--seed` (or as many / as seeded)."""
-    rng = random.Random(args.seed if seed is None else seed)
-    workload = []
-    for _ in range(args.num_requests if num_requests is None else num_requests):
-        prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
-        output_len = rng.randint(args.min_output_len, args.max_output_len)
-        workload.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
-    return workload
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """The unlabelled samples of Prometheus text (`name value` lines)."""
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
-class MetricsSampler:
-    """Reads the scheduler's metrics every `interval` seconds until cancelled."""
-
-    def __init__(self, client: AsyncEngineClient, interval: float) -> None:
-        self.client = client
-        self.interval = interval
-        self.samples: list[dict[str, float]] = []
-
-    async def run(self) -> None:
-        while True:
-            try:
-                info = await self.client.info(timeout=5.0)
-                self.samples.append(parse_metrics(info.metrics_text))
-            except TimeoutError:
-                pass  # a busy scheduler: skip this sample
-            await asyncio.sleep(self.interval)
-
-    def mean_kv_waste(self) -> float | None:
-        """1 - used / allocated KV slots, averaged over samples that had any allocated; None without one."""
-        wastes = [
-            1.0 - s["pagedserve_kv_slots_used"] / s["pagedserve_kv_slots_allocated"]
-            for s in self.samples
-            if s.get("pagedserve_kv_slots_allocated", 0) > 0
-        ]
-        return sum(wastes) / len(wastes) if wastes else None
-
-    def peak(self, name: str) -> int:
-        return int(max((s.get(name, 0) for s in self.samples), default=0))
-
-
-async def wait_ready(client: AsyncEngineClient, engine: Engine, timeout_s: float) -> InfoReply:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        engine.check_alive()
-        try:
-            info = await client.info(timeout=2.0)
-            if info.ready:
-                return info
-        except TimeoutError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the worker was not ready within {timeout_s:.0f} s:\n{engine.logs('worker')}")
-        await asyncio.sleep(0.2)
+def parse_side(text: str) -> dict[str, object]:
+    """One side of `--compare`: `KEY=VALUE[,KEY=VALUE]` (an empty text: the flags as they are)."""
+    side: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in COMPARE_KEYS:
+            raise ValueError(f"{item!r} is not KEY=VALUE with KEY in {', '.join(COMPARE_KEYS)}")
+        side[key] = COMPARE_KEYS[key](value)
+    return side
 
 
 async def _warm_up(client: AsyncEngineClient, args: argparse.Namespace, vocab_size: int) -> None:
@@ -237,49 +222,43 @@ def check_outputs(name: str, workload: list[BenchRequest], results: list[Request
 
 
 async def run_engine(
-    args: argparse.Namespace, model_dir: Path, run: str, workload: list[BenchRequest], log_dir: Path
+    args: argparse.Namespace,
+    model_dir: Path,
+    run: str,
+    workload: list[BenchRequest],
+    log_dir: Path,
+    root: Path = ROOT,
 ) -> dict[str, Any]:
-    """One run: start scheduler + worker as `run` says, submit the whole workload at once, measure."""
+    """One run: start scheduler + worker (of the checkout at `root`) as `run` says, submit the whole
+    workload at once, measure."""
     policy, async_scheduling, fused_ops, piecewise_graphs = RUNS[run]
-    settings: dict[str, object] = {
-        "kv_policy": policy,
-        "async_scheduling": async_scheduling,
-        "fused_ops": fused_ops,
-        "piecewise_graphs": piecewise_graphs,
-        "device": args.device,
-        "num_kv_blocks": args.num_kv_blocks,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "log_level": "warning",  # per-request log lines would cost the scheduler time
-        "step_trace": str(log_dir / "steps.jsonl") if args.step_trace else None,
-    }
-    engine = start_engine(model_dir, log_dir, **settings)
-    try:
-        async with AsyncEngineClient(engine.scheduler_address, detokenize=False) as client:
-            info = await wait_ready(client, engine, args.ready_timeout)
-            await _warm_up(client, args, info.vocab_size)
-            before = parse_metrics((await client.info(timeout=10.0)).metrics_text)
-            sampler = MetricsSampler(client, args.sample_interval)
-            sampling = asyncio.create_task(sampler.run())
-            start = time.perf_counter()
-            handles = []
-            for i, req in enumerate(workload):
-                params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, seed=args.seed + i)
-                handles.append(await client.submit_one(req.prompt_token_ids, params))
-            results = list(await asyncio.gather(*(h.result() for h in handles)))
-            wall_s = time.perf_counter() - start
-            sampling.cancel()
-            after = parse_metrics((await client.info(timeout=10.0)).metrics_text)
-            final = {name: value - before.get(name, 0.0) for name, value in after.items()}  # counters
-    except BaseException:
-        print(f"--- {run}: scheduler log tail ---\n{engine.logs('scheduler')}", file=sys.stderr)
-        print(f"--- {run}: worker log tail ---\n{engine.logs('worker')}", file=sys.stderr)
-        raise
-    finally:
-        engine.stop()
+    settings = engine_settings(
+        args,
+        kv_policy=policy,
+        async_scheduling=async_scheduling,
+        fused_ops=fused_ops,
+        piecewise_graphs=piecewise_graphs,
+        max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        step_trace=str(log_dir / "steps.jsonl") if args.step_trace else None,
+    )
+    session = engine_session(model_dir, log_dir, args.ready_timeout, root=root, **settings)
+    async with session as (_, client, info):
+        await _warm_up(client, args, info.vocab_size)
+        before = await read_metrics(client)
+        sampler = MetricsSampler(client, args.sample_interval)
+        sampling = asyncio.create_task(sampler.run())
+        start = time.perf_counter()
+        handles = []
+        for i, req in enumerate(workload):
+            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, seed=args.seed + i)
+            handles.append(await client.submit_one(req.prompt_token_ids, params))
+        results = list(await asyncio.gather(*(h.result() for h in handles)))
+        wall_s = time.perf_counter() - start
+        sampling.cancel()
+        after = await read_metrics(client)
+        final = {name: value - before.get(name, 0.0) for name, value in after.items()}  # counters
     check_outputs(run, workload, results)
     trace = None
     if args.step_trace:  # the warm-up's steps come first: skip them
@@ -455,19 +434,8 @@ def _run_hf_continuous(args: argparse.Namespace, model: Any, workload: list[Benc
     return [lengths[str(i)] for i in range(len(workload))]
 
 
-def _cell(value: object) -> str:
-    return "-" if value is None else str(value)
-
-
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
-
-
-def format_table(columns: list[str], rows: list[list[str]]) -> str:
-    """Right-aligned columns under their headers (every benchmark script's table)."""
-    cells = [columns, *rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -478,6 +446,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         waste = row.get("mean_kv_waste")
         steps, gpu_s, decode_gpu_s = row.get("steps"), row.get("gpu_s"), row.get("decode_gpu_s")
         name = row["name"] if row.get("batch_size") is None else f"{row['name']} (batch {row['batch_size']})"
+        name = name if row.get("role") is None else f"{row['role']} {row['side']}"
         cells.append(
             [
                 name,
@@ -487,8 +456,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 f"{row['output_tokens_per_s']:.1f}",
                 f"{row['total_tokens_per_s']:.1f}",
                 "-" if waste is None else f"{waste:.1%}",
-                _cell(row.get("peak_running")),
-                _cell(row.get("preemptions")),
+                cell(row.get("peak_running")),
+                cell(row.get("preemptions")),
                 _percent(row.get("gpu_busy")),
                 _percent(row.get("decode_gpu_busy")),
                 "-" if steps is None else f"{steps} ({row['decode_steps']})",
@@ -498,12 +467,46 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(format_table(columns, cells))
 
 
-def resolve_model(model: str | None) -> Path:
-    if model is not None:
-        return Path(model)
-    from scripts.make_model import make_model
+def run_bracketed(
+    args: argparse.Namespace, model_dir: Path, workload: list[BenchRequest], log_root: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`--compare`: the baseline before and after every candidate run, all in this call (so that a drift of
+    the machine between calls cannot pass for a difference); each run's row, and the comparison."""
+    sides = dict(zip(("baseline", "candidate"), args.compare, strict=True))
+    rows = []
+    for i, role in enumerate(bracket_order(args.repeats)):
+        text, side = sides[role]
+        flags = {k: v for k, v in side.items() if k not in ("run", "tree")}
+        side_args = argparse.Namespace(**(vars(args) | flags))
+        run = str(side.get("run", args.runs[0]))
+        root = Path(side.get("tree", ROOT))  # type: ignore[arg-type]
+        row = asyncio.run(run_engine(side_args, model_dir, run, workload, log_root / f"{i}-{role}", root))
+        rows.append(row | {"role": role, "side": text, "commit": git_commit(root)})
+    comparison: dict[str, Any] = {"baseline": sides["baseline"][0], "candidate": sides["candidate"][0]}
+    for metric in ("output_tokens_per_s", "total_tokens_per_s"):
+        comparison[metric] = Bracketed(tuple((r["role"], r[metric]) for r in rows)).summary()
+    return rows, comparison
 
-    return make_model(DEFAULT_MODEL, preset="tiny", seed=0)  # does nothing when it is there already
+
+def print_comparison(comparison: dict[str, Any]) -> None:
+    """Each candidate run between the baseline runs before and after it, and its ratio to their mean."""
+    columns = ["tok/s", "baseline before", "candidate", "baseline after", "candidate / baselines"]
+    cells = []
+    for metric, label in (("output_tokens_per_s", "out"), ("total_tokens_per_s", "total")):
+        values, ratios = comparison[metric]["values"], comparison[metric]["bracket_ratios"]
+        for k, ratio in enumerate(ratios):
+            before, candidate, after = values[2 * k : 2 * k + 3]
+            cells.append(
+                [f"{label} #{k + 1}", f"{before:.1f}", f"{candidate:.1f}", f"{after:.1f}", f"{ratio:.3f}"]
+            )
+    sides = [comparison[role] or "(the flags as given)" for role in ("baseline", "candidate")]
+    print(f"baseline: {sides[0]}; candidate: {sides[1]}")
+    print(format_table(columns, cells))
+    out = comparison["output_tokens_per_s"]
+    print(
+        f"out tok/s: candidate / baseline {out['ratio']:.3f} ({out['ratio'] - 1:+.1%}); the baselines' own "
+        f"spread {out['baseline_spread']:.1%} (a ratio within it of 1 is noise)"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -512,7 +515,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     workload = make_workload(args, vocab_size)
     log_root = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench-throughput-"))
-    runs = [asyncio.run(run_engine(args, model_dir, p, workload, log_root / p)) for p in args.runs]
+    comparison = None
+    if args.compare:
+        runs, comparison = run_bracketed(args, model_dir, workload, log_root)
+    else:
+        runs = [asyncio.run(run_engine(args, model_dir, p, workload, log_root / p)) for p in args.runs]
     peer_workload = workload[: args.peer_requests]
     peers = [
         run_peer(args, model_dir, peer, peer_workload, size)
@@ -525,34 +532,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"x {runs[0]['block_size']}, model {model_dir.name}"
     )
     print_table(runs + peers)
+    if comparison is not None:
+        print_comparison(comparison)
     traced = [(row["name"], row["step_trace"]) for row in runs if row.get("step_trace")]
     if traced:
         print("decode steps, from the worker's step trace (ms):")
         columns = ["run", *traced[0][1]]
-        print(format_table(columns, [[name, *(_cell(v) for v in t.values())] for name, t in traced]))
+        print(format_table(columns, [[name, *(cell(v) for v in t.values())] for name, t in traced]))
     report = {
+        "record": run_record(__file__, argv),
         "model": str(model_dir),
-        "workload": {
-            k: getattr(args, k)
-            for k in (
-                "num_requests",
-                "min_prompt_len",
-                "max_prompt_len",
-                "min_output_len",
-                "max_output_len",
-                "seed",
-                "num_kv_blocks",
-                "max_num_seqs",
-                "max_num_batched_tokens",
-                "device",
-            )
-        },
+        "workload": {k: getattr(args, k) for k in WORKLOAD_KEYS},
         "requests": [{"prompt_len": len(r.prompt_token_ids), "output_len": r.output_len} for r in workload],
         "runs": runs,
         "peers": peers,
     }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    if comparison is not None:
+        report["comparison"] = comparison
+    write_json(args.json_out, report)
     return report
 
 

@@ -21,7 +21,6 @@ transformers' `generate` runs each prompt alone in the same dtype. Reported:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
@@ -32,33 +31,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common.config import WorkerConfig  # noqa: E402
 from common.messages import SamplingParams, SubmitRequest  # noqa: E402
-from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
+from scripts._bench import add_worker_flags, in_process_scheduler, run_record, worker_config, write_json  # noqa: E402
 from scripts.train_synthetic import SyntheticLanguage  # noqa: E402
 from worker.inputs import BlockTableArray, build_inputs  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 
+# The worker's own flags (--dtype auto: bfloat16 on cuda, float32 on cpu; --kv-cache-dtype fp8; ...).
+WORKER_FLAGS = ("model", "device", "dtype", "fused_ops", "kv_cache_dtype")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on cuda, float32 on cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    add_worker_flags(p, WORKER_FLAGS, required=("model",), device=device)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--min-prompt-len", type=int, default=8)
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--fused-ops",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the worker's Triton RMSNorm, RoPE and SiLU-and-mul (default: on with CUDA)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype", default="auto", help="auto: the model's dtype; fp8: float8 e4m3 KV pools"
-    )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if args.dtype == "auto":
@@ -68,12 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Every prompt's greedy tokens, all prompts batched by the scheduler core."""
-    settings = SchedulerSettings(
-        num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size, max_model_len=runner.max_model_len,
-        vocab_size=runner.vocab_size, eos_token_ids=tuple(runner.eos_token_ids), max_num_seqs=len(prompts),
-        max_num_batched_tokens=8192,
-    )  # fmt: skip
-    scheduler = Scheduler(settings)
+    scheduler = in_process_scheduler(runner, max_num_seqs=len(prompts))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     for i, prompt in enumerate(prompts):
         assert scheduler.add_request(b"check", SubmitRequest(str(i), prompt, params)) is None
@@ -122,10 +108,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     dtype = getattr(torch, args.dtype)
     rng = random.Random(args.seed)
-    config = WorkerConfig(
-        model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts,
-        gpu_memory_utilization=0.5, max_model_len=args.max_prompt_len + args.max_tokens,
-        fused_ops=args.fused_ops, kv_cache_dtype=args.kv_cache_dtype,
+    config = worker_config(
+        args, WORKER_FLAGS, max_num_seqs=args.num_prompts, gpu_memory_utilization=0.5,
+        max_model_len=args.max_prompt_len + args.max_tokens,
     )  # fmt: skip
     backend = "triton" if args.device.startswith("cuda") else "torch"
     runner = ModelRunner(config, attention_backend=backend)
@@ -165,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     floor = sum(a == b for a, b in zip(theirs, exact_greedy, strict=True))
     engine_exact = sum(a == b for a, b in zip(ours, exact_greedy, strict=True))
     report = {
+        "record": run_record(__file__, argv),
         "model": str(Path(args.model).resolve().name),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": args.dtype,
@@ -196,8 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"largest logit difference against float32: engine {max_diff_engine:.4f}, "
         f"transformers {args.dtype} {max_diff_same_dtype:.4f}"
     )
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    write_json(args.json_out, report)
     return report
 
 

@@ -16,9 +16,15 @@ vocabulary decode to nothing.
 from __future__ import annotations
 
 import argparse
+import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
+
+# The lead moves ModelConfig to worker/model_config.py at the merge of issue 26.
+from worker.loader import ModelConfig, RopeScaling  # noqa: E402
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -36,48 +42,75 @@ CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
-class Preset:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int  # 0: the tokenizer's size
-    max_position_embeddings: int
-    rope_scaling: dict[str, float | int] | None  # llama3 scaling parameters; None: plain RoPE
-    dtype: str  # saved weights
-    initializer_range: float
-    model_type: str = "llama"  # or "qwen2", "qwen3"
-    rope_theta: float = 500000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
+class Preset(ModelConfig):
+    """A model shape as the worker reads it back (`ModelConfig`; `vocab_size` 0: the tokenizer's size, the
+    EOS ids the tokenizer's), plus what only the writing of random weights needs."""
+
+    dtype: str = "float32"  # saved weights
+    initializer_range: float = 0.02  # std of the random weights
 
 
-def _llama3_scaling(factor: float, original_max_position_embeddings: int) -> dict[str, float | int]:
-    return {
-        "factor": factor,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": original_max_position_embeddings,
-    }
+def _preset(
+    model_type: str,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    dtype: str,
+    initializer_range: float,
+    rope_scaling: RopeScaling | None = None,
+    tie_word_embeddings: bool = False,
+) -> Preset:
+    """Llama (RoPE theta 500k, eps 1e-5) or Qwen (theta 1e6, eps 1e-6; Qwen2 biases q/k/v, Qwen3 norms
+    q/k)."""
+    llama = model_type == "llama"
+    return Preset(
+        model_type=model_type,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        rms_norm_eps=1e-5 if llama else 1e-6,
+        rope_theta=500000.0 if llama else 1e6,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        qkv_bias=model_type == "qwen2",
+        o_proj_bias=False,
+        qk_norm=model_type == "qwen3",
+        mlp_bias=False,
+        eos_token_ids=(),
+        dtype=dtype,
+        initializer_range=initializer_range,
+    )
+
+
+def _llama3_scaling(factor: float, original_max_position_embeddings: int) -> RopeScaling:
+    return RopeScaling("llama3", factor, 1.0, 4.0, original_max_position_embeddings)
 
 
 PRESETS: dict[str, Preset] = {
     # A larger initializer range than the default 0.02 so that greedy output of a random model varies.
-    "tiny": Preset(128, 4, 4, 2, 32, 344, 0, 2048, _llama3_scaling(8.0, 256), "float32", 0.08),
-    "llama-3.2-1b": Preset(
-        2048, 16, 32, 8, 64, 8192, 128256, 131072, _llama3_scaling(32.0, 8192), "bfloat16", 0.02
+    "tiny": _preset("llama", 128, 4, 4, 2, 32, 344, 0, 2048, "float32", 0.08, _llama3_scaling(8.0, 256)),
+    "llama-3.2-1b": _preset(
+        "llama", 2048, 16, 32, 8, 64, 8192, 128256, 131072, "bfloat16", 0.02, _llama3_scaling(32.0, 8192)
     ),
-    "llama-3-8b": Preset(4096, 32, 32, 8, 128, 14336, 128256, 8192, None, "bfloat16", 0.02),
-    "qwen2-tiny": Preset(128, 4, 4, 2, 32, 344, 0, 2048, None, "float32", 0.08, "qwen2", 1e6, 1e-6),
+    "llama-3-8b": _preset("llama", 4096, 32, 32, 8, 128, 14336, 128256, 8192, "bfloat16", 0.02),
+    "qwen2-tiny": _preset("qwen2", 128, 4, 4, 2, 32, 344, 0, 2048, "float32", 0.08),
     # head_dim 64 with 4 heads: q_size (256) differs from hidden_size, as in the real Qwen3 shapes.
-    "qwen3-tiny": Preset(128, 4, 4, 2, 64, 344, 0, 2048, None, "float32", 0.08, "qwen3", 1e6, 1e-6, True),
-    "qwen2.5-0.5b": Preset(
-        896, 24, 14, 2, 64, 4864, 151936, 32768, None, "bfloat16", 0.02, "qwen2", 1e6, 1e-6, True
+    "qwen3-tiny": _preset("qwen3", 128, 4, 4, 2, 64, 344, 0, 2048, "float32", 0.08, tie_word_embeddings=True),
+    "qwen2.5-0.5b": _preset(
+        "qwen2", 896, 24, 14, 2, 64, 4864, 151936, 32768, "bfloat16", 0.02, tie_word_embeddings=True
     ),
-    "qwen3-0.6b": Preset(
-        1024, 28, 16, 8, 128, 3072, 151936, 40960, None, "bfloat16", 0.02, "qwen3", 1e6, 1e-6, True
+    "qwen3-0.6b": _preset(
+        "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, 40960, "bfloat16", 0.02, tie_word_embeddings=True
     ),
 }
 
@@ -149,7 +182,7 @@ def make_model(
     dtype = getattr(torch, p.dtype)
     rope: dict[str, float | int | str] = {"rope_type": "default", "rope_theta": p.rope_theta}
     if p.rope_scaling is not None:
-        rope.update(p.rope_scaling, rope_type="llama3")
+        rope.update(asdict(p.rope_scaling))
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_throughput import main
+from scripts.bench_throughput import main, parse_args, parse_side
 
 
 @pytest.mark.e2e
@@ -79,3 +79,65 @@ def test_bench_throughput_runs_both_transformers_peers_on_the_cpu(
     # padded to each batch's longest: two batches of 2, then one batch of 4
     assert static2["generated_tokens"] == 2 * max(wanted[:2]) + 2 * max(wanted[2:])
     assert static4["generated_tokens"] == 4 * max(wanted)
+
+
+def test_compare_sides_are_key_value_settings() -> None:
+    assert parse_side("kv_cache_dtype=fp8,num_kv_blocks=16384") == {
+        "kv_cache_dtype": "fp8",
+        "num_kv_blocks": 16384,
+    }
+    assert parse_side("") == {}
+    with pytest.raises(ValueError):
+        parse_side("block_size=32")
+    with pytest.raises(SystemExit):
+        parse_args(["--compare", "run=paged", "run=nonsense"])
+    with pytest.raises(SystemExit):
+        parse_args(["--runs", "paged,reserved", "--compare", "", "run=paged-sync"])
+
+
+@pytest.mark.e2e
+def test_compare_brackets_the_candidate_between_baseline_runs_in_one_call(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--num-requests", "6", "--num-warmup", "2"]
+    argv += [
+        "--min-prompt-len",
+        "4",
+        "--max-prompt-len",
+        "24",
+        "--min-output-len",
+        "4",
+        "--max-output-len",
+        "8",
+    ]
+    argv += ["--sample-interval", "0.05", "--log-dir", str(tmp_path / "logs"), "--json-out", str(out)]
+    # The candidate runs the same code from an explicitly named checkout (this one), with another KV pool.
+    tree = Path(__file__).resolve().parents[1]
+    argv += ["--compare", "num_kv_blocks=24", f"num_kv_blocks=32,tree={tree}"]
+    report = main(argv)
+
+    assert json.loads(out.read_text()) == report
+    assert report["record"]["command"].startswith("python scripts/bench_throughput.py --model")
+    runs = report["runs"]
+    assert [r["role"] for r in runs] == ["baseline", "candidate", "baseline"]
+    assert [r["num_kv_blocks"] for r in runs] == [24, 32, 24]
+    assert all(r["name"] == "paged" and r["completed"] == 6 for r in runs)
+    assert runs[0]["commit"] == runs[1]["commit"] == report["record"]["commit"]  # the same checkout
+    comparison = report["comparison"]
+    assert (comparison["baseline"], comparison["candidate"]) == (
+        "num_kv_blocks=24",
+        f"num_kv_blocks=32,tree={tree}",
+    )
+    out_tok = comparison["output_tokens_per_s"]
+    assert out_tok["values"] == [r["output_tokens_per_s"] for r in runs]
+    mean_base = (runs[0]["output_tokens_per_s"] + runs[2]["output_tokens_per_s"]) / 2
+    assert out_tok["ratio"] == pytest.approx(runs[1]["output_tokens_per_s"] / mean_base, abs=1e-4)
+    assert out_tok["bracket_ratios"] == [out_tok["ratio"]] and out_tok["baseline_spread"] >= 0
+    printed = capsys.readouterr().out
+    assert "baseline before" in printed and "baseline after" in printed and "spread" in printed
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "0-baseline",
+        "1-candidate",
+        "2-baseline",
+    ]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
 from scripts.make_model import PRESETS, SPECIAL_TOKENS, make_model
-from worker.loader import load_model_config
+from worker.loader import ModelConfig, load_model_config
 
 
 def test_tokenizer_round_trips_multibyte_text_and_knows_its_special_tokens(tiny_model_dir: Path) -> None:
@@ -66,3 +67,14 @@ def test_presets_have_consistent_head_shapes() -> None:
             assert p.hidden_size == p.num_heads * p.head_dim, name
         assert p.head_dim % 2 == 0, name
         assert p.num_heads % p.num_kv_heads == 0, name
+
+
+def test_the_loader_reads_back_the_preset_it_was_written_from(tiny_model_dir: Path) -> None:
+    # A preset is the worker's ModelConfig (plus the random weights' dtype and scale): no second description
+    # of a model's shape to keep in line with the loader's.
+    loaded = load_model_config(tiny_model_dir)
+    preset = PRESETS["tiny"]
+    assert isinstance(preset, ModelConfig)
+    expected = {f.name: getattr(preset, f.name) for f in fields(ModelConfig)}
+    expected |= {"vocab_size": loaded.vocab_size, "eos_token_ids": loaded.eos_token_ids}  # the tokenizer's
+    assert {f.name: getattr(loaded, f.name) for f in fields(ModelConfig)} == expected

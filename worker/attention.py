@@ -2,8 +2,10 @@
 
 Every layer hands its new keys and values, its queries, its cache and the step's `AttentionMetadata` to one
 `AttentionBackend.forward`; a backend decides how to store the keys and values and how to attend: "torch"
-is the PyTorch reference (kernels/reference.py, any device), "triton" the Triton kernels (worker/
-attention_triton.py, CUDA), which the worker picks on a GPU.
+is the PyTorch reference (kernels/reference.py, any device), "triton" the Triton kernels (kernels/
+triton_attention.py and kernels/cache_ops.py, CUDA), which the worker picks on a GPU. Both live here, beside
+the interface: the Triton backend imports its kernels when it is made, so the worker imports on machines
+without Triton, and the kernels import nothing from the worker (the dependency goes one way).
 """
 
 from __future__ import annotations
@@ -76,16 +78,50 @@ class TorchReferenceBackend(AttentionBackend):
         )  # fmt: skip
 
 
-def _triton_backend() -> AttentionBackend:
-    # Imported on first use: the worker must import on machines without Triton.
-    from worker.attention_triton import TritonBackend
+class TritonBackend(AttentionBackend):
+    """Paged attention through Triton kernels: the slot-write kernel, then one attention launch per layer.
 
-    return TritonBackend()
+    The kernel picks its path from host-side metadata, with no device sync (so a step can be captured in a
+    CUDA graph): a batch whose chunks are all one token (`max_query_len == 1`) takes the decode path, which
+    splits long contexts over several programs when the batch alone would leave the GPU idle; any other
+    batch (prefills, chunked prefills) takes the unified path; a mixed batch sends its leading decodes down
+    the decode path and the rest down the unified one (two launches). The kernels run on CUDA tensors, or on
+    CPU tensors under TRITON_INTERPRET=1 (slowly; that is how the tests run them).
+    """
+
+    name = "triton"
+    graph_safe = True
+
+    def __init__(self) -> None:
+        # Imported on first use: the worker must import on machines without Triton.
+        from kernels import cache_ops, triton_attention
+
+        self._write_kv = cache_ops.write_kv
+        self._paged_attention = triton_attention.paged_attention
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        self._write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return self._paged_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            num_decode_seqs=meta.num_decode_seqs, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "torch": TorchReferenceBackend,
-    "triton": _triton_backend,
+    "triton": TritonBackend,
 }
 
 

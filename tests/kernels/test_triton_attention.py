@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference, triton_attention
-from kernels.triton_attention import (
+from kernels.attention_config import (
     DECODE_CONFIG,
     DECODE_CONFIG_FP8,
     DECODE_SPLIT_CONFIG,
@@ -16,8 +18,8 @@ from kernels.triton_attention import (
     AttentionConfig,
     choose_num_splits,
     decode_config,
-    paged_attention,
 )
+from kernels.triton_attention import paged_attention
 from tests.kernels.conftest import PagedBatch, assert_close_per_sequence, gpu, make_paged_batch
 
 # Tiles smaller than the defaults, so short test contexts span several query blocks and KV tiles.
@@ -175,6 +177,14 @@ def test_decode_ignores_what_lies_outside_the_contexts(
         num_splits=num_splits, config=config,
     )  # fmt: skip
     assert_close_per_sequence(out, _reference(clean), clean.query_start_loc, clean.query.dtype)
+
+
+@pytest.mark.parametrize("combine", ["fused", "separate"])
+def test_decode_split_combine_is_a_config_choice(device: torch.device, combine: str) -> None:
+    # The combine kernel is chosen through the config (the benchmark compares the two), never a global.
+    batch = make_paged_batch([150, 1, 70], [1, 1, 1], 8, 2, 64, 16, device=device, seed=3)
+    config = replace(decode_config(64, fp8=False, split=True), combine=combine)
+    _run_and_check(batch, num_splits=4, config=config)
 
 
 def test_choose_num_splits_only_when_the_batch_leaves_the_gpu_idle() -> None:

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kernels import cache_ops, reference
+from kernels.attention_config import AttentionConfig
 from kernels.reference import FP8_DTYPE
-from kernels.triton_attention import AttentionConfig, paged_attention
+from kernels.triton_attention import paged_attention
 from tests.kernels.conftest import PagedBatch, gpu, make_paged_batch
 
 SMALL_TILES = AttentionConfig(block_m=32, tile_n=16, num_warps=4, num_stages=2)

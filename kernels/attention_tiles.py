@@ -1,0 +1,259 @@
+"""The Triton building blocks of paged attention: online softmax over K/V tiles read through a block table,
+decode's speculative and register-prefetched tile loops, and the in-launch combine of split-KV partials.
+
+`kernels/triton_attention.py` holds the kernel that calls them and its launcher; `kernels/reference.py` is
+the PyTorch reference both are tested against (`tests/kernels/`). Pointers carry their shapes in comments;
+the caches are `[num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]`, read through their strides.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT: tl.constexpr):
+    """One tile of online softmax: scores s [BLOCK_M, TILE_N] (log2 units, -inf where masked) and values v
+    [TILE_N, HEAD_DIM] into the running (acc, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet keeps m = -inf; shift by 0 so that exp2 gives 0, never NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, l_i, m_new
+
+
+@triton.jit
+def _kv_offsets(
+    block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr
+):
+    """[TILE_N, HEAD_DIM] element offsets of one KV head's K (or V) at context positions `pos`."""
+    row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+    return row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+
+
+@triton.jit
+def attend_tiles(
+    acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
+    l_i,  # [BLOCK_M] fp32 running sum of exponentials
+    m_i,  # [BLOCK_M] fp32 running max score, log2 units
+    q,  # [BLOCK_M, HEAD_DIM] the program's query rows
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
+    table_ptr,  # [max_blocks] int32, this sequence's block table row
+    kv_head,
+    q_pos,  # [BLOCK_M] context position of each row's query token
+    kv_len,  # tokens of context the program may read
+    qk_scale,  # softmax scale * log2(e)
+    tile_lo,
+    tile_hi,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False only for tiles wholly inside every row's causal window
+    IEEE_DOT: tl.constexpr,  # float32 caches: exact float32 products instead of tf32
+):
+    offs_n = tl.arange(0, TILE_N)
+    for t in range(tile_lo, tile_hi):
+        pos = t * TILE_N + offs_n  # [TILE_N] context positions of the tile
+        in_ctx = pos < kv_len
+        if MASKED:
+            block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0)
+        else:
+            block = tl.load(table_ptr + pos // BLOCK_SIZE)
+        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
+        if MASKED:
+            k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_offs)
+            v = tl.load(v_cache_ptr + kv_offs)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # FP8 caches: the scales are folded into qk_scale and the output
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale  # [BLOCK_M, TILE_N]
+        if MASKED:
+            s = tl.where(in_ctx[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE: tl.constexpr):
+    """Block ids of context positions `pos`, loaded before the sequence length is known: past the context a
+    block-table row holds anything, so the entry index and the block id are clamped in bounds."""
+    block = tl.load(table_ptr + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1))
+    return tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+
+
+@triton.jit
+def _decode_tile_math(acc, l_i, m_i, q, k, v, in_ctx, qk_scale, IEEE_DOT: tl.constexpr, ZERO_V: tl.constexpr):
+    """One decode tile's scores and online-softmax step. The scores of slots outside the context (`in_ctx`
+    false) are masked; ZERO_V zeroes their values too, for tiles whose loads were not masked (speculative):
+    such slots may hold anything, even NaN, and NaN * 0 is NaN."""
+    k = k.to(q.dtype)  # FP8 caches: the scales are folded into qk_scale and the output
+    v = v.to(q.dtype)
+    if ZERO_V:
+        v = tl.where(in_ctx[:, None], v, 0.0)
+    if IEEE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(in_ctx[None, :], s * qk_scale, float("-inf"))  # [BLOCK_M, TILE_N]
+    return _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
+
+
+@triton.jit
+def attend_decode_tile(
+    acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
+    l_i,  # [BLOCK_M] fp32 running sum of exponentials
+    m_i,  # [BLOCK_M] fp32 running max score, log2 units
+    q,  # [BLOCK_M, HEAD_DIM] the query heads of one KV group, one token
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,  # [max_blocks] int32, this sequence's block table row
+    t,  # the tile
+    kv_head,
+    seq_len,  # tokens of context; the decode token is the last, so it sees all of them
+    qk_scale,
+    max_blocks,  # entries in a block-table row
+    num_blocks,  # blocks in the cache
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPECULATIVE: tl.constexpr,  # load without waiting for seq_len: indices clamped in bounds, V zeroed after
+    IEEE_DOT: tl.constexpr,
+):
+    """One K/V tile of a decode token's context. K/V are read by this program only, so they are loaded
+    evict-first (they would only push the split partials and block tables out of the L2)."""
+    pos = t * TILE_N + tl.arange(0, TILE_N)
+    in_ctx = pos < seq_len
+    if SPECULATIVE:
+        block = _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE)
+        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
+        k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
+        v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
+    else:
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0)
+        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
+        k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
+    return _decode_tile_math(acc, l_i, m_i, q, k, v, in_ctx, qk_scale, IEEE_DOT, SPECULATIVE)
+
+
+@triton.jit
+def attend_decode_tiles_prefetched(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    first_tile,  # this program's tiles: first_tile, first_tile + step, ... below num_tiles
+    step,
+    num_tiles,
+    kv_head,
+    seq_len,
+    qk_scale,
+    max_blocks,
+    num_blocks,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    """All of a decode program's tiles, each one's K/V requested into registers before the math of the one
+    before it, and its block-table entries one tile earlier still. The first tile's K/V and the second's
+    entries load speculatively (before seq_len is known); later loads are masked to the context."""
+    offs_n = tl.arange(0, TILE_N)
+    pos = first_tile * TILE_N + offs_n
+    block = _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE)
+    kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
+    k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
+    v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
+    next_block = _speculative_block_ids(table_ptr, pos + step * TILE_N, max_blocks, num_blocks, BLOCK_SIZE)
+    for t in range(first_tile, num_tiles, step):
+        pos = t * TILE_N + offs_n
+        next_pos = pos + step * TILE_N
+        next_in_ctx = next_pos < seq_len
+        kv_offs = _kv_offsets(
+            next_block, next_pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE
+        )
+        next_k = tl.load(
+            k_cache_ptr + kv_offs, mask=next_in_ctx[:, None], other=0.0, eviction_policy="evict_first"
+        )
+        next_v = tl.load(
+            v_cache_ptr + kv_offs, mask=next_in_ctx[:, None], other=0.0, eviction_policy="evict_first"
+        )
+        after_pos = next_pos + step * TILE_N
+        next_block = tl.load(table_ptr + after_pos // BLOCK_SIZE, mask=after_pos < seq_len, other=0)
+        acc, l_i, m_i = _decode_tile_math(acc, l_i, m_i, q, k, v, pos < seq_len, qk_scale, IEEE_DOT, True)
+        k = next_k
+        v = next_v
+    return acc, l_i, m_i
+
+
+@triton.jit
+def combine_group(
+    out_ptr,  # [T, Hq, HEAD_DIM]
+    part_acc_ptr,  # [T, Hq, SPLITS, HEAD_DIM] fp32
+    part_ml_ptr,  # [T, Hq, SPLITS, 2] fp32
+    row,  # the decode token (= sequence) whose GROUP heads are combined
+    first_head,  # kv_head * GROUP
+    num_heads,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # next power of 2 of GROUP
+    SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,  # splits merged per step, a power of 2
+    HEAD_DIM: tl.constexpr,
+):
+    """Merges the SPLITS partial results of one token's GROUP query heads and writes the output. The loads
+    bypass L1 (.cg): the other splits wrote them from other multiprocessors during this launch."""
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_ok = offs_g < GROUP
+    head_row = row.to(tl.int64) * num_heads + first_head + offs_g  # [GROUP_PAD]
+    m_run = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for c in tl.static_range(0, SPLITS, CHUNK):
+        s_ok = g_ok[:, None] & (c + offs_c[None, :] < SPLITS)  # [GROUP_PAD, CHUNK]
+        part = head_row[:, None] * SPLITS + c + offs_c[None, :]
+        m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(
+            part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=s_ok[:, :, None], other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        # Empty splits (and padding) have m = -inf and weigh 0; shift by 0 while every one so far is empty.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(m - m_shift[:, None])
+        alpha = tl.exp2(m_run - m_shift)
+        l_run = l_run * alpha + tl.sum(l_s * w, 1)
+        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 1)
+        m_run = m_new
+    out = acc / l_run[:, None]
+    out_offs = row.to(tl.int64) * stride_ot + (first_head + offs_g)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
