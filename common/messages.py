@@ -137,17 +137,14 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
     MAX_BEAM_WIDTH: ClassVar[int] = 16
 
     @property
-    def beam(self) -> bool:
-        """Beam search: each beam reports its top candidates and the scheduler chooses its tokens."""
+    def beam(self) -> bool:  # beam search: a beam reports candidates, the scheduler chooses its tokens
         return self.beam_width > 0
 
     @property
     def num_logprobs(self) -> int:
-        """Candidates the sampler reports per token: -1 none; k >= 0 the sampled token's logprob and the top
-        k. A beam asks for 2 x beam_width, so that W beams always have W unfinished continuations."""
-        if self.beam_width:
-            return 2 * self.beam_width
-        return -1 if self.logprobs is None else self.logprobs
+        """Candidates reported per token: -1 none, else the sampled token's logprob and the top k. A beam
+        asks for 2 x beam_width, so that W beams always have W unfinished continuations."""
+        return 2 * self.beam_width if self.beam_width else -1 if self.logprobs is None else self.logprobs
 
     def validate(self) -> str | None:
         """Returns why these parameters are unusable, or None when they are fine. Every comparison is
