@@ -4,7 +4,7 @@ and its weights into the worker's own modules.
 config.json is read as plain JSON rather than through transformers, so the worker does not depend on how a
 given transformers version normalises it; both the old (`rope_theta` + `rope_scaling`) and the new
 (`rope_parameters`) layouts are understood. What differs between families (attention biases, q/k norms,
-sliding windows, checkpoint names) the family's class says (`attention_flags`, `sliding_window`,
+sliding windows, checkpoint names) the family's class says (`config_fields`, `sliding_window`,
 `weight_map`); this module applies it. The worker has no sliding-window attention; within the window a
 sliding layer attends exactly as a full one does, so a checkpoint whose layers slide is served with
 max_position_embeddings capped to the window.
@@ -148,7 +148,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         eos_token_ids=eos,
-        **family.attention_flags(raw),  # qkv_bias, o_proj_bias, qk_norm
+        **family.config_fields(raw),  # qkv_bias, o_proj_bias, qk_norm and any of the family's own
     )
 
 

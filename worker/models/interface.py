@@ -100,8 +100,10 @@ class CausalLM(nn.Module, ABC):
         self.parallel = parallel or ParallelContext()
 
     @classmethod
-    def attention_flags(cls, raw: dict[str, Any]) -> dict[str, bool]:
-        """ModelConfig's qkv_bias, o_proj_bias and qk_norm from the raw config.json."""
+    def config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """The ModelConfig fields whose reading differs between families (qkv_bias, o_proj_bias, qk_norm),
+        from the raw config.json. A family with a field of its own adds it here, with a default in
+        ModelConfig for the others."""
         bias = bool(raw.get("attention_bias", False))
         return {"qkv_bias": bias, "o_proj_bias": bias, "qk_norm": False}
 

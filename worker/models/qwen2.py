@@ -28,7 +28,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     model_types = ("qwen2",)
 
     @classmethod
-    def attention_flags(cls, raw: dict[str, Any]) -> dict[str, bool]:
+    def config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
         return {"qkv_bias": True, "o_proj_bias": False, "qk_norm": False}
 
     @classmethod

@@ -16,7 +16,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     model_types = ("qwen3",)
 
     @classmethod
-    def attention_flags(cls, raw: dict[str, Any]) -> dict[str, bool]:
+    def config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
         bias = bool(raw.get("attention_bias", False))
         return {"qkv_bias": bias, "o_proj_bias": bias, "qk_norm": True}
 
