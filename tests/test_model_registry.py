@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,11 @@ def test_every_family_matches_transformers_through_the_forward_and_the_pieces(fa
         if piecewise:  # every step fits the largest size: none ran the model's own forward
             assert runner.mixed_graphs.num_runs == 4
         _assert_logits_match_hf(driver, hf, dict(driver.tokens))
+
+
+def test_the_model_code_does_not_import_the_loader() -> None:
+    """The loader finds families through the registry; the model code must not import it back (a loop)."""
+    code = "import sys, worker.models.registry; print('worker.loader' in sys.modules)"
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
