@@ -1,9 +1,9 @@
 """Triton kernels for the model's elementwise chains: RMSNorm (with the residual add before it), RoPE and
 SiLU-and-mul, each one launch where PyTorch runs 2-9 kernels.
 
-Each rounds where the PyTorch ops in worker/model.py round (every op's result goes back to the model dtype,
-RMSNorm's statistics stay in float32), so the results match them to the last bit but for float32
-reductions in another order and the exponential. Their references are those PyTorch ops, in
+Each rounds where the PyTorch ops in worker/models/layers.py round (every op's result goes back to the
+model dtype, RMSNorm's statistics stay in float32), so the results match them to the last bit but for
+float32 reductions in another order and the exponential. Their references are those PyTorch ops, in
 kernels/reference_ops.py (what the model runs when the kernels are off).
 
 The intermediate roundings are integer operations (`_round`): written as a float round trip,

@@ -15,8 +15,8 @@ from common.config import WorkerConfig
 from common.messages import NewSequence, SamplingParams, StepPlan
 from tests.test_model_runner import Driver, _assert_logits_match_hf, make_runner
 from worker.loader import RopeScaling, load_model_config
-from worker.model import rope_inv_freq
 from worker.model_runner import ModelRunner
+from worker.models.layers import rope_inv_freq
 
 
 def _write_config(path: Path, config: dict, generation: dict | None = None) -> Path:

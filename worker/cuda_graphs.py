@@ -22,7 +22,7 @@ import torch
 
 from worker.attention import AttentionMetadata
 from worker.inputs import HostInputs
-from worker.model import KVCache, LlamaModel
+from worker.models.interface import CausalLM, KVCache
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -46,7 +46,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         kv_layers: list[KVCache],
         max_num_seqs: int,
         max_blocks_per_seq: int,
@@ -191,7 +191,7 @@ class MixedGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         kv_layers: list[KVCache],
         max_num_tokens: int,
         device: torch.device,
@@ -199,16 +199,15 @@ class MixedGraphs:
         capture: bool = True,
         show_progress: bool = True,
     ) -> None:
-        assert len(model.layers) > 0
+        assert model.num_layers > 0
         self.model = model
         self.kv_layers = kv_layers
         self.sizes = token_buckets(max_num_tokens, bucket_step)
         n = self.sizes[-1]
-        c = model.layers[0].self_attn.config  # this rank's heads
-        dtype = model.embed_tokens.weight.dtype
+        c = model.attention_shape  # this rank's heads
         self.token_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [N]
-        act = {"dtype": dtype, "device": device}
+        act = {"dtype": model.dtype, "device": device}
         self.residual = torch.zeros(n, model.config.hidden_size, **act)  # [N, H]
         self.q = torch.zeros(n, c.num_heads, c.head_dim, **act)  # [N, Hq, D]
         self.k = torch.zeros(n, c.num_kv_heads, c.head_dim, **act)  # [N, Hkv, D]
@@ -236,11 +235,10 @@ class MixedGraphs:
         if i == 0:
             hidden, residual = m.embed(self.token_ids[:size]), None
         else:
-            hidden, residual = m.layers[i - 1].attention_outputs(self.attended[:size], self.residual[:size])
-        if i == len(m.layers):
-            return m.norm.add(hidden, residual)[0]
-        positions = self.positions[:size]
-        q, k, v, residual = m.layers[i].attention_inputs(positions, hidden, residual, m.rotary_emb)
+            hidden, residual = m.attention_outputs(i - 1, self.attended[:size], self.residual[:size])
+        if i == m.num_layers:
+            return m.final_norm(hidden, residual)
+        q, k, v, residual = m.attention_inputs(i, self.positions[:size], hidden, residual)
         for buf, t in ((self.q, q), (self.k, k), (self.v, v), (self.residual, residual)):
             if t.data_ptr() != buf.data_ptr():  # the fused norm updates the residual buffer in place
                 buf[:size].copy_(t)
@@ -253,7 +251,7 @@ class MixedGraphs:
         # Largest first: the smaller sizes reuse the memory of the larger ones from the shared pool.
         for n, size in enumerate(reversed(self.sizes)):
             graphs = []
-            for i in range(len(self.model.layers) + 1):
+            for i in range(self.model.num_layers + 1):
                 self._piece(i, size)  # warm-up: compiles kernels, allocates their buffers outside the graph
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -279,16 +277,16 @@ class MixedGraphs:
         if size > num_tokens:
             self.token_ids[num_tokens:size].zero_()
             self.positions[num_tokens:size].zero_()
-        layers = self.model.layers
+        num_layers = self.model.num_layers
         hidden = None
-        for i in range(len(layers) + 1):
+        for i in range(num_layers + 1):
             if self.captured:
                 self._graphs[size][i].replay()
             else:
                 hidden = self._piece(i, size)
-            if i < len(layers):
+            if i < num_layers:
                 q, k, v = self.q[:num_tokens], self.k[:num_tokens], self.v[:num_tokens]
-                attended = layers[i].self_attn.attend(q, k, v, self.kv_layers[i], meta)
+                attended = self.model.attend(i, q, k, v, self.kv_layers[i], meta)
                 self.attended[:num_tokens].copy_(attended)
         if self.captured:
             hidden = self._hidden[size]

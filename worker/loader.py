@@ -1,15 +1,13 @@
-"""Reads a local Hugging Face checkpoint of a Llama-like model (Llama, Mistral, Qwen2, Qwen3): its config,
+"""Reads a local Hugging Face checkpoint of a registered model family (worker/models/registry.py): its config,
 and its weights into the worker's own modules.
 
 config.json is read as plain JSON rather than through transformers, so the worker does not depend on how a
 given transformers version normalises it; both the old (`rope_theta` + `rope_scaling`) and the new
-(`rope_parameters`) layouts are understood.
-
-The four families share one forward and differ only in flags: Qwen2 always has a bias on q/k/v and none on
-o_proj (its config has no `attention_bias`); Qwen3 normalises each q and k head before RoPE (`q_norm`,
-`k_norm`). The worker has no sliding-window attention; within the window a sliding layer attends exactly as a
-full one does, so a checkpoint whose layers slide (Mistral v0.1's `sliding_window`, Qwen's
-`use_sliding_window`) is served with max_position_embeddings capped to the window.
+(`rope_parameters`) layouts are understood. What differs between families (attention biases, q/k norms,
+sliding windows, checkpoint names) the family's class says (`config_fields`, `sliding_window`,
+`weight_map`); this module applies it. The worker has no sliding-window attention; within the window a
+sliding layer attends exactly as a full one does, so a checkpoint whose layers slide is served with
+max_position_embeddings capped to the window.
 """
 
 from __future__ import annotations
@@ -23,14 +21,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from worker.models.interface import CausalLM, WeightMap
+from worker.models.registry import BY_MODEL_TYPE, resolve_family
+
 if TYPE_CHECKING:
     from worker.parallel import ParallelContext
 
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Per-layer scales of an FP8 KV cache as quantized checkpoints store them (one number each); without them
-# the scales stay 1.0 (worker/model.py LlamaAttention).
+# the scales stay 1.0 (worker/models/layers.py Attention).
 KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale")
 
 
@@ -49,7 +49,7 @@ class RopeScaling:
 class ModelConfig:
     """The shape and constants of a Llama-like model, as the worker needs them."""
 
-    model_type: str  # one of SUPPORTED_MODEL_TYPES
+    model_type: str  # one of worker/models/registry.py BY_MODEL_TYPE
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -109,26 +109,6 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
-    """The attention window of the checkpoint's sliding layers, or None when every layer sees all tokens."""
-    if model_type == "mistral":
-        window = raw.get("sliding_window")  # null from Mistral v0.2 on; 4096 in v0.1, for every layer
-        return int(window) if window else None
-    if (
-        model_type not in ("qwen2", "qwen3")
-        or not raw.get("use_sliding_window")
-        or not raw.get("sliding_window")
-    ):
-        return None
-    # Qwen slides only in layers from max_window_layers on; transformers 5 also writes them as layer_types.
-    layer_types = raw.get("layer_types")
-    if layer_types is not None:
-        slides = "sliding_attention" in layer_types
-    else:
-        slides = int(raw.get("max_window_layers", 0)) < int(raw["num_hidden_layers"])
-    return int(raw["sliding_window"]) if slides else None
-
-
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """The ModelConfig of the checkpoint in `model_dir` (config.json, and generation_config.json for EOS)."""
     model_dir = Path(model_dir)
@@ -137,11 +117,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face checkpoint directory")
     raw = _read_json(config_path)
     model_type = raw.get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} in {config_path}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    family = resolve_family(raw.get("architectures") or (), model_type, str(config_path))
+    if BY_MODEL_TYPE.get(model_type) is not family:  # found by architecture: the runner finds it by type
+        model_type = family.model_types[0]
     theta, scaling = _rope_settings(raw)
     eos = ()
     gen_path = model_dir / "generation_config.json"
@@ -150,12 +128,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not eos:
         eos = _as_id_list(raw.get("eos_token_id"))
     num_heads = int(raw["num_attention_heads"])
-    if model_type == "qwen2":  # its config has no attention_bias: q/k/v always have a bias, o_proj never
-        qkv_bias, o_proj_bias = True, False
-    else:
-        qkv_bias = o_proj_bias = bool(raw.get("attention_bias", False))
     max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
-    window = _sliding_window(raw, model_type)
+    window = family.sliding_window(raw)
     if window is not None:
         max_position_embeddings = min(max_position_embeddings, window)
     return ModelConfig(
@@ -172,11 +146,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_proj_bias=o_proj_bias,
-        qk_norm=model_type == "qwen3",
         mlp_bias=bool(raw.get("mlp_bias", False)),
         eos_token_ids=eos,
+        **family.config_fields(raw),  # qkv_bias, o_proj_bias, qk_norm and any of the family's own
     )
 
 
@@ -217,67 +189,52 @@ def iter_checkpoint_tensors(
                     yield name, f.get_slice(name)[slices].to(device)
 
 
-# Checkpoint projections that the worker stores fused: (fused parameter, index of the shard within it).
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def _fused_target(name: str) -> tuple[str, int] | None:
-    """('...qkv_proj.weight', shard) for a q/k/v or gate/up checkpoint name, else None."""
+def _fused_target(name: str, weights: WeightMap) -> tuple[str, int] | None:
+    """('...qkv_proj.weight', shard) for a checkpoint name that the model stores fused, else None."""
     parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
-        fused, shard = _FUSED[parts[-2]]
+    if len(parts) >= 2 and parts[-2] in weights.fused:
+        fused, shard = weights.fused[parts[-2]]
         return ".".join(parts[:-2] + [fused, parts[-1]]), shard
     return None
 
 
-def _shard_rows(config: ModelConfig, fused_name: str, shard: int) -> tuple[int, int]:
-    if "qkv_proj" in fused_name:
-        sizes = [config.q_size, config.kv_size, config.kv_size]
-    else:
-        sizes = [config.intermediate_size, config.intermediate_size]
+def _shard_rows(config: ModelConfig, weights: WeightMap, fused_name: str, shard: int) -> tuple[int, int]:
+    sizes = [getattr(config, size) for size in weights.shard_sizes(fused_name.split(".")[-2])]
     start = sum(sizes[:shard])
     return start, start + sizes[shard]
 
 
-def _rank_slices(name: str, local: ModelConfig, vocab_rows: int, rank: int) -> tuple[slice, ...] | None:
+def _rank_slices(
+    name: str, weights: WeightMap, local: ModelConfig, vocab_rows: int, rank: int
+) -> tuple[slice, ...] | None:
     """The part of checkpoint tensor `name` that tensor-parallel rank `rank` holds (None: all of it), given
-    the rank's layer shapes `local` and its rows of the vocabulary. q/k/v and gate/up (weights and biases)
-    are split by output rows, o_proj and down_proj weights by input columns, the embedding and the LM head
+    the rank's layer shapes `local` and its rows of the vocabulary. Column-parallel projections (weights and
+    biases) are split by output rows, row-parallel weights by input columns, the embedding and the LM head
     by vocabulary rows; norms and the row-parallel biases are whole on every rank."""
     parts = name.split(".")
     proj = parts[-2] if len(parts) >= 2 else ""
-    rows = {
-        "q_proj": local.q_size,
-        "k_proj": local.kv_size,
-        "v_proj": local.kv_size,
-        "gate_proj": local.intermediate_size,
-        "up_proj": local.intermediate_size,
-        "embed_tokens": vocab_rows,
-        "lm_head": vocab_rows,
-    }.get(proj)
+    rows = getattr(local, weights.column_parallel[proj]) if proj in weights.column_parallel else None
+    if name in (weights.embedding, weights.lm_head):
+        rows = vocab_rows
     if rows is not None:  # the last vocabulary slice may run past the end: the slice stops there
         return (slice(rank * rows, (rank + 1) * rows),)
-    cols = {"o_proj": local.q_size, "down_proj": local.intermediate_size}.get(proj)
-    if cols is not None and parts[-1] == "weight":
+    if proj in weights.row_parallel and parts[-1] == "weight":
+        cols = getattr(local, weights.row_parallel[proj])
         return (slice(None), slice(rank * cols, (rank + 1) * cols))
     return None
 
 
 def load_weights(
-    model: torch.nn.Module,
+    model: CausalLM,
     config: ModelConfig,
     model_dir: str | Path,
     parallel: ParallelContext | None = None,
 ) -> None:
     """Copies the checkpoint's tensors into `model` (whose parameters are already on the target device and
-    dtype), fusing q/k/v and gate/up, and tying lm_head to the embedding where the checkpoint says so. With
-    a tensor-parallel `parallel` of more than one rank, reads only this rank's shard of each tensor."""
+    dtype) by its family's `weight_map`: fusing q/k/v and gate/up, and tying the LM head to the embedding
+    where the checkpoint says so. With a tensor-parallel `parallel` of more than one rank, reads only this
+    rank's shard of each tensor."""
+    weights = model.weight_map
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
     loaded: set[str] = set()
@@ -288,13 +245,13 @@ def load_weights(
         config = local  # the fused rows below are this rank's
 
         def select(name: str) -> tuple[slice, ...] | None:
-            return _rank_slices(name.removeprefix("model."), local, vocab_rows, parallel.rank)
+            return _rank_slices(name.removeprefix(weights.prefix), weights, local, vocab_rows, parallel.rank)
 
     for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, device, select):
-        name = ckpt_name.removeprefix("model.")
-        if "rotary_emb" in name:  # older checkpoints store inv_freq; the worker computes its own
+        name = ckpt_name.removeprefix(weights.prefix)
+        if any(skipped in name for skipped in weights.skipped):
             continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
+        if name == weights.lm_head and config.tie_word_embeddings:
             continue
         if name.endswith(KV_SCALE_NAMES):  # an FP8 KV cache's per-tensor scales: plain floats on the layer
             if tensor.numel() != 1:  # per-head or per-channel scales: not what the kernels apply
@@ -304,16 +261,16 @@ def load_weights(
             module, attr = name.rsplit(".", 1)
             setattr(model.get_submodule(module), attr, tensor.item())
             continue
-        fused = _fused_target(name)
+        fused = _fused_target(name, weights)
         if fused is not None:
             target_name, shard = fused
-            start, end = _shard_rows(config, target_name, shard)
+            start, end = _shard_rows(config, weights, target_name, shard)
             target = params[target_name][start:end]
             loaded.add(f"{target_name}#{shard}")
         elif name in params:
             target = params[name]
             loaded.add(name)
-            if select is not None and name in ("embed_tokens.weight", "lm_head.weight"):
+            if select is not None and name in (weights.embedding, weights.lm_head):
                 with torch.no_grad():  # the last rank's vocabulary slice is padded with zero rows
                     target[tensor.shape[0] :].zero_()
                 target = target[: tensor.shape[0]]
@@ -325,16 +282,16 @@ def load_weights(
         with torch.no_grad():
             target.copy_(tensor)
 
-    if "lm_head.weight" not in loaded:
+    if weights.lm_head not in loaded:
         # Tied, or a checkpoint that simply has no lm_head: the output projection is the embedding.
-        model.lm_head.weight = model.embed_tokens.weight
-        loaded.add("lm_head.weight")
+        head, attr = weights.lm_head.rsplit(".", 1)
+        setattr(model.get_submodule(head), attr, model.get_parameter(weights.embedding))
+        loaded.add(weights.lm_head)
     expected = set()
     for name in params:
-        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-            expected.update(f"{name}#{i}" for i in range(3))
-        elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-            expected.update(f"{name}#{i}" for i in range(2))
+        shards = weights.fused_shards(name.split(".")[-2]) if "." in name else 0
+        if shards:
+            expected.update(f"{name}#{i}" for i in range(shards))
         else:
             expected.add(name)
     missing = sorted(expected - loaded)

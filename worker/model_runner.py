@@ -31,7 +31,7 @@ from worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from worker.inputs import BlockTableArray, HostInputs, build_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
 from worker.loader import ModelConfig, load_model_config, load_weights
-from worker.model import LlamaModel
+from worker.models.registry import build_model
 from worker.parallel import ParallelContext
 from worker.plan_check import PlanLimits, check_plan
 from worker.sampler import MASK64, SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
@@ -139,7 +139,7 @@ class ModelRunner:
         self.shard_config = self.parallel.shard_model_config(self.model_config)  # this rank's heads, for KV
         self.max_model_len = resolve_max_model_len(cfg, self.model_config)
         backend = get_attention_backend(attention_backend)
-        self.model = LlamaModel(
+        self.model = build_model(
             self.model_config,
             self.max_model_len,
             backend,

@@ -1,15 +1,18 @@
-"""The Llama forward pass over a flattened batch, on the worker's paged KV cache. Mistral, Qwen2 and Qwen3
-run the same layers; they differ only in the flags of ModelConfig (q/k/v and o_proj biases, q/k norms).
+"""The layers that the model families share: RMSNorm, rotary embeddings, attention (fused q/k/v projection,
+the paged attention proper, the output projection) and the gated MLP, each with its tensor-parallel split.
 
 The batch is every scheduled token of every sequence, concatenated (`[T]`); attention finds each sequence's
 context through `AttentionMetadata`. The numerics follow transformers' LlamaForCausalLM (RMSNorm in float32,
 neox-style rotate-half RoPE with cos/sin cast to the model dtype) so that float32 logits agree closely.
+Parameter names follow the checkpoints' (`qkv_proj` and `gate_up_proj` are the fused ones); the loader
+(worker/loader.py `load_weights`) fills them through the family's `WeightMap`.
 """
 
 from __future__ import annotations
 
 import math
 import types
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,18 +20,14 @@ from torch import nn
 
 from kernels import reference_ops
 from worker.attention import AttentionBackend, AttentionMetadata
-from worker.loader import ModelConfig, RopeScaling
-from worker.parallel import (
-    ParallelContext,
-    row_parallel_linear,
-    vocab_parallel_embedding,
-    vocab_parallel_logits,
-)
+from worker.models.interface import KVCache
+from worker.parallel import ParallelContext, row_parallel_linear
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_size, Hkv, D]
+if TYPE_CHECKING:  # the loader reads checkpoints through the registry of families: no import back at run time
+    from worker.loader import ModelConfig, RopeScaling
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by the checkpoint, and initialising large weights is slow.
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -39,7 +38,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, fused: bool) -> None:
         super().__init__()
-        self.weight = _param(size, dtype=dtype, device=device)
+        self.weight = param(size, dtype=dtype, device=device)
         self.eps = eps
         self._norm = _fused_ops().rms_norm if fused else reference_ops.rms_norm
 
@@ -105,7 +104,7 @@ class RotaryEmbedding(nn.Module):
         return self._rope(positions, query, key, self.cos, self.sin)
 
 
-class LlamaAttention(nn.Module):
+class Attention(nn.Module):
     """Self-attention with fused q/k/v projection and grouped KV heads. `config` is this rank's shape: with
     tensor parallelism, its heads only; o_proj's partial outputs are summed over the ranks."""
 
@@ -125,11 +124,11 @@ class LlamaAttention(nn.Module):
         kw = {"dtype": dtype, "device": device}
         qkv_rows = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Module()
-        self.qkv_proj.weight = _param(qkv_rows, config.hidden_size, **kw)
-        self.qkv_proj.bias = _param(qkv_rows, **kw) if config.qkv_bias else None
+        self.qkv_proj.weight = param(qkv_rows, config.hidden_size, **kw)
+        self.qkv_proj.bias = param(qkv_rows, **kw) if config.qkv_bias else None
         self.o_proj = nn.Module()
-        self.o_proj.weight = _param(config.hidden_size, config.q_size, **kw)
-        self.o_proj.bias = _param(config.hidden_size, **kw) if config.o_proj_bias else None
+        self.o_proj.weight = param(config.hidden_size, config.q_size, **kw)
+        self.o_proj.bias = param(config.hidden_size, **kw) if config.o_proj_bias else None
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:  # Qwen3: one norm over head_dim, shared by every head of q (and of k)
@@ -137,7 +136,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device, fused)
         self.scale = config.head_dim**-0.5
         # What one unit of an FP8 cache's stored K (V) is worth: the checkpoint's self_attn.k_scale
-        # (v_scale) where it has them (worker/loader.py), else 1.0. Other caches store values as they are.
+        # (v_scale) where it has them (worker/loader.py `load_weights`), else 1.0. Other caches store
+        # values as they are.
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -169,7 +169,7 @@ class LlamaAttention(nn.Module):
         return row_parallel_linear(attended, self.o_proj.weight, self.o_proj.bias, self.parallel)
 
 
-class LlamaMLP(nn.Module):
+class GatedMLP(nn.Module):
     """SwiGLU feed-forward with fused gate/up projection (with tensor parallelism, this rank's rows of it;
     down_proj's partial outputs are summed over the ranks)."""
 
@@ -187,129 +187,12 @@ class LlamaMLP(nn.Module):
         kw = {"dtype": dtype, "device": device}
         inter = config.intermediate_size
         self.gate_up_proj = nn.Module()
-        self.gate_up_proj.weight = _param(2 * inter, config.hidden_size, **kw)
-        self.gate_up_proj.bias = _param(2 * inter, **kw) if config.mlp_bias else None
+        self.gate_up_proj.weight = param(2 * inter, config.hidden_size, **kw)
+        self.gate_up_proj.bias = param(2 * inter, **kw) if config.mlp_bias else None
         self.down_proj = nn.Module()
-        self.down_proj.weight = _param(config.hidden_size, inter, **kw)
-        self.down_proj.bias = _param(config.hidden_size, **kw) if config.mlp_bias else None
+        self.down_proj.weight = param(config.hidden_size, inter, **kw)
+        self.down_proj.bias = param(config.hidden_size, **kw) if config.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         x = self._silu_and_mul(F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
         return row_parallel_linear(x, self.down_proj.weight, self.down_proj.bias, self.parallel)
-
-
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks, each with a residual connection. The residual stream is carried
-    beside the block's output and added by the next norm (one fused launch): a layer takes and returns
-    (output, residual), whose sum is the usual hidden state."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-        parallel: ParallelContext,
-        fused: bool,
-    ) -> None:
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, fused)
-        self.self_attn = LlamaAttention(config, backend, dtype, device, parallel, fused)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, fused)
-        self.mlp = LlamaMLP(config, dtype, device, parallel, fused)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,  # [T, H]: the previous layer's output, or the embeddings
-        residual: torch.Tensor | None,  # [T, H]: the residual stream before that output; None: first layer
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        rope: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, residual = self.attention_inputs(positions, hidden, residual, rope)
-        return self.attention_outputs(self.self_attn.attend(q, k, v, kv_cache, meta), residual)
-
-    # The layer in two halves around the attention proper, which reads the batch's metadata and the KV
-    # cache: what worker/cuda_graphs.py captures for mixed steps is everything else.
-
-    def attention_inputs(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
-        if residual is None:
-            residual = hidden
-            normed = self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm.add(hidden, residual)
-        return (*self.self_attn.project(positions, normed, rope), residual)
-
-    def attention_outputs(
-        self,
-        attended: torch.Tensor,
-        residual: torch.Tensor,  # [T, q_size], [T, H]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # the layer's output and the residual stream, [T, H] each
-        normed, residual = self.post_attention_layernorm.add(self.self_attn.output(attended), residual)
-        return self.mlp(normed), residual
-
-
-class LlamaModel(nn.Module):
-    """A Llama causal LM. Parameter names follow the checkpoint's, minus the `model.` prefix, with q/k/v and
-    gate/up fused; `worker.loader.load_weights` fills them.
-
-    With a tensor-parallel `parallel` of N ranks (worker/parallel.py), the layers hold this rank's 1/N of the
-    heads and of the MLP, and the embedding and LM head its slice of the vocabulary (ceil(V/N) rows)."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        max_model_len: int,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-        parallel: ParallelContext | None = None,
-        fused_ops: bool = False,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.parallel = parallel or ParallelContext()
-        layer_config = self.parallel.shard_model_config(config)
-        vocab_rows = self.parallel.vocab_shard(config.vocab_size)[1]
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(layer_config, backend, dtype, device, self.parallel, fused_ops)
-            for _ in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused_ops)
-        self.lm_head = nn.Module()
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        else:
-            self.lm_head.weight = _param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
-        self.rotary_emb = RotaryEmbedding(config, max_model_len, dtype, device, fused_ops)
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        return vocab_parallel_embedding(token_ids, self.embed_tokens.weight, self.parallel)
-
-    def forward(
-        self,
-        token_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        meta: AttentionMetadata,
-        kv_caches: list[KVCache],  # one per layer
-    ) -> torch.Tensor:  # [T, H], after the final norm
-        hidden = self.embed(token_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.rotary_emb)
-        if residual is None:  # no layers
-            return self.norm(hidden)
-        return self.norm.add(hidden, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V], on every rank
-        return vocab_parallel_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.parallel)

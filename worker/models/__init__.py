@@ -1,0 +1,11 @@
+"""The model families the worker runs, behind one interface.
+
+- `interface.py`: `CausalLM`, what the runner and the CUDA graphs call (the forward in pieces around each
+  layer's attention), and `WeightMap`, how the loader places a family's checkpoint tensors.
+- `layers.py`: the shared layers (RMSNorm, rotary embeddings, attention, gated MLP) with their
+  tensor-parallel split.
+- `llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`: one file per family, with its config quirks.
+- `registry.py`: the families by config.json `architectures` / `model_type`, and `build_model`.
+
+docs/models.md says how to add a family.
+"""

@@ -1,0 +1,19 @@
+"""Mistral: Llama's layers and checkpoint layout; v0.1 slides every layer's attention over a window."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.models.llama import LlamaForCausalLM
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """A Mistral causal LM: a Llama whose config may name a sliding window for all layers."""
+
+    architectures = ("MistralForCausalLM",)
+    model_types = ("mistral",)
+
+    @classmethod
+    def sliding_window(cls, raw: dict[str, Any]) -> int | None:
+        window = raw.get("sliding_window")  # null from Mistral v0.2 on; 4096 in v0.1, for every layer
+        return int(window) if window else None
