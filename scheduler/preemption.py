@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from common.config import PreemptionMode, SchedulingPolicy
 from scheduler.request import Request, Sequence
+from scheduler.settings import SchedulerSettings
 
 # Under preemption_mode "auto", a victim with at least this many computed tokens is swapped: recomputing
 # its KV would cost more than copying it over PCIe and back.
@@ -25,6 +26,11 @@ class PreemptionPolicy:
     def __init__(self, mode: PreemptionMode, scheduling_policy: SchedulingPolicy) -> None:
         self.mode = mode
         self.by_priority = scheduling_policy == "priority"
+
+    @classmethod
+    def from_settings(cls, settings: SchedulerSettings) -> PreemptionPolicy:
+        """The policy the settings name (a new policy's own settings are read here, not by its callers)."""
+        return cls(settings.preemption_mode, settings.scheduling_policy)
 
     @property
     def uses_cpu_pool(self) -> bool:

@@ -84,7 +84,7 @@ class Scheduler:
         if settings.max_waiting_seqs < 1 or settings.request_seat_quota < 0:
             raise ValueError("max_waiting_seqs must be positive and request_seat_quota not negative")
         self.settings = settings
-        self._preemption = PreemptionPolicy(settings.preemption_mode, settings.scheduling_policy)
+        self._preemption = PreemptionPolicy.from_settings(settings)
         self.block_manager = BlockManager(
             settings.num_kv_blocks,
             settings.block_size,
