@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from common.config import WorkerConfig
 from scripts.calibrate_kv_scales import main, measure_kv_amax, scales_from_amax, write_scales
 from scripts.check_correctness import engine_logits
-from worker.loader import load_model_config
+from worker.model_config import load_model_config
 from worker.model_runner import ModelRunner
 
 

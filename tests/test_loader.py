@@ -14,8 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from common.config import WorkerConfig
 from common.messages import NewSequence, StepPlan
 from tests.test_model_runner import Driver, _assert_logits_match_hf, make_runner
-from worker.loader import RopeScaling, load_model_config
 from worker.model import rope_inv_freq
+from worker.model_config import RopeScaling, load_model_config
 from worker.model_runner import ModelRunner
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from scripts.make_model import PRESETS, SPECIAL_TOKENS, make_model
-from worker.loader import load_model_config
+from worker.model_config import load_model_config
 
 
 def test_tokenizer_round_trips_multibyte_text_and_knows_its_special_tokens(tiny_model_dir: Path) -> None:

@@ -16,7 +16,7 @@ from common.messages import Fork, NewSequence, StepOutput, StepPlan
 from kernels import reference
 from kernels.reference import byte_view
 from worker.kv_cache import kv_block_bytes
-from worker.loader import load_model_config
+from worker.model_config import load_model_config
 from worker.model_runner import ModelRunner, PlanError
 
 BLOCK_SIZE = 16

@@ -29,7 +29,7 @@ from scripts._servers import free_port
 from scripts.make_model import make_model
 from tests.test_engine_correctness import _prompts
 from worker import server
-from worker.loader import load_model_config
+from worker.model_config import load_model_config
 from worker.model_runner import ModelRunner
 from worker.parallel import (
     ParallelContext,

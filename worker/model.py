@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels import reference_ops
 from worker.attention import AttentionBackend, AttentionMetadata
-from worker.loader import ModelConfig, RopeScaling
+from worker.model_config import ModelConfig, RopeScaling
 from worker.parallel import (
     ParallelContext,
     row_parallel_linear,

@@ -30,8 +30,9 @@ from worker.attention import AttentionMetadata, get_attention_backend
 from worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from worker.inputs import BlockTableArray, HostInputs, build_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
-from worker.loader import ModelConfig, load_model_config, load_weights
+from worker.loader import load_weights
 from worker.model import LlamaModel
+from worker.model_config import ModelConfig, load_model_config
 from worker.parallel import ParallelContext
 from worker.plan_check import PlanLimits, check_plan
 from worker.sampler import MASK64, SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
