@@ -36,8 +36,9 @@ from common.config import WorkerConfig  # noqa: E402
 from common.messages import SamplingParams, SubmitRequest  # noqa: E402
 from scheduler.scheduler import Scheduler, SchedulerSettings  # noqa: E402
 from scripts.train_synthetic import SyntheticLanguage  # noqa: E402
-from worker.inputs import BlockTableArray, build_inputs  # noqa: E402
+from worker.inputs import build_inputs  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
+from worker.sequences import BlockTableArray  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.config import WorkerConfig
+
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -168,3 +170,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)),
         eos_token_ids=eos,
     )
+
+
+def resolve_max_model_len(cfg: WorkerConfig, model_cfg: ModelConfig) -> int:
+    """The configured max_model_len, or the model's own limit; never past the model's limit."""
+    limit = model_cfg.max_position_embeddings
+    if cfg.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings {limit}"
+        )
+    return cfg.max_model_len or limit
