@@ -89,7 +89,8 @@ class ForwardedStep:
 
 
 class ModelRunner:
-    """Runs StepPlans on one device: the model, the KV pools and every live sequence's state."""
+    """Runs StepPlans on one device: the model, the KV pools, the sequences (worker/sequences.py) and the
+    steps in flight."""
 
     def __init__(
         self, cfg: WorkerConfig, attention_backend: str = "torch", parallel: ParallelContext | None = None
@@ -348,6 +349,7 @@ class ModelRunner:
         if not seqs:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return None
+        sampling = _batch_indices(plan)
         mark("plan")
         inputs = host_inputs(self.tables, seqs, num_tokens, self.block_size)
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
@@ -356,7 +358,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record()
-        sampling = _batch_indices(plan)
         logits = self._forward(inputs, sampling, feed)
         mark("forward")
         self.sequences.computed(seqs, num_tokens)
