@@ -1,8 +1,10 @@
-"""A StepPlan checked whole against the worker's sequences before any of it is applied: the one place that
-knows what makes a plan valid (worker/sequences.py applies a plan only once it passed).
+"""A StepPlan checked against the worker's sequences before it is applied: the one place that knows what
+makes a plan valid (worker/sequences.py applies the plan's changes only once they passed).
 
 `check_plan` walks the StepPlan order over a shadow of only the sequences the plan touches and changes
-nothing, so that the worker can refuse a plan and still hold exactly the state it had.
+nothing, so that the worker can refuse a plan whole and still hold exactly the state it had. Its two halves,
+`check_changes` (steps 0 to 4) and `check_step` (5 to 7), are what `Sequences.apply` runs before and after
+applying the changes.
 
 With a step in flight (launched, not finished) a sequence that samples in it counts the token on its way as
 pending: `len(token_ids) + pending` is what the sequence will know when this plan is applied, whether or not
