@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
 # The lead moves ModelConfig to worker/model_config.py at the merge of issue 26.
-from worker.loader import ModelConfig, RopeScaling  # noqa: E402
+from worker.model_config import ModelConfig, RopeScaling  # noqa: E402
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"

@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from common.config import WorkerConfig
 from common.messages import NewSequence, SamplingParams, StepPlan
 from tests.test_model_runner import Driver, _assert_logits_match_hf, make_runner
-from worker.loader import RopeScaling, load_model_config
+from worker.loader import load_model_config
+from worker.model_config import RopeScaling
 from worker.model_runner import ModelRunner
 from worker.models.layers import rope_inv_freq
 

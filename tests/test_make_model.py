@@ -9,7 +9,8 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from scripts.make_model import PRESETS, SPECIAL_TOKENS, make_model
-from worker.loader import ModelConfig, load_model_config
+from worker.loader import load_model_config
+from worker.model_config import ModelConfig
 
 
 def test_tokenizer_round_trips_multibyte_text_and_knows_its_special_tokens(tiny_model_dir: Path) -> None:

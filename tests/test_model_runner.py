@@ -11,7 +11,8 @@ from transformers import LlamaForCausalLM
 
 from common.config import WorkerConfig
 from common.messages import NewSequence, SamplingParams, StepOutput, StepPlan
-from worker.model_runner import ModelRunner, PlanError
+from worker.model_runner import ModelRunner
+from worker.plan_check import PlanError
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 48

@@ -17,7 +17,8 @@ from kernels import reference
 from kernels.reference import byte_view
 from worker.kv_cache import kv_block_bytes
 from worker.loader import load_model_config
-from worker.model_runner import ModelRunner, PlanError
+from worker.model_runner import ModelRunner
+from worker.plan_check import PlanError
 
 BLOCK_SIZE = 16
 
@@ -90,8 +91,8 @@ class Steps:
     def _reaching_end(self, schedule: dict[int, int], new_seqs: list[NewSequence], fields: dict) -> list[int]:
         """The scheduled sequences whose tokens the step computes up to the last known one: those sample
         (the scheduler's rule, played here from the runner's state and the plan's changes)."""
-        known = {s: len(seq.token_ids) + seq.pending for s, seq in self.runner.seqs.items()}
-        computed = {s: seq.num_computed_tokens for s, seq in self.runner.seqs.items()}
+        known = {s: len(seq.token_ids) + seq.pending for s, seq in self.runner.sequences.seqs.items()}
+        computed = {s: seq.num_computed_tokens for s, seq in self.runner.sequences.seqs.items()}
         for parent, child in fields.get("clones", []):
             known[child], computed[child] = known[parent], computed[parent]
         for seq_id, _ in fields.get("appended_tokens", []):
@@ -281,7 +282,7 @@ def test_fork_children_draw_and_decode_like_independent_sequences_with_their_see
     )
     assert out.seq_ids == [0, 1, 2, 3]
     assert out.token_ids == first.token_ids
-    assert all(runner.seqs[child].block_table == [0, 1] for child in (1, 2, 3))
+    assert all(runner.sequences.block_table(child) == [0, 1] for child in (1, 2, 3))
     # Copy-on-write before the children write their next token into the shared partial block 1.
     second = steps.run(
         {0: 1, 1: 1, 2: 1, 3: 1},

@@ -56,8 +56,15 @@ def _state(runner: ModelRunner) -> tuple:
     """Everything a plan can change: each sequence's state, the block table rows, the steps in flight, the
     KV pools."""
     seqs = {
-        seq_id: (list(s.token_ids), list(s.block_table), s.num_computed_tokens, s.pending, s.row, s.seed)
-        for seq_id, s in runner.seqs.items()
+        seq_id: (
+            list(s.token_ids),
+            runner.sequences.block_table(seq_id),
+            s.num_computed_tokens,
+            s.pending,
+            s.row,
+            s.seed,
+        )
+        for seq_id, s in runner.sequences.seqs.items()
     }
     return (
         seqs,
@@ -108,7 +115,7 @@ def test_valid_plans_pass_and_run(tiny_model_dir: Path) -> None:
             freed_seq_ids=[2],
         ),
     )
-    assert set(r.seqs) == {1, 5, 12}
+    assert set(r.sequences.seqs) == {1, 5, 12}
 
 
 def _bad_plans() -> list[tuple[str, StepPlan, str]]:
@@ -192,7 +199,7 @@ def _launched(tiny_model_dir: Path) -> ModelRunner:
     p = plan(1, {10: 1})
     assert r.check_plan(p) is None
     r.launch(p)
-    assert r.seqs[10].pending == 1 and len(r.in_flight) == 1
+    assert r.sequences.seqs[10].pending == 1 and len(r.in_flight) == 1
     return r
 
 
@@ -222,7 +229,7 @@ def test_a_token_in_flight_counts_as_known_and_cannot_be_copied(
     r.launch(nxt)  # the pending token goes straight from step 1's sampler into step 2's input
     outputs = [r.finish(), r.finish()]
     assert [out.seq_ids for out in outputs] == [[10], [10, 11]]
-    assert len(r.seqs[10].token_ids) == 23 and r.seqs[10].pending == 0
+    assert len(r.sequences.seqs[10].token_ids) == 23 and r.sequences.seqs[10].pending == 0
     # Once step 1 finished the token is in token_ids and the same counts hold.
     assert "knows 23" in r.check_plan(plan(3, {10: 2}))
 
@@ -242,6 +249,6 @@ def test_reset_forgets_everything_and_serves_a_fresh_plan_like_a_new_runner(tiny
     fresh = _run_fresh(make_runner(tiny_model_dir, num_kv_blocks=NUM_BLOCKS, num_cpu_blocks=NUM_CPU_BLOCKS))
     r = _launched(tiny_model_dir)  # a step in flight, sequences 10 and 11 known, blocks 0-2 written
     r.reset()
-    assert not r.seqs and not r.in_flight
+    assert not r.sequences.seqs and not r.in_flight
     assert "unknown" in r.check_plan(plan(5, {11: 1}))
     assert _run_fresh(r) == fresh

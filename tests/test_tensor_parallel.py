@@ -157,7 +157,9 @@ def _rank_main(rank: int, checkpoints: dict[str, Path], init_method: str, out_di
     cfg = _worker_config(
         Path(), device, tensor_parallel_size=WORLD_SIZE, rank=rank, dist_init_method=init_method
     )
-    cfg, parallel = init_parallel(replace(cfg, model=str(checkpoints["tiny"])))
+    cfg, parallel = init_parallel(
+        replace(cfg, model=str(checkpoints["tiny"])), load_model_config(checkpoints["tiny"])
+    )
     log = get_logger(process="worker", rank=rank)
     for name, model_dir in checkpoints.items():
         runner = ModelRunner(
@@ -233,15 +235,15 @@ def test_sizes_that_do_not_divide_are_refused_before_the_rendezvous(tiny_model_d
     with pytest.raises(ValueError, match=r"must divide the model's num_kv_heads \(2\)"):
         shard_model_config(replace(config, num_heads=8), 4)
     with pytest.raises(ValueError, match="num_heads"):  # no process group is joined: this returns at once
-        init_parallel(_worker_config(tiny_model_dir, tensor_parallel_size=3, rank=2))
+        init_parallel(_worker_config(tiny_model_dir, tensor_parallel_size=3, rank=2), config)
     with pytest.raises(ValueError, match="rank 2 is outside"):
-        init_parallel(_worker_config(tiny_model_dir, tensor_parallel_size=2, rank=2))
+        init_parallel(_worker_config(tiny_model_dir, tensor_parallel_size=2, rank=2), config)
     assert not torch.distributed.is_initialized()
 
 
 def test_size_one_is_the_plain_model(tiny_model_dir: Path) -> None:
     cfg = _worker_config(tiny_model_dir)
-    same_cfg, parallel = init_parallel(cfg)
+    same_cfg, parallel = init_parallel(cfg, load_model_config(tiny_model_dir))
     assert same_cfg is cfg and parallel.world_size == 1 and parallel.group is None
     assert not torch.distributed.is_initialized()
     weight = torch.randn(10, 3)

@@ -1,5 +1,5 @@
-"""worker/inputs.py: the block-table rows the runner keeps per sequence, and a batch's flat inputs built from
-them with array operations, against a token-by-token reference."""
+"""worker/inputs.py: a batch's flat inputs built with array operations from the block-table rows that
+worker/sequences.py keeps per sequence, against a token-by-token reference."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from worker.inputs import BlockTableArray, build_inputs
+from worker.inputs import build_inputs
+from worker.sequences import BlockTableArray
 
 BLOCK_SIZE = 16
 

@@ -1,10 +1,9 @@
-"""The host side of a step: every live sequence's block table in one numpy array, and the flat inputs of a
-batch (token ids, positions, slot mapping, block tables, lengths) built from it with array operations.
+"""The host side of a step: the flat inputs of a batch (token ids, positions, slot mapping, block tables,
+lengths), built from the sequences' block table array (worker/sequences.py) with array operations.
 
-A sequence owns one row of `BlockTableArray` from the moment the worker learns of it until it is freed; the
-plan's changes (new blocks, a new table after a swap-in, clones and forks) edit that row in place, so a step
-copies the rows it needs instead of rebuilding Python lists. Per-step work is a handful of numpy operations
-over the batch: no Python loop over tokens or over blocks.
+A step copies the rows of the block tables it needs instead of rebuilding Python lists. Per-step work is one
+pass over the batch's sequences for their rows, starts and tokens, and a handful of numpy operations: no
+Python loop over blocks, nor over tokens in a decode step.
 """
 
 from __future__ import annotations
@@ -13,58 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-class BlockTableArray:
-    """Rows of block ids, `[num_rows, max_blocks_per_seq]` int32, one per live sequence."""
-
-    def __init__(self, max_blocks_per_seq: int, initial_rows: int = 64) -> None:
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.tables = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int32)
-        self.num_blocks = np.zeros(initial_rows, dtype=np.int32)  # [num_rows] blocks held by each row
-        self._free_rows = list(range(initial_rows - 1, -1, -1))
-
-    def _grow(self) -> None:
-        old = self.tables.shape[0]
-        self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
-        self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
-        self._free_rows.extend(range(2 * old - 1, old - 1, -1))
-
-    def add(self, block_ids: list[int]) -> int:
-        """A new row holding `block_ids`; returns its index."""
-        if not self._free_rows:
-            self._grow()
-        row = self._free_rows.pop()
-        self.set(row, block_ids)
-        return row
-
-    def set(self, row: int, block_ids: list[int]) -> None:
-        n = len(block_ids)
-        self._check_width(n)
-        self.tables[row, :n] = block_ids
-        self.num_blocks[row] = n
-
-    def extend(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        self._check_width(end)
-        self.tables[row, start:end] = block_ids
-        self.num_blocks[row] = end
-
-    def copy_row(self, src: int) -> int:
-        """A new row with the same blocks as `src` (a clone or fork child); returns its index."""
-        row = self.add([])
-        n = int(self.num_blocks[src])
-        self.tables[row, :n] = self.tables[src, :n]
-        self.num_blocks[row] = n
-        return row
-
-    def free(self, row: int) -> None:
-        self.num_blocks[row] = 0
-        self._free_rows.append(row)
-
-    def _check_width(self, n: int) -> None:
-        if n > self.max_blocks_per_seq:
-            raise ValueError(f"a block table of {n} blocks exceeds max_model_len ({self.max_blocks_per_seq})")
+from worker.sequences import BlockTableArray, SeqState
 
 
 @dataclass
@@ -124,4 +72,27 @@ def build_inputs(
         max_query_len=int(num_tokens.max()),
         max_seq_len=max_seq_len,
         num_decode_seqs=num_decode_seqs,
+    )
+
+
+def host_inputs(
+    tables: BlockTableArray, seqs: list[SeqState], num_tokens: list[int], block_size: int
+) -> HostInputs:
+    """The inputs of a batch whose sequence b computes its next num_tokens[b] tokens. A pending token (one
+    token, at the end of its sequence's chunk) is a 0 here: the runner's `_pending_feed` says where the
+    device puts the real one."""
+    starts = [s.num_computed_tokens for s in seqs]
+    if max(num_tokens) == 1:
+        token_ids = [s.token_ids[c] if not s.pending else 0 for s, c in zip(seqs, starts, strict=True)]
+    else:
+        token_ids = []
+        for seq, c, n in zip(seqs, starts, num_tokens, strict=True):
+            token_ids += seq.token_ids[c : c + n] if not seq.pending else [0]
+    return build_inputs(
+        tables,
+        np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs)),
+        np.array(starts, dtype=np.int64),
+        np.array(num_tokens, dtype=np.int64),
+        np.array(token_ids, dtype=np.int64),
+        block_size,
     )

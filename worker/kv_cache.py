@@ -23,7 +23,7 @@ import torch
 from common.config import WorkerConfig
 from common.messages import MAX_NUM_BLOCKS
 from kernels.reference import byte_view, head_major
-from worker.loader import ModelConfig
+from worker.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V) of one layer, each [num_blocks, block_size, Hkv, D]
 

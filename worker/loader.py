@@ -1,112 +1,30 @@
 """Reads a local Hugging Face checkpoint of a registered model family (worker/models/registry.py): its config,
 and its weights into the worker's own modules.
 
-config.json is read as plain JSON rather than through transformers, so the worker does not depend on how a
-given transformers version normalises it; both the old (`rope_theta` + `rope_scaling`) and the new
-(`rope_parameters`) layouts are understood. What differs between families (attention biases, q/k norms,
-sliding windows, checkpoint names) the family's class says (`config_fields`, `sliding_window`,
-`weight_map`); this module applies it. The worker has no sliding-window attention; within the window a
-sliding layer attends exactly as a full one does, so a checkpoint whose layers slide is served with
-max_position_embeddings capped to the window.
+The parts of config.json every family reads alike are worker/model_config.py's. What differs between
+families (attention biases, q/k norms, sliding windows, checkpoint names) the family's class says
+(`config_fields`, `sliding_window`, `weight_map`); this module applies it. The worker has no sliding-window
+attention; within the window a sliding layer attends exactly as a full one does, so a checkpoint whose
+layers slide is served with max_position_embeddings capped to the window.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
+from worker.model_config import ModelConfig, as_id_list, read_json, rope_settings
 from worker.models.interface import CausalLM, WeightMap
 from worker.models.registry import BY_MODEL_TYPE, resolve_family
+from worker.parallel import ParallelContext
 
-if TYPE_CHECKING:
-    from worker.parallel import ParallelContext
-
-DEFAULT_ROPE_THETA = 10000.0
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Per-layer scales of an FP8 KV cache as quantized checkpoints store them (one number each); without them
 # the scales stay 1.0 (worker/models/layers.py Attention).
 KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Parameters of a RoPE frequency scaling; fields unused by a type keep their defaults."""
-
-    rope_type: str  # "linear" or "llama3"
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 0
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape and constants of a Llama-like model, as the worker needs them."""
-
-    model_type: str  # one of worker/models/registry.py BY_MODEL_TYPE
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None  # None: plain RoPE
-    max_position_embeddings: int  # capped to the sliding window, if any layer has one
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_proj_bias: bool
-    qk_norm: bool  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
-    mlp_bias: bool
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _as_id_list(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def _rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    # transformers 5 writes `rope_parameters` (theta included); older ones `rope_theta` and `rope_scaling`.
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "default":
-        return theta, None
-    original = params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 0))
-    return theta, RopeScaling(
-        rope_type=rope_type,
-        factor=float(params["factor"]),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(original),
-    )
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -115,18 +33,18 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face checkpoint directory")
-    raw = _read_json(config_path)
+    raw = read_json(config_path)
     model_type = raw.get("model_type", "llama")
     family = resolve_family(raw.get("architectures") or (), model_type, str(config_path))
     if BY_MODEL_TYPE.get(model_type) is not family:  # found by architecture: the runner finds it by type
         model_type = family.model_types[0]
-    theta, scaling = _rope_settings(raw)
+    theta, scaling = rope_settings(raw)
     eos = ()
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        eos = _as_id_list(_read_json(gen_path).get("eos_token_id"))
+        eos = as_id_list(read_json(gen_path).get("eos_token_id"))
     if not eos:
-        eos = _as_id_list(raw.get("eos_token_id"))
+        eos = as_id_list(raw.get("eos_token_id"))
     num_heads = int(raw["num_attention_heads"])
     max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
     window = family.sliding_window(raw)
@@ -155,7 +73,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 def _checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         return [model_dir / s for s in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

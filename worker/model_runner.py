@@ -1,8 +1,8 @@
-"""The worker's state and its one operation: apply a StepPlan, run the batch, sample, answer a StepOutput.
+"""The worker's one operation: apply a StepPlan, run the batch, sample, answer a StepOutput.
 
-The runner owns the model, the KV pools (worker/kv_cache.py) and, per sequence, the tokens, block table and
-computed-token count that the scheduler mirrors. Block ids come from the scheduler, which owns their ref
-counts; the runner only reads and writes where they point.
+The runner owns the model, the KV pools (worker/kv_cache.py) and the steps in flight; the sequences (their
+tokens, block tables and computed-token counts, which the scheduler mirrors) are `Sequences`'
+(worker/sequences.py), which checks and applies each plan's changes; the runner executes the step.
 
 A step is launched (`launch`: the plan applied, the forward and the sampling queued on the device, the
 sampled tokens' copy to the host started) and later finished (`finish`: wait for the tokens, append them,
@@ -19,63 +19,24 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from common.config import WorkerConfig
-from common.messages import NewSequence, SamplingParams, StepOutput, StepPlan
+from common.messages import SamplingParams, StepOutput, StepPlan
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.cuda_graphs import DecodeGraphs, MixedGraphs
-from worker.inputs import BlockTableArray, HostInputs, build_inputs
+from worker.inputs import HostInputs, build_inputs, host_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
-from worker.loader import ModelConfig, load_model_config, load_weights
+from worker.loader import load_model_config, load_weights
+from worker.model_config import resolve_max_model_len
 from worker.models.registry import build_model
 from worker.parallel import ParallelContext
-from worker.plan_check import PlanLimits, check_plan
+from worker.plan_check import PlanLimits
 from worker.sampler import MASK64, SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
-
-
-class PlanError(ValueError):
-    """A StepPlan that contradicts the worker's state: a bug in the scheduler."""
-
-
-@dataclass
-class SeqState:
-    """The worker's copy of one sequence."""
-
-    token_ids: list[int]
-    block_table: list[int]
-    num_computed_tokens: int
-    params: SamplingParams  # what the sampler reads (worker/sampler.py SamplingTensors.from_params)
-    seed: int
-    num_logprobs: int  # params.num_logprobs, kept for the step's host work
-    beam: bool = False  # report candidates, append nothing: the scheduler chooses the beam's tokens
-    row: int = -1  # this sequence's row in the runner's BlockTableArray, a mirror of block_table
-    pending: int = 0  # tokens sampled by a launched step that has not finished: not in token_ids yet
-
-    @classmethod
-    def from_new(cls, s: NewSequence) -> SeqState:
-        return cls(
-            list(s.token_ids),
-            list(s.block_table),
-            s.num_computed_tokens,
-            s.params,
-            s.seed,
-            s.params.num_logprobs,
-            s.params.beam,
-        )
-
-
-def resolve_max_model_len(cfg: WorkerConfig, model_cfg: ModelConfig) -> int:
-    """The configured max_model_len, or the model's own limit; never past the model's limit."""
-    limit = model_cfg.max_position_embeddings
-    if cfg.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings {limit}"
-        )
-    return cfg.max_model_len or limit
+from worker.sequences import BlockTableArray, SeqState, Sequences
 
 
 @dataclass
@@ -125,7 +86,8 @@ class ForwardedStep:
 
 
 class ModelRunner:
-    """Runs StepPlans on one device: the model, the KV pools and every live sequence's state."""
+    """Runs StepPlans on one device: the model, the KV pools, the sequences (worker/sequences.py) and the
+    steps in flight."""
 
     def __init__(
         self, cfg: WorkerConfig, attention_backend: str = "torch", parallel: ParallelContext | None = None
@@ -163,8 +125,16 @@ class ModelRunner:
         self.kv = KVPools(
             self.shard_config, num_blocks, num_cpu_blocks, self.block_size, self.kv_dtype, self.device
         )
-        self.seqs: dict[int, SeqState] = {}
-        self.tables = BlockTableArray(-(-self.max_model_len // self.block_size))
+        self.sequences = Sequences(
+            PlanLimits(
+                num_kv_blocks=self.kv.num_blocks,
+                num_cpu_blocks=self.kv.num_cpu_blocks,
+                vocab_size=self.model_config.vocab_size,
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            )
+        )
         self.graphs: DecodeGraphs | None = None
         # The torch reference reads lengths on the host (a sync a graph cannot hold): it runs eagerly.
         if self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_safe:
@@ -253,18 +223,15 @@ class ModelRunner:
     def eos_token_ids(self) -> list[int]:
         return list(self.model_config.eos_token_ids)
 
+    @property
+    def tables(self) -> BlockTableArray:
+        """The sequences' block tables, which every step's inputs are cut from."""
+        return self.sequences.tables
+
     def check_plan(self, plan: StepPlan) -> str | None:
         """Why `plan` contradicts this runner's state as it will be when the plan is applied (after the step
         in flight, if any), or None when `launch` can apply it. Changes nothing (worker/plan_check.py)."""
-        limits = PlanLimits(
-            num_kv_blocks=self.num_kv_blocks,
-            num_cpu_blocks=self.num_cpu_blocks,
-            vocab_size=self.vocab_size,
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            max_blocks_per_seq=self.tables.max_blocks_per_seq,
-        )
-        return check_plan(plan, self.seqs, limits)
+        return self.sequences.check_plan(plan)
 
     def reset(self) -> None:
         """Finishes the steps in flight, dropping their outputs, and forgets every sequence: the runner is as
@@ -272,173 +239,14 @@ class ModelRunner:
         sequence points to any more."""
         while self.in_flight:
             self.finish()
-        self.seqs.clear()
-        self.tables = BlockTableArray(self.tables.max_blocks_per_seq)
+        self.sequences.clear()
         self._last_ended = None
         self.last_step_gpu_s = 0.0
         self.num_tokens_fed = 0
         self.launch_marks = {}
 
     # -----------------------------------------------------------------------------------------------------
-    # Plan application: steps 0 to 4 of the StepPlan order, then the checks of steps 5 and 6
-
-    def _apply_changes(self, plan: StepPlan) -> None:
-        for parent_id, child_id in plan.clones:
-            if child_id in self.seqs:
-                raise PlanError(f"step {plan.step_id}: clone {child_id} already exists")
-            parent = self._seq(plan, parent_id)
-            self.seqs[child_id] = replace(
-                parent,
-                token_ids=list(parent.token_ids),
-                block_table=list(parent.block_table),
-                row=self.tables.copy_row(parent.row),
-            )
-        for seq_id, token in plan.appended_tokens:
-            if not 0 <= token < self.vocab_size:
-                raise PlanError(f"step {plan.step_id}: appended token {token} is outside the vocab")
-            self._seq(plan, seq_id).token_ids.append(token)
-        for seq_id in plan.freed_seq_ids:
-            freed = self.seqs.pop(seq_id, None)
-            if freed is None:
-                raise PlanError(f"step {plan.step_id}: freed sequence {seq_id} is unknown")
-            self.tables.free(freed.row)
-
-        self._check_pairs(plan, "swap_out", plan.swap_out, self.num_kv_blocks, self.num_cpu_blocks)
-        self._check_pairs(plan, "swap_in", plan.swap_in, self.num_cpu_blocks, self.num_kv_blocks)
-        self.kv.swap_out(plan.swap_out)
-        self.kv.swap_in(plan.swap_in)
-        for seq_id, table in plan.new_block_tables:
-            seq = self._seq(plan, seq_id)
-            self._check_blocks(plan, seq_id, table)
-            seq.block_table = list(table)
-            self.tables.set(seq.row, seq.block_table)
-
-        for new in plan.new_seqs:
-            if new.seq_id in self.seqs:
-                raise PlanError(f"step {plan.step_id}: new sequence {new.seq_id} already exists")
-            if not 0 <= new.num_computed_tokens <= len(new.token_ids):
-                raise PlanError(f"step {plan.step_id}: sequence {new.seq_id} has bad num_computed_tokens")
-            if new.num_computed_tokens > len(new.block_table) * self.block_size:
-                raise PlanError(
-                    f"step {plan.step_id}: sequence {new.seq_id} has {new.num_computed_tokens} computed "
-                    f"tokens but only {len(new.block_table)} blocks"
-                )
-            if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < self.vocab_size:
-                raise PlanError(f"step {plan.step_id}: sequence {new.seq_id} has token ids outside the vocab")
-            self._check_blocks(plan, new.seq_id, new.block_table)
-            seq = SeqState.from_new(new)
-            seq.row = self.tables.add(seq.block_table)
-            self.seqs[new.seq_id] = seq
-        for seq_id, block_ids in plan.new_block_ids:
-            seq = self._seq(plan, seq_id)
-            self._check_blocks(plan, seq_id, block_ids)
-            seq.block_table.extend(block_ids)
-            self.tables.extend(seq.row, block_ids)
-
-        self._check_pairs(plan, "block_copies", plan.block_copies, self.num_kv_blocks, self.num_kv_blocks)
-        if {src for src, _ in plan.block_copies} & {dst for _, dst in plan.block_copies}:
-            raise PlanError(f"step {plan.step_id}: block_copies writes a block it also reads")
-        self.kv.copy(plan.block_copies)
-
-    def _check_pairs(
-        self, plan: StepPlan, name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int
-    ) -> None:
-        """Source ids inside their pool, destination ids inside theirs and distinct (one write per block)."""
-        for src, dst in pairs:
-            if not (0 <= src < num_src and 0 <= dst < num_dst):
-                raise PlanError(
-                    f"step {plan.step_id}: {name} pair ({src}, {dst}) is outside the pools "
-                    f"({num_src} source blocks, {num_dst} destination blocks)"
-                )
-        if len({dst for _, dst in pairs}) != len(pairs):
-            raise PlanError(f"step {plan.step_id}: {name} writes a block twice")
-
-    def _check_blocks(self, plan: StepPlan, seq_id: int, block_ids: list[int]) -> None:
-        if block_ids and not 0 <= min(block_ids) <= max(block_ids) < self.num_kv_blocks:
-            raise PlanError(f"step {plan.step_id}: sequence {seq_id} got block ids outside the KV pool")
-
-    def _seq(self, plan: StepPlan, seq_id: int) -> SeqState:
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise PlanError(f"step {plan.step_id}: sequence {seq_id} is unknown")
-        return seq
-
-    def _check_scheduled(self, plan: StepPlan) -> list[SeqState]:
-        if len(plan.scheduled_seq_ids) != len(plan.num_scheduled_tokens):
-            raise PlanError(f"step {plan.step_id}: scheduled_seq_ids and num_scheduled_tokens lengths differ")
-        if len(set(plan.scheduled_seq_ids)) != len(plan.scheduled_seq_ids):
-            raise PlanError(f"step {plan.step_id}: a sequence is scheduled twice")
-        seqs = []
-        for seq_id, n in zip(plan.scheduled_seq_ids, plan.num_scheduled_tokens, strict=True):
-            seq = self._seq(plan, seq_id)
-            end = seq.num_computed_tokens + n
-            if n < 1 or end > len(seq.token_ids) + seq.pending:
-                raise PlanError(
-                    f"step {plan.step_id}: sequence {seq_id} scheduled {n} tokens from "
-                    f"{seq.num_computed_tokens} but knows {len(seq.token_ids) + seq.pending}"
-                )
-            if seq.pending and n != 1:
-                raise PlanError(f"step {plan.step_id}: sequence {seq_id} has a token pending, computes {n}")
-            if end > self.max_model_len:
-                raise PlanError(f"step {plan.step_id}: sequence {seq_id} reaches {end} > max_model_len")
-            if len(seq.block_table) * self.block_size < end:
-                raise PlanError(
-                    f"step {plan.step_id}: sequence {seq_id} needs {end} slots but its block table has "
-                    f"{len(seq.block_table)} blocks of {self.block_size}"
-                )
-            seqs.append(seq)
-        return seqs
-
-    def _check_sampling(self, plan: StepPlan, seqs: list[SeqState]) -> list[int]:
-        """The batch indices of the plan's `sampling_seq_ids`, each scheduled (in batch order) and computing
-        up to all its known tokens."""
-        index = {seq_id: b for b, seq_id in enumerate(plan.scheduled_seq_ids)}
-        sampling = [index.get(seq_id, -1) for seq_id in plan.sampling_seq_ids]
-        for seq_id, b in zip(plan.sampling_seq_ids, sampling, strict=True):
-            if b < 0:
-                raise PlanError(f"step {plan.step_id}: sampling sequence {seq_id} is not scheduled")
-            seq = seqs[b]
-            if seq.num_computed_tokens + plan.num_scheduled_tokens[b] != len(seq.token_ids) + seq.pending:
-                raise PlanError(f"step {plan.step_id}: sampling sequence {seq_id} stops short of its tokens")
-        if any(a >= b for a, b in zip(sampling, sampling[1:], strict=False)):
-            raise PlanError(f"step {plan.step_id}: sampling_seq_ids is not in batch order")
-        return sampling
-
-    def _check_forks(self, plan: StepPlan, sampling_ids: set[int]) -> None:
-        """Each fork's parent samples this step, and each child id is new."""
-        children = [fork.child_seq_id for fork in plan.forks]
-        if len(set(children)) != len(children):
-            raise PlanError(f"step {plan.step_id}: a fork child id appears twice")
-        for fork in plan.forks:
-            if fork.parent_seq_id not in sampling_ids:
-                raise PlanError(
-                    f"step {plan.step_id}: fork parent {fork.parent_seq_id} does not sample this step"
-                )
-            if fork.child_seq_id in self.seqs:
-                raise PlanError(f"step {plan.step_id}: fork child {fork.child_seq_id} already exists")
-
-    # -----------------------------------------------------------------------------------------------------
     # The step
-
-    def _host_inputs(self, seqs: list[SeqState], num_tokens: list[int]) -> HostInputs:
-        """The batch's inputs on the host: one pass over the sequences for their rows, starts and tokens,
-        array operations for the rest. A pending token (one token, at the end of its sequence's chunk) is a
-        0 here: `_pending_feed` says where the device puts the real one."""
-        starts = [s.num_computed_tokens for s in seqs]
-        if max(num_tokens) == 1:
-            token_ids = [s.token_ids[c] if not s.pending else 0 for s, c in zip(seqs, starts, strict=True)]
-        else:
-            token_ids = []
-            for seq, c, n in zip(seqs, starts, num_tokens, strict=True):
-                token_ids += seq.token_ids[c : c + n] if not seq.pending else [0]
-        return build_inputs(
-            self.tables,
-            np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs)),
-            np.array(starts, dtype=np.int64),
-            np.array(num_tokens, dtype=np.int64),
-            np.array(token_ids, dtype=np.int64),
-            self.block_size,
-        )
 
     def _pending_feed(
         self, seq_ids: list[int], seqs: list[SeqState], inputs: HostInputs
@@ -505,26 +313,6 @@ class ModelRunner:
         last_rows = self._put((inputs.query_start_loc[1:][sampling] - 1).astype(np.int64))
         return self.model.compute_logits(hidden[last_rows])  # [S, V]
 
-    def _create_children(self, plan: StepPlan, seq_ids: list[int], samplers: list[SeqState]) -> list[int]:
-        """Step 6: each fork's child starts as its parent after the forward (tokens, computed count, a block
-        table of the same, shared blocks) with its own seed, and joins `seq_ids` / `samplers`. Returns the
-        index of each child's parent among the samplers: the logits row the child draws from."""
-        row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
-        parent_rows = [row_of[fork.parent_seq_id] for fork in plan.forks]
-        for fork, row in zip(plan.forks, parent_rows, strict=True):
-            parent = samplers[row]
-            child = replace(
-                parent,
-                token_ids=list(parent.token_ids),
-                block_table=list(parent.block_table),
-                seed=fork.seed,
-                row=self.tables.copy_row(parent.row),
-            )
-            self.seqs[fork.child_seq_id] = child
-            seq_ids.append(fork.child_seq_id)
-            samplers.append(child)
-        return parent_rows
-
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """Applies `plan` in the StepPlan order and returns the sampled tokens: the scheduled sequences that
@@ -554,16 +342,14 @@ class ModelRunner:
             raise RuntimeError("launch() with two steps in flight: finish the oldest first")
         mark = self._mark_launch
         mark("start")
-        self._apply_changes(plan)
-        seqs = self._check_scheduled(plan)
-        num_tokens = list(plan.num_scheduled_tokens)
-        sampling = self._check_sampling(plan, seqs)
-        self._check_forks(plan, set(plan.sampling_seq_ids))
+        seqs = self.sequences.apply(plan, self.kv)
+        num_tokens = plan.num_scheduled_tokens
         if not seqs:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return None
+        sampling = _batch_indices(plan)
         mark("plan")
-        inputs = self._host_inputs(seqs, num_tokens)
+        inputs = host_inputs(self.tables, seqs, num_tokens, self.block_size)
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
         mark("inputs")
         started = ended = None
@@ -572,8 +358,7 @@ class ModelRunner:
             started.record()
         logits = self._forward(inputs, sampling, feed)
         mark("forward")
-        for seq, n in zip(seqs, num_tokens, strict=True):
-            seq.num_computed_tokens += n
+        self.sequences.computed(seqs, num_tokens)
         if logits is None:
             if ended is not None:
                 ended.record()
@@ -590,9 +375,12 @@ class ModelRunner:
         mark("previous_step")  # since the forward: the step before it answered, if it was
         plan, seq_ids, samplers, logits = step.plan, step.seq_ids, step.samplers, step.logits
         if plan.forks:
-            rows = list(range(len(samplers)))
-            rows += self._create_children(plan, seq_ids, samplers)
+            # Each child draws from its parent's logits row (its parent samples: the plan was checked).
+            row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+            rows = list(range(len(samplers))) + [row_of[fork.parent_seq_id] for fork in plan.forks]
             logits = logits[self._put(np.array(rows, dtype=np.int64))]
+            seq_ids += [fork.child_seq_id for fork in plan.forks]
+            samplers += self.sequences.fork(plan)
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
         sampling_tensors = _sampling_tensors(samplers, self.device)
         mark("sampling_params")
@@ -601,9 +389,7 @@ class ModelRunner:
         mark("sample")
         if step.ended is not None:
             step.ended.record()
-        for seq in samplers:
-            if not seq.beam:
-                seq.pending += 1
+        self.sequences.sampled(samplers)
         self._queue(LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, step.started, step.ended))
 
     def _mark_launch(self, phase: str) -> None:
@@ -632,8 +418,13 @@ class ModelRunner:
             gpu_s = self.last_step_gpu_s = step.started.elapsed_time(step.ended) / 1e3
             if step.previous_ended is not None:
                 idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
-        for seq, token in zip(step.samplers, new_tokens, strict=True):
-            if not seq.beam:
-                seq.token_ids.append(token)
-                seq.pending -= 1
+        self.sequences.received(step.samplers, new_tokens)
         return StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s)
+
+
+def _batch_indices(plan: StepPlan) -> list[int]:
+    """The batch index of each of the plan's `sampling_seq_ids`: the logits rows the step keeps."""
+    if plan.sampling_seq_ids == plan.scheduled_seq_ids:  # every scheduled sequence samples: most steps
+        return list(range(len(plan.scheduled_seq_ids)))
+    index = {seq_id: b for b, seq_id in enumerate(plan.scheduled_seq_ids)}
+    return [index[seq_id] for seq_id in plan.sampling_seq_ids]

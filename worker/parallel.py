@@ -26,7 +26,7 @@ import re
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,7 @@ import torch.nn.functional as F
 
 from common.config import WorkerConfig
 from common.messages import Shutdown, encode
-
-if TYPE_CHECKING:
-    from worker.loader import ModelConfig
+from worker.model_config import ModelConfig
 
 KEEPALIVE_S = 60.0  # rank 0 sends an empty message when idle this long, well inside the group's timeout
 GROUP_TIMEOUT = timedelta(minutes=30)  # a collective (or a wait for rank 0's next message) longer fails
@@ -185,10 +183,11 @@ class ParallelContext:
         gc.collect()
 
 
-def init_parallel(cfg: WorkerConfig) -> tuple[WorkerConfig, ParallelContext]:
+def init_parallel(cfg: WorkerConfig, model_config: ModelConfig) -> tuple[WorkerConfig, ParallelContext]:
     """Joins the tensor-parallel group that `cfg` describes, returning `cfg` with this rank's device made
     explicit (cuda -> cuda:<rank modulo the host's GPUs>) and the context. At size 1: `cfg` unchanged and a
-    context with no process group, torch.distributed untouched."""
+    context with no process group, torch.distributed untouched. `model_config` (the checkpoint's) is checked
+    against the group's size first."""
     size = cfg.tensor_parallel_size
     if size == 1:
         return cfg, ParallelContext()
@@ -197,9 +196,7 @@ def init_parallel(cfg: WorkerConfig) -> tuple[WorkerConfig, ParallelContext]:
     if not 0 <= cfg.rank < size:
         raise ValueError(f"rank {cfg.rank} is outside a tensor-parallel group of {size}")
     # Fail before the rendezvous, which would otherwise wait for the other ranks first.
-    from worker.loader import load_model_config
-
-    shard_model_config(load_model_config(cfg.model), size)
+    shard_model_config(model_config, size)
     device = cfg.resolved_device
     if device == "cuda":  # ranks fill each host's GPUs in order: 8 ranks on two hosts of 4 -> 0..3, 0..3
         device = f"cuda:{cfg.rank % torch.cuda.device_count()}"

@@ -1,9 +1,10 @@
-"""A StepPlan checked whole against the worker's state before any of it is applied.
+"""A StepPlan checked against the worker's sequences before it is applied: the one place that knows what
+makes a plan valid (worker/sequences.py applies the plan's changes only once they passed).
 
-`ModelRunner` applies a plan in the StepPlan order and raises PlanError at the first contradiction, by which
-time the parts before it have changed its state. `check_plan` walks the same order over a shadow of only the
-sequences the plan touches and changes nothing, so that the worker can refuse a plan and still hold exactly
-the state it had.
+`check_plan` walks the StepPlan order over a shadow of only the sequences the plan touches and changes
+nothing, so that the worker can refuse a plan whole and still hold exactly the state it had. Its two halves,
+`check_changes` (steps 0 to 4) and `check_step` (5 to 7), are what `Sequences.apply` runs before and after
+applying the changes.
 
 With a step in flight (launched, not finished) a sequence that samples in it counts the token on its way as
 pending: `len(token_ids) + pending` is what the sequence will know when this plan is applied, whether or not
@@ -15,12 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import numpy as np
 
 from common.messages import StepPlan
-
-if TYPE_CHECKING:
-    from worker.model_runner import SeqState
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,15 @@ class PlanLimits:
     block_size: int
     max_model_len: int
     max_blocks_per_seq: int  # the width of the runner's block table array
+
+
+class SeqView(Protocol):
+    """What the check reads of one of the worker's sequences (worker/sequences.py SeqState)."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    pending: int  # tokens sampled by the step in flight and not yet appended
+    row: int  # its row of the block table array: `num_blocks[row]` blocks
 
 
 @dataclass(slots=True)
@@ -48,8 +57,9 @@ class _Shadow:
 class _Walk:
     """The runner's sequences with the plan's changes laid over them; the runner's own are only read."""
 
-    def __init__(self, seqs: Mapping[int, SeqState]) -> None:
+    def __init__(self, seqs: Mapping[int, SeqView], num_blocks: np.ndarray) -> None:
         self.seqs = seqs
+        self.num_blocks = num_blocks
         self.changed: dict[int, _Shadow | None] = {}  # None: freed by the plan
 
     def get(self, seq_id: int) -> _Shadow | None:
@@ -59,7 +69,7 @@ class _Walk:
         if seq is None:
             return None
         num_known = len(seq.token_ids) + seq.pending
-        return _Shadow(num_known, seq.num_computed_tokens, len(seq.block_table), seq.pending)
+        return _Shadow(num_known, seq.num_computed_tokens, int(self.num_blocks[seq.row]), seq.pending)
 
     def edit(self, seq_id: int) -> _Shadow | None:
         """The sequence's shadow, kept in `changed` so that later parts of the plan see the edits."""
@@ -69,10 +79,35 @@ class _Walk:
         return shadow
 
 
-def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], limits: PlanLimits) -> str | None:
-    """Why `plan` cannot be applied to the sequences `seqs` of a runner of `limits`, or None when it can."""
-    walk = _Walk(seqs)
-    problem = _check_changes(plan, walk, limits) or _check_step(plan, walk, limits)
+class PlanError(ValueError):
+    """A StepPlan that contradicts the worker's state: a bug in the scheduler."""
+
+
+def check_plan(
+    plan: StepPlan, seqs: Mapping[int, SeqView], num_blocks: np.ndarray, limits: PlanLimits
+) -> str | None:
+    """Why `plan` cannot be applied to the sequences `seqs`, whose rows hold `num_blocks` blocks each
+    (`[num_rows]`), of a runner of `limits`; or None when it can."""
+    walk = _Walk(seqs, num_blocks)
+    return _named(plan, _check_changes(plan, walk, limits) or _check_step(plan, walk, limits))
+
+
+def check_changes(
+    plan: StepPlan, seqs: Mapping[int, SeqView], num_blocks: np.ndarray, limits: PlanLimits
+) -> str | None:
+    """`check_plan` of steps 0 to 4 alone (the plan's changes to the sequences and the pools)."""
+    return _named(plan, _check_changes(plan, _Walk(seqs, num_blocks), limits))
+
+
+def check_step(
+    plan: StepPlan, seqs: Mapping[int, SeqView], num_blocks: np.ndarray, limits: PlanLimits
+) -> str | None:
+    """`check_plan` of steps 5 to 7 alone (what the step computes and samples, and its forks), against
+    sequences that the plan's changes were applied to."""
+    return _named(plan, _check_step(plan, _Walk(seqs, num_blocks), limits))
+
+
+def _named(plan: StepPlan, problem: str | None) -> str | None:
     return None if problem is None else f"step {plan.step_id}: {problem}"
 
 
@@ -145,16 +180,18 @@ def _check_changes(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | Non
 
 
 def _check_step(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | None:
-    """Steps 5 and 6: the scheduled sequences' tokens and slots, and the forks."""
+    """Steps 5 to 7: the scheduled sequences' tokens and slots, who samples, and the forks."""
     scheduled = plan.scheduled_seq_ids
     if len(scheduled) != len(plan.num_scheduled_tokens):
         return "scheduled_seq_ids and num_scheduled_tokens lengths differ"
     if len(set(scheduled)) != len(scheduled):
         return "a sequence is scheduled twice"
-    # This loop runs every step over the whole batch: the runner's sequences are read in place, and the
-    # reason is worked out only for a sequence that fails.
+    # This loop runs every step over the whole batch: the runner's sequences are read in place (their rows'
+    # lengths as one list: a Python list reads faster than a numpy scalar), and the reason is worked out
+    # only for a sequence that fails.
     sampling: dict[int, int] = {}  # the scheduled sequences that reach all their tokens -> their pending ones
     changed, seqs, block_size, max_len = walk.changed, walk.seqs, limits.block_size, limits.max_model_len
+    blocks_of_row = walk.num_blocks.tolist()
     for seq_id, n in zip(scheduled, plan.num_scheduled_tokens, strict=True):
         if seq_id in changed or seq_id not in seqs:
             shadow = walk.get(seq_id)
@@ -164,7 +201,7 @@ def _check_step(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | None:
             num_blocks, pending = shadow.num_blocks, shadow.pending
         else:
             seq = seqs[seq_id]
-            pending, computed, num_blocks = seq.pending, seq.num_computed_tokens, len(seq.block_table)
+            pending, computed, num_blocks = seq.pending, seq.num_computed_tokens, blocks_of_row[seq.row]
             known = len(seq.token_ids) + pending
         end = computed + n
         if n < 1 or end > known or (pending and n != 1) or end > max_len or num_blocks * block_size < end:

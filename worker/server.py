@@ -33,6 +33,7 @@ from common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode,
 from common.monitor import open_monitor
 from common.security import ClusterKey, ClusterKeyError, load_cluster_key, secure_client
 from worker.heartbeat import HeartbeatThread
+from worker.loader import load_model_config
 from worker.model_runner import ModelRunner
 from worker.parallel import ParallelContext, init_parallel
 from worker.step_trace import StepTrace
@@ -99,7 +100,8 @@ def serve(cfg: WorkerConfig) -> int:
     """Runs the worker until Shutdown or a stop signal; returns the process exit code."""
     log = configure_logging("worker", cfg.log_level)
     started = time.monotonic()
-    cfg, parallel = init_parallel(cfg)  # at tensor_parallel_size 1: nothing, no torch.distributed
+    # at tensor_parallel_size 1: nothing, no torch.distributed
+    cfg, parallel = init_parallel(cfg, load_model_config(cfg.model))
     if parallel.world_size > 1:
         log = log.bind(rank=parallel.rank, tensor_parallel_size=parallel.world_size)
     log.info(

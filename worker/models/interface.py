@@ -15,16 +15,14 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
+from worker.model_config import ModelConfig
 from worker.parallel import ParallelContext
-
-if TYPE_CHECKING:  # the loader reads checkpoints through the registry of families: no import back at run time
-    from worker.loader import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_size, Hkv, D]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import types
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +19,9 @@ from torch import nn
 
 from kernels import reference_ops
 from worker.attention import AttentionBackend, AttentionMetadata
+from worker.model_config import ModelConfig, RopeScaling
 from worker.models.interface import KVCache
 from worker.parallel import ParallelContext, row_parallel_linear
-
-if TYPE_CHECKING:  # the loader reads checkpoints through the registry of families: no import back at run time
-    from worker.loader import ModelConfig, RopeScaling
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -8,18 +8,14 @@ of the MLP, and the embedding and LM head its slice of the vocabulary (ceil(V/N)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
+from worker.model_config import ModelConfig
 from worker.models.interface import AttentionShape, CausalLM, KVCache, WeightMap
 from worker.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, param
 from worker.parallel import ParallelContext, vocab_parallel_embedding, vocab_parallel_logits
-
-if TYPE_CHECKING:  # the loader reads checkpoints through the registry of families: no import back at run time
-    from worker.loader import ModelConfig
 
 LLAMA_WEIGHTS = WeightMap(
     prefix="model.",

@@ -7,20 +7,17 @@ checklist).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from worker.attention import AttentionBackend
+from worker.model_config import ModelConfig
 from worker.models.interface import CausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
 from worker.parallel import ParallelContext
-
-if TYPE_CHECKING:  # the loader reads checkpoints through this registry: no import back at run time
-    from worker.loader import ModelConfig
 
 FAMILIES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM,
