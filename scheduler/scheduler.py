@@ -66,8 +66,7 @@ from scheduler.settings import SchedulerSettings, check_request
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
 
-# SchedulerSettings too: scripts and the GPU tests import it from here
-__all__ = ["Error", "Output", "Scheduler", "SchedulerSettings"]
+__all__ = ["Error", "Output", "Scheduler"]
 
 log = structlog.get_logger(process="scheduler")
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from client import AsyncEngineClient
-from common.config import WorkerConfig
+from common.config import WorkerConfig, choices_of
 from common.messages import InfoReply
 from scripts._servers import ROOT, Engine, start_engine
 
@@ -353,14 +353,19 @@ def add_worker_flags(
     benchmark's settings are its command line."""
     hints = get_type_hints(WorkerConfig)
     by_name = {f.name: f for f in dataclasses.fields(WorkerConfig)}
+    choices = choices_of(WorkerConfig)
     for name in names:
-        # `bool | None` (unset: the worker decides) reads as bool
-        tp = next((t for t in get_args(hints[name]) if t is not type(None)), hints[name])
+        # `bool | None` (unset: the worker decides) reads as bool; a Literal is a string of its choices
+        tp = (
+            str
+            if name in choices
+            else next((t for t in get_args(hints[name]) if t is not type(None)), hints[name])
+        )
         default = defaults.get(name, by_name[name].default)
         flag = "--" + name.replace("_", "-")
         helptext = f"the worker's {flag} (common/config.py WorkerConfig.{name})"
         if name in required:
-            parser.add_argument(flag, type=tp, required=True, help=helptext)
+            parser.add_argument(flag, type=tp, required=True, choices=choices.get(name), help=helptext)
         elif tp is bool:
             parser.add_argument(
                 flag,
@@ -369,7 +374,13 @@ def add_worker_flags(
                 help=f"{helptext}; default {default}",
             )
         else:
-            parser.add_argument(flag, type=tp, default=default, help=f"{helptext}; default {default!r}")
+            parser.add_argument(
+                flag,
+                type=tp,
+                default=default,
+                choices=choices.get(name),
+                help=f"{helptext}; default {default!r}",
+            )
 
 
 def worker_config(args: argparse.Namespace, names: Sequence[str], **settings: object) -> WorkerConfig:
@@ -380,7 +391,8 @@ def worker_config(args: argparse.Namespace, names: Sequence[str], **settings: ob
 def in_process_scheduler(runner: Any, max_num_seqs: int, max_num_batched_tokens: int = 8192) -> Any:
     """A scheduler core (scheduler/scheduler.py) sized to `runner`'s KV pool and model, as the worker's
     announcement sizes the real one: for scripts that run the core and a ModelRunner in one process."""
-    from scheduler.scheduler import Scheduler, SchedulerSettings  # the CPU-only scripts need no scheduler
+    from scheduler.scheduler import Scheduler  # the CPU-only scripts need no scheduler
+    from scheduler.settings import SchedulerSettings
 
     return Scheduler(
         SchedulerSettings(

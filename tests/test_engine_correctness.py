@@ -15,7 +15,8 @@ from transformers import GenerationConfig, LlamaForCausalLM
 
 from common.config import WorkerConfig
 from common.messages import SamplingParams, SubmitRequest
-from scheduler.scheduler import Scheduler, SchedulerSettings
+from scheduler.scheduler import Scheduler
+from scheduler.settings import SchedulerSettings
 from worker.model_runner import ModelRunner
 
 MAX_TOKENS = 24

@@ -11,7 +11,8 @@ from transformers import LlamaForCausalLM
 
 from common.config import WorkerConfig
 from common.messages import SamplingParams, SubmitRequest
-from scheduler.scheduler import Scheduler, SchedulerSettings
+from scheduler.scheduler import Scheduler
+from scheduler.settings import SchedulerSettings
 from tests.test_engine_correctness import _run_engine
 from worker.cuda_graphs import capture_sizes
 from worker.model_runner import ModelRunner

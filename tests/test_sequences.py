@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from common.messages import Fork, NewSequence, StepPlan
+from common.messages import Fork, NewSequence, SamplingParams, StepPlan
 from worker.plan_check import PlanError, PlanLimits
 from worker.sequences import SeqState, Sequences
 
@@ -39,7 +39,8 @@ class RecordingPools:
 
 
 def new_seq(seq_id: int, num_tokens: int, table: list[int], seed: int = 0, beam: bool = False) -> NewSequence:
-    return NewSequence(seq_id, list(range(1, num_tokens + 1)), table, 0, 0.0, 1.0, 0, seed, -1, beam)
+    params = SamplingParams(temperature=0.0, beam_width=2 if beam else 0)
+    return NewSequence(seq_id, list(range(1, num_tokens + 1)), table, 0, params, seed)
 
 
 def plan(step_id: int, schedule: dict[int, int] | None = None, **fields: Any) -> StepPlan:

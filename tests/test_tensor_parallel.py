@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from common.config import WorkerConfig
 from common.log import get_logger
 from common.messages import SamplingParams, Shutdown, StepOutput, SubmitRequest, encode
-from scheduler.scheduler import Scheduler, SchedulerSettings
+from scheduler.scheduler import Scheduler
+from scheduler.settings import SchedulerSettings
 from scripts._servers import free_port
 from scripts.make_model import make_model
 from tests.test_engine_correctness import _prompts
