@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -13,26 +12,12 @@ import torch
 
 from common.messages import Fork, SamplingParams, StepPlan
 from tests.test_model_runner_kv import make_runner, new_seq, random_prompt
+from tests.test_sequences import plan
 from worker.model_runner import ModelRunner
 
 NUM_BLOCKS = 16
 NUM_CPU_BLOCKS = 8
 MAX_BLOCKS_PER_SEQ = 2048 // 16  # the tiny model's positions over the block size
-
-
-def plan(step_id: int = 100, schedule: dict[int, int] | None = None, **fields: Any) -> StepPlan:
-    """A plan in which every scheduled sequence samples unless `sampling_seq_ids` says otherwise."""
-    schedule = schedule or {}
-    return StepPlan(
-        step_id,
-        fields.pop("freed_seq_ids", []),
-        fields.pop("new_seqs", []),
-        fields.pop("new_block_ids", []),
-        list(schedule),
-        list(schedule.values()),
-        fields.pop("sampling_seq_ids", list(schedule)),
-        **fields,
-    )
 
 
 def _checked_execute(runner: ModelRunner, p: StepPlan):

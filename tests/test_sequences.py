@@ -43,7 +43,7 @@ def new_seq(seq_id: int, num_tokens: int, table: list[int], seed: int = 0, beam:
     return NewSequence(seq_id, list(range(1, num_tokens + 1)), table, 0, params, seed)
 
 
-def plan(step_id: int, schedule: dict[int, int] | None = None, **fields: Any) -> StepPlan:
+def plan(step_id: int = 100, schedule: dict[int, int] | None = None, **fields: Any) -> StepPlan:
     """A plan in which every scheduled sequence samples unless `sampling_seq_ids` says otherwise."""
     schedule = schedule or {}
     return StepPlan(
