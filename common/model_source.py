@@ -82,7 +82,13 @@ def _download(repo_id: str, revision: str) -> str:
 
     at = f" at revision {revision!r}" if revision else ""
     try:
-        return snapshot_download(repo_id, revision=revision or None, allow_patterns=ALLOW_PATTERNS)
+        return snapshot_download(
+            repo_id,
+            revision=revision or None,
+            allow_patterns=ALLOW_PATTERNS,
+            # said outright: offline, a commit hash as revision would still ask the Hub for its file list
+            local_files_only=constants.HF_HUB_OFFLINE,
+        )
     except LocalEntryNotFoundError:
         how = (
             "HF_HUB_OFFLINE is set"
