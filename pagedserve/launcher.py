@@ -81,7 +81,7 @@ class Launcher:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
-        self.log.info("serving", processes=list(self.procs), **about)
+        self.log.info("serving", supervisors={n: p.pid for n, p in self.procs.items()}, **about)
         code = 0
         while self.stopping is None:
             exited = [(name, p.returncode) for name, p in self.procs.items() if p.poll() is not None]
