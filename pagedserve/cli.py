@@ -101,7 +101,8 @@ def serve_children(
     except ModelSourceError as e:
         parser.error(str(e))
     values = {name: getattr(args, name) for name in owners() if name not in NOT_FLAGS}
-    values |= {"model": source.path, "revision": ""}  # the processes load the directory; no Hub access
+    # the processes load the directory (absolute: wherever they run), with no Hub access of their own
+    values |= {"model": os.path.abspath(source.path), "revision": ""}
     if source.repo_id and not values["served_model_name"]:
         values["served_model_name"] = source.repo_id
     num_ranks = values["tensor_parallel_size"]
