@@ -46,7 +46,7 @@ class ApiConfig:
     """The HTTP front end."""
 
     host: str = "127.0.0.1"  # address the HTTP server binds
-    port: int = 8000
+    port: int = 8000  # port the HTTP server listens on
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # where the scheduler takes client connections
     # Checkpoint directory (or Hugging Face repo id) the tokenizer loads from at start (the worker's --model,
     # which honcho's PAGEDSERVE_MODEL gives both); empty: the one the first ready worker announces
@@ -67,7 +67,7 @@ class ApiConfig:
     max_buffered_tokens: int = 16384
     # A stream whose client takes nothing for this long is aborted (its KV freed) and its connection closed
     stream_write_timeout_s: float = 30.0
-    log_level: str = "info"
+    log_level: str = "info"  # debug, info, warning or error: the least severe events logged
     # With a Hugging Face repo id as --model: the branch, tag or commit (empty: main)
     revision: str = ""
 

@@ -52,6 +52,12 @@ def test_serve_help_shows_every_flag_with_its_description_default_and_choices(
     assert "A local checkpoint directory, or a Hugging Face repo id" in text  # MODEL
 
 
+def test_every_field_of_every_process_has_a_description() -> None:
+    """`--help` of `pagedserve serve` and of each `python -m PROCESS` says what every flag does."""
+    for _, cls in PROCESSES:
+        assert [f.name for f in fields(cls) if not field_descriptions(cls).get(f.name)] == [], cls.__name__
+
+
 def test_every_flag_appears_once() -> None:
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
