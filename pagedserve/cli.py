@@ -123,7 +123,13 @@ def serve_children(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except SystemExit as e:  # a PAGEDSERVE_* variable that is no value of its flag: a usage error too
+        if isinstance(e.code, int) or e.code is None:
+            raise
+        print(f"pagedserve: error: {e.code}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command != "serve":  # pragma: no cover  (argparse allows only the commands above)
         parser.error(f"unknown command {args.command!r}")

@@ -147,6 +147,16 @@ def test_bad_values_fail_before_anything_starts_with_one_line(
     assert message in lines[1], lines
 
 
+def test_a_bad_environment_variable_is_one_line_and_status_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PAGEDSERVE_PORT", "http")
+    assert main(["serve", "x"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "pagedserve: error: PAGEDSERVE_PORT='http': invalid literal for int() with base 10: 'http'"
+    ]
+
+
 def test_an_environment_variable_is_a_default_and_a_flag_wins(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
