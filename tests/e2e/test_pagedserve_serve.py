@@ -132,61 +132,123 @@ def hf_home(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Path]:
     yield home
 
 
+class Served:
+    """`pagedserve serve ARGS` of `venv`, run from `tmp_path` on free 127.0.0.1 ports, logging to a file."""
+
+    def __init__(
+        self, venv: Path, tmp_path: Path, args: list[str], env: dict[str, str] | None = None
+    ) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = tmp_path / "pagedserve.log"
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDSERVE_", "HF_"))}
+        argv = [
+            str(venv / "bin" / "pagedserve"), "serve", *args, "--port", self.url.rsplit(":", 1)[1],
+            "--device", "cpu", "--scheduler-address", f"tcp://127.0.0.1:{free_port()}",
+            "--worker-address", f"tcp://127.0.0.1:{free_port()}",
+            "--cluster-key-file", str(tmp_path / "cluster_key"), "--shutdown-timeout-s", "3",
+        ]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                argv, cwd=tmp_path, env=base | (env or {}), stdout=log, stderr=subprocess.STDOUT
+            )
+        self.supervisors: list[int] = []
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_healthy(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while health(self.url) != 200:
+            assert self.proc.poll() is None, self.log()[-4000:]
+            assert time.monotonic() < deadline, self.log()[-4000:]
+            time.sleep(0.3)
+        self.supervisors = list(log_event(self.log(), "serving")["supervisors"].values())
+
+    def stop(self) -> int:
+        """SIGTERM; returns the exit status. Asserts that every process it started is gone."""
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            code = self.proc.wait(timeout=30)
+        finally:
+            self.kill()
+        lines = [json.loads(line) for line in self.log().splitlines() if line.startswith("{")]
+        children = [e["pid"] for e in lines if e.get("process") == "supervisor" and e["event"] == "started"]
+        assert len(children) == len(self.supervisors), self.log()[-3000:]  # each started once, none restarted
+        for pid in [*self.supervisors, *children]:  # nothing keeps running
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in self.supervisors:  # their own sessions: whatever is left of them
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> str:
+    """transformers' own greedy continuation of `prompt`, as text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+    )
+    return AutoTokenizer.from_pretrained(model_dir).decode(out[0, len(prompt) :])
+
+
+PROMPT = [1, 15, 27, 300, 42]
+
+
 @pytest.mark.e2e
 def test_pagedserve_serve_a_repo_id_from_the_cache_and_stop_on_sigterm(
     venv: Path, hf_home: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Offline, with the model only in a hub cache: the installed command serves greedy completions equal to
     transformers' own, logs where the memory went, and SIGTERM stops every process with status 0."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDSERVE_", "HF_"))}
-    env |= {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    argv = [
-        str(venv / "bin" / "pagedserve"), "serve", "org/tiny-llama", "--port", str(port), "--device", "cpu",
-        "--scheduler-address", f"tcp://127.0.0.1:{free_port()}",
-        "--worker-address", f"tcp://127.0.0.1:{free_port()}",
-        "--cluster-key-file", str(tmp_path / "cluster_key"), "--num-kv-blocks", "24",
-        "--shutdown-timeout-s", "3",
-    ]  # fmt: skip
-    log_path = tmp_path / "pagedserve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    supervisors: list[int] = []
+    served = Served(venv, tmp_path, ["org/tiny-llama", "--num-kv-blocks", "24"],
+                    {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})  # fmt: skip
     try:
-        deadline = time.monotonic() + 90
-        while health(url) != 200:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-            time.sleep(0.3)
-        supervisors = list(log_event(log_path.read_text(), "serving")["supervisors"].values())
-        prompt = [1, 15, 27, 300, 42]
-        body = post(url + "/v1/completions", {"model": "org/tiny-llama", "prompt": prompt, "max_tokens": 6,
-                                              "temperature": 0, "ignore_eos": True})  # fmt: skip
+        served.wait_healthy()
+        request = {"model": "org/tiny-llama", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+        body = post(served.url + "/v1/completions", request | {"ignore_eos": True})
         assert body["model"] == "org/tiny-llama" and body["usage"]["completion_tokens"] == 6
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
-        expected = AutoTokenizer.from_pretrained(tiny_model_dir).decode(out[0, len(prompt) :])
-        assert body["choices"][0]["text"] == expected
-        memory = log_event(log_path.read_text(), "memory")
+        assert body["choices"][0]["text"] == greedy(tiny_model_dir, PROMPT, 6)
+        memory = log_event(served.log(), "memory")
         assert memory["kv_blocks"] == 24 and memory["kv_tokens"] == 24 * 16 and memory["weights_gib"] > 0
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, log_path.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in supervisors:  # their own sessions: whatever is left of them
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
-    children = [e["pid"] for e in lines if e.get("process") == "supervisor" and e["event"] == "started"]
-    assert len(children) == 3, children  # api, scheduler, worker: each started once, none restarted
-    for pid in [*supervisors, *children]:  # nothing keeps running
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    except BaseException:
+        served.kill()
+        raise
+    assert served.stop() == 0, served.log()[-4000:]
+
+
+@pytest.mark.e2e
+def test_pagedserve_serve_starts_tensor_parallel_ranks(
+    venv: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """--tensor-parallel-size 2: two supervised worker ranks (gloo on the CPU) meeting at a free port, serving
+    the single process's tokens."""
+    served = Served(
+        venv, tmp_path, [str(tiny_model_dir), "--tensor-parallel-size", "2", "--num-kv-blocks", "24"]
+    )
+    try:
+        served.wait_healthy()
+        assert sorted(log_event(served.log(), "serving")["supervisors"]) == [
+            "api",
+            "scheduler",
+            "worker",
+            "worker1",
+        ]
+        body = post(served.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                                     "ignore_eos": True})  # fmt: skip
+        assert body["model"] == tiny_model_dir.name
+        assert body["choices"][0]["text"] == greedy(tiny_model_dir, PROMPT, 6)
+    except BaseException:
+        served.kill()
+        raise
+    assert served.stop() == 0, served.log()[-4000:]
