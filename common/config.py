@@ -13,9 +13,11 @@ import ast
 import inspect
 import io
 import os
+import sys
 import textwrap
 import tokenize
 import types
+from collections.abc import Container, Mapping
 from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
@@ -44,10 +46,10 @@ class ApiConfig:
     """The HTTP front end."""
 
     host: str = "127.0.0.1"  # address the HTTP server binds
-    port: int = 8000
+    port: int = 8000  # port the HTTP server listens on
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # where the scheduler takes client connections
-    # Checkpoint directory the tokenizer loads from at start (the worker's --model, which honcho's
-    # PAGEDSERVE_MODEL gives both); empty: the one the first ready worker announces
+    # Checkpoint directory (or Hugging Face repo id) the tokenizer loads from at start (the worker's --model,
+    # which honcho's PAGEDSERVE_MODEL gives both); empty: the one the first ready worker announces
     model: str = ""
     served_model_name: str = ""  # name in /v1/models and responses; empty: the worker's
     max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused
@@ -65,7 +67,9 @@ class ApiConfig:
     max_buffered_tokens: int = 16384
     # A stream whose client takes nothing for this long is aborted (its KV freed) and its connection closed
     stream_write_timeout_s: float = 30.0
-    log_level: str = "info"
+    log_level: str = "info"  # debug, info, warning or error: the least severe events logged
+    # With a Hugging Face repo id as --model: the branch, tag or commit (empty: main)
+    revision: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,8 @@ class SchedulerConfig:
 class WorkerConfig:
     """A worker: the model, its device and its KV pool."""
 
-    model: str = DEFAULT_MODEL_DIR  # local Hugging Face checkpoint directory
+    # A local checkpoint directory, or a Hugging Face repo id (its cache, HF_HOME, HF_HUB_OFFLINE, HF_TOKEN)
+    model: str = DEFAULT_MODEL_DIR
     served_model_name: str = ""  # empty: the checkpoint directory's name
     worker_address: str = DEFAULT_WORKER_ADDRESS  # the scheduler's worker socket
     device: str = "auto"  # cpu, cuda, cuda:N; auto picks cuda when there is one
@@ -149,6 +154,8 @@ class WorkerConfig:
     cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # the key pair that opens the scheduler's sockets
     step_trace: str = ""  # a file for one JSON line per step: host timestamps, GPU and idle time (rank 0)
     log_level: str = "info"  # debug, info, warning or error: the least severe events logged
+    # With a Hugging Face repo id as --model: the branch, tag or commit (empty: main)
+    revision: str = ""
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -256,14 +263,22 @@ def field_descriptions(config_cls: type) -> dict[str, str]:
     return descriptions
 
 
-def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
-    """Adds one flag per field of `config_cls`, defaulting to its environment variable, then its default.
-    A flag's help is the field's comment, its default and its environment variable; a Literal field's
-    values are the flag's choices."""
+def add_config_args(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    config_cls: type,
+    skip: Container[str] = (),
+    notes: Mapping[str, str] | None = None,
+) -> None:
+    """Adds one flag per field of `config_cls` (but those in `skip`), defaulting to its environment variable,
+    then its default. A flag's help is the field's comment, its default, its environment variable and its
+    entry in `notes`; a Literal field's values are the flag's choices."""
     hints = get_type_hints(config_cls)
     descriptions = field_descriptions(config_cls)
     choices = choices_of(config_cls)
     for f in fields(config_cls):
+        if f.name in skip:
+            continue
+        note = f"; {notes[f.name]}" if notes and f.name in notes else ""
         tp = _scalar_type(hints[f.name])
         env_name = ENV_PREFIX + f.name.upper()
         default = f.default if f.default is not MISSING else None
@@ -276,7 +291,7 @@ def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=_parse_bool(env_value) if env_value is not None else default,
-                help=f"{about}(default {default!r}; env {env_name})",
+                help=f"{about}(default {default!r}; env {env_name}{note})",
             )
             continue
         if f.name in choices:
@@ -292,15 +307,28 @@ def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
             type=tp,
             default=default,
             choices=choices.get(f.name),
-            help=f"{about}(default {default!r}; env {env_name})",
+            help=f"{about}(default {default!r}; env {env_name}{note})",
         )
 
 
 def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
+    """The config of `args`' values for `config_cls`'s fields; a config with a `revision` field has its
+    `model` resolved to a local directory (common/model_source.py: a Hugging Face repo id, from the cache or
+    the Hub). Exits with one line when a value is bad (status 1) or the model cannot be found (status 2, a
+    configuration error the supervisor does not restart)."""
     try:
-        return config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
+        config = config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
     except ValueError as e:
         raise SystemExit(f"bad setting: {e}") from e
+    if "revision" not in {f.name for f in fields(config_cls)}:
+        return config
+    from common.model_source import ModelSourceError, resolve_config
+
+    try:
+        return resolve_config(config)
+    except ModelSourceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def parse_config(config_cls: type[C], argv: list[str] | None = None, description: str = "") -> C:

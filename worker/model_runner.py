@@ -113,8 +113,12 @@ class ModelRunner:
         load_weights(self.model, self.model_config, cfg.model, self.parallel)
         self.model.eval()
         budget = 0
+        # For the worker's memory line: the profile's peak (weights + one largest step), and the graphs' bytes
+        self.profile_peak_bytes: int | None = None
+        self.graph_bytes: int | None = None
         if self.device.type == "cuda" and cfg.num_kv_blocks <= 0:
-            budget = cuda_kv_budget(self.device, cfg.gpu_memory_utilization, self._profile_peak_memory(cfg))
+            self.profile_peak_bytes = self._profile_peak_memory(cfg)
+            budget = cuda_kv_budget(self.device, cfg.gpu_memory_utilization, self.profile_peak_bytes)
         num_blocks = determine_num_kv_blocks(
             cfg, self.shard_config, self.max_model_len, self.device, self.kv_dtype, budget
         )
@@ -138,6 +142,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # The torch reference reads lengths on the host (a sync a graph cannot hold): it runs eagerly.
         if self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_safe:
+            free_before = torch.cuda.mem_get_info(self.device)[
+                0
+            ]  # graph pools live outside the allocator's view
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv.layers,
@@ -151,6 +158,8 @@ class ModelRunner:
             # Their memory comes out of what --gpu-memory-utilization leaves: the profile does not count it.
             max_tokens = cfg.max_num_batched_tokens
             self.mixed_graphs = MixedGraphs(self.model, self.kv.layers, max_tokens, self.device)
+        if self.graphs is not None:
+            self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.last_step_gpu_s = 0.0  # GPU time of the last step with a forward (CUDA; 0 elsewhere)
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not finished; oldest first
         self._last_ended: torch.cuda.Event | None = None  # the end of the last launched step on the GPU

@@ -30,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from common.config import WorkerConfig
 from common.log import configure_logging
 from common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode, encode
+from common.model_source import ModelSourceError, resolve_config
 from common.monitor import open_monitor
 from common.security import ClusterKey, ClusterKeyError, load_cluster_key, secure_client
 from worker.heartbeat import HeartbeatThread
@@ -96,10 +97,40 @@ def model_name(cfg: WorkerConfig) -> str:
     return cfg.served_model_name or Path(cfg.model).resolve().name
 
 
+def _gib(num_bytes: int | None) -> float | None:
+    return None if num_bytes is None else round(num_bytes / (1 << 30), 3)
+
+
+def memory_usage(runner: ModelRunner) -> dict[str, Any]:
+    """Where this rank's memory went, in GiB: weights, the activations' peak (the CUDA profile's peak less the
+    weights; None where nothing was profiled: the CPU, or a fixed --num-kv-blocks), the KV pool (with its
+    blocks and tokens), the CPU swap pool, and the CUDA graphs (None without graphs)."""
+    tensors = [*runner.model.parameters(), *runner.model.buffers()]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    pool = runner.kv.device_pool
+    peak = runner.profile_peak_bytes
+    return {
+        "weights_gib": _gib(weights),
+        "activations_peak_gib": _gib(None if peak is None else peak - weights),
+        "kv_pool_gib": _gib(pool.numel() * pool.element_size()),
+        "kv_blocks": runner.num_kv_blocks,
+        "kv_tokens": runner.num_kv_blocks * runner.block_size,
+        "swap_pool_gib": _gib(
+            runner.num_cpu_blocks and runner.kv.cpu_pool.numel() * runner.kv.cpu_pool.element_size()
+        ),
+        "cuda_graphs_gib": _gib(runner.graph_bytes),
+    }
+
+
 def serve(cfg: WorkerConfig) -> int:
     """Runs the worker until Shutdown or a stop signal; returns the process exit code."""
     log = configure_logging("worker", cfg.log_level)
     started = time.monotonic()
+    try:  # a config made in code: a Hub repo id becomes its snapshot here (parse_config did it otherwise)
+        cfg = resolve_config(cfg)
+    except ModelSourceError as e:
+        log.error("model_not_found", error=str(e))
+        return 2
     # at tensor_parallel_size 1: nothing, no torch.distributed
     cfg, parallel = init_parallel(cfg, load_model_config(cfg.model))
     if parallel.world_size > 1:
@@ -125,6 +156,7 @@ def serve(cfg: WorkerConfig) -> int:
         torch_threads=torch.get_num_threads(),
         load_time_s=round(time.monotonic() - started, 3),
     )
+    log.info("memory", device=str(runner.device), **memory_usage(runner))
     if runner.num_kv_blocks * runner.block_size < runner.max_model_len:
         log.warning(
             "kv_pool_smaller_than_one_sequence",

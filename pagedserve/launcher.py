@@ -1,0 +1,114 @@
+"""Runs the server's processes as `scripts/start` does under honcho, without honcho: each under its own
+`python -m common.supervisor NAME` (restarts with backoff; exit status 2, a usage or configuration error, is
+not restarted), and the launcher stops them all when one supervisor exits, as honcho does.
+
+SIGTERM or SIGINT (Ctrl-C) to the launcher goes to every supervisor once, which passes it on: the api and
+the scheduler drain (`--shutdown-timeout-s`), the scheduler then tells the worker to stop. A process group
+still alive `GRACE_S` after that is killed. Each supervisor runs in its own session, so a terminal's Ctrl-C
+reaches the processes once, through the launcher; on Linux each also gets SIGTERM should the launcher die.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+
+import pagedserve
+from common.log import configure_logging
+
+GRACE_S = 15.0  # beyond the drain: the worker's own grace and a process's exit
+POLL_S = 0.1
+
+
+@dataclass
+class Child:
+    """One supervised process: its name in the logs, its module (`python -m MODULE`) and extra variables."""
+
+    name: str
+    module: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launcher dies (Linux's PR_SET_PDEATHSIG; best effort)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def child_env(base: dict[str, str], settings: dict[str, str]) -> dict[str, str]:
+    """The processes' environment: `base` without its PAGEDSERVE_* variables (`settings` holds every value),
+    with the server's packages found first, wherever the command runs from."""
+    env = {k: v for k, v in base.items() if not k.startswith("PAGEDSERVE_")} | settings
+    root = str(pagedserve.CODE_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [base.get("PYTHONPATH")])])
+    env["PYTHONSAFEPATH"] = "1"  # the working directory's own `common/` or `kernels/` must not come first
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Launcher:
+    """Starts `children` with `settings` (PAGEDSERVE_* variables) and stops them together."""
+
+    def __init__(
+        self, children: list[Child], settings: dict[str, str], stop_timeout_s: float, log_level: str = "info"
+    ) -> None:
+        self.children = children
+        self.env = child_env(dict(os.environ), settings)
+        self.stop_timeout_s = stop_timeout_s + GRACE_S
+        self.log = configure_logging("pagedserve", log_level)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopping: int | None = None
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.stopping = self.stopping or signum
+
+    def run(self, **about: str) -> int:
+        """Runs until a stop signal or a supervisor's exit; returns the exit status."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        for child in self.children:
+            self.procs[child.name] = subprocess.Popen(
+                [sys.executable, "-m", "common.supervisor", child.module],
+                env=self.env | child.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        self.log.info("serving", supervisors={n: p.pid for n, p in self.procs.items()}, **about)
+        code = 0
+        while self.stopping is None:
+            exited = [(name, p.returncode) for name, p in self.procs.items() if p.poll() is not None]
+            if exited:  # as honcho: one supervisor gone (a usage error, or stopped from outside) stops all
+                name, code = exited[0]
+                self.log.error("process_exited", child=name, exit_code=code, action="stopping the others")
+                code = code or 1
+                break
+            time.sleep(POLL_S)
+        signum = self.stopping or signal.SIGTERM
+        self.log.info("stopping", signal=signal.Signals(signum).name, timeout_s=self.stop_timeout_s)
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        codes = self._wait_all()
+        if code == 0:
+            code = next((c for c in codes.values() if c not in (0, -signum)), 0)
+        self.log.info("stopped", exit_codes=codes)
+        return code
+
+    def _wait_all(self) -> dict[str, int]:
+        deadline = time.monotonic() + self.stop_timeout_s
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.error("killed", child=name, after_s=self.stop_timeout_s)
+                os.killpg(proc.pid, signal.SIGKILL)  # the supervisor and its process: their own session
+                proc.wait()
+        return {name: proc.returncode for name, proc in self.procs.items()}
