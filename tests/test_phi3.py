@@ -5,18 +5,21 @@ sliding window cap, and tensor parallelism taking each rank's rows of q, k and v
 from __future__ import annotations
 
 import random
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import Phi3Config, Phi3ForCausalLM
+from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from common.config import WorkerConfig
 from common.messages import SamplingParams
+from scripts.make_model import PRESETS, make_model
 from tests.test_engine_correctness import _run_engine, transformers_generate
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
 from tests.test_tensor_parallel import _run_ranks, check_two_ranks_match_one_process
 from worker.loader import _rank_slices, load_model_config
+from worker.model_config import ModelConfig
 from worker.model_runner import ModelRunner
 from worker.models.phi3 import PHI3_WEIGHTS
 from worker.parallel import shard_model_config
@@ -159,3 +162,21 @@ def test_two_ranks_match_one_process(phi3, tmp_path: Path) -> None:
     _run_ranks({"tiny": model_dir}, tmp_path)
     ranks = [torch.load(tmp_path / f"tiny-rank{rank}.pt") for rank in range(2)]
     check_two_ranks_match_one_process(model_dir, ranks, "cpu")
+
+
+def test_the_phi3_tiny_preset_reads_back_and_matches_transformers(tmp_path: Path) -> None:
+    """scripts/make_model.py's Phi-3 path (the phi-3-mini preset's, at a tiny shape with longrope)."""
+    model_dir = make_model(tmp_path / "phi3-tiny", preset="phi3-tiny")
+    loaded = load_model_config(model_dir)
+    preset = PRESETS["phi3-tiny"]
+    expected = {f.name: getattr(preset, f.name) for f in fields(ModelConfig)}
+    expected |= {"vocab_size": loaded.vocab_size, "eos_token_ids": loaded.eos_token_ids}
+    assert {f.name: getattr(loaded, f.name) for f in fields(ModelConfig)} == expected
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    runner = make_runner(model_dir, max_model_len=300)  # past 256: the long factors
+    driver = Driver(runner, seed=6)
+    driver.add(0, _random_prompt(random.Random(6), 260, runner.vocab_size))
+    driver.step({0: 260})
+    for _ in range(3):
+        driver.step({0: 1})
+    _assert_logits_match_hf(driver, hf, dict(driver.tokens))
