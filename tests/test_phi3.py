@@ -180,3 +180,24 @@ def test_the_phi3_tiny_preset_reads_back_and_matches_transformers(tmp_path: Path
     for _ in range(3):
         driver.step({0: 1})
     _assert_logits_match_hf(driver, hf, dict(driver.tokens))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("piecewise_graphs", [False, True])
+def test_gpu_greedy_matches_transformers_with_kernels_and_graphs(
+    tmp_path: Path, piecewise_graphs: bool
+) -> None:
+    """The Triton kernels (the fused RoPE rotating half of each head in place) and CUDA graphs, in float32."""
+    model_dir, hf = save_phi3(tmp_path, "longrope", seed=3)
+    rng = random.Random(7)
+    prompts = [_random_prompt(rng, n, 300) for n in (25, 31, 40, 57)]  # past 24: the long factors
+    expected = transformers_generate(hf, prompts, 12)
+    config = WorkerConfig(
+        model=str(model_dir), device="cuda", dtype="float32", block_size=16, num_kv_blocks=64,
+        max_num_seqs=4, piecewise_graphs=piecewise_graphs,
+    )  # fmt: skip
+    runner = ModelRunner(config, attention_backend="triton")
+    ours, _ = _run_engine(runner, prompts, SamplingParams(max_tokens=12, temperature=0.0), max_num_seqs=4)
+    for i, want in enumerate(expected):
+        assert ours[(i, 0)] == want, f"prompt {i}"
