@@ -77,17 +77,19 @@ def _rope_kernel(
     stride_t,
     stride_h,
     stride_cos,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # the rotated dimensions of a head (all of them, or a partial rotary's)
     HEADS: tl.constexpr,  # heads per program, a power of 2
+    HALF_PAD: tl.constexpr,  # HEAD_DIM // 2 rounded up to a power of 2 (Phi-3's 96 dimensions: 64)
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    half = tl.arange(0, HEAD_DIM // 2)
-    ok = (h < num_heads)[:, None]
+    half = tl.arange(0, HALF_PAD)
+    ok = (h < num_heads)[:, None] & (half < HEAD_DIM // 2)[None, :]
     pos = tl.load(positions_ptr + t).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_cos + half).to(tl.float32)[None, :]  # the halves of cos are equal
-    s1 = tl.load(sin_ptr + pos * stride_cos + half).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + pos * stride_cos + HEAD_DIM // 2 + half).to(tl.float32)[None, :]
+    in_half = half < HEAD_DIM // 2
+    c = tl.load(cos_ptr + pos * stride_cos + half, mask=in_half).to(tl.float32)[None, :]  # halves equal
+    s1 = tl.load(sin_ptr + pos * stride_cos + half, mask=in_half).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + pos * stride_cos + HEAD_DIM // 2 + half, mask=in_half).to(tl.float32)[None, :]
     ptr1 = x_ptr + t * stride_t + h[:, None] * stride_h + half[None, :]
     ptr2 = ptr1 + HEAD_DIM // 2
     x1 = tl.load(ptr1, mask=ok, other=0.0)
@@ -154,7 +156,7 @@ def _rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     heads = min(triton.next_power_of_2(num_heads), max(1, 2048 // head_dim))
     _rope_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         x, positions, cos, sin, num_heads, x.stride(0), x.stride(1), cos.stride(0),
-        HEAD_DIM=head_dim, HEADS=heads, num_warps=4,
+        HEAD_DIM=head_dim, HEADS=heads, HALF_PAD=triton.next_power_of_2(head_dim // 2), num_warps=4,
     )  # fmt: skip
 
 

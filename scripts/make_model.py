@@ -1,4 +1,4 @@
-"""Writes a Llama, Qwen2 or Qwen3 checkpoint with random weights and a locally trained tokenizer.
+"""Writes a Llama, Qwen2, Qwen3 or Phi-3 checkpoint with random weights and a locally trained tokenizer.
 
 Nothing can be downloaded where this project is developed and tested, so every model it serves is made here:
 a byte-level BPE tokenizer trained on the Python standard library's top-level modules (text every machine
@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 import sysconfig
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
@@ -92,6 +93,21 @@ def _preset(
     )
 
 
+def _rope_parameters(scaling: RopeScaling) -> dict[str, Any]:
+    """The rope parameters of config.json for `scaling`: its type, factor and pretraining length, and its
+    other fields where they differ from their defaults (longrope's factors as lists)."""
+    defaults = RopeScaling(scaling.rope_type, scaling.factor)
+    always = ["rope_type", "factor", "original_max_position_embeddings"]
+    if scaling.rope_type == "llama3":  # transformers requires them, defaults or not
+        always += ["low_freq_factor", "high_freq_factor"]
+    params = {
+        f.name: getattr(scaling, f.name)
+        for f in fields(RopeScaling)
+        if f.name in always or getattr(scaling, f.name) != getattr(defaults, f.name)
+    }
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+
+
 def _llama3_scaling(factor: float, original_max_position_embeddings: int) -> RopeScaling:
     return RopeScaling("llama3", factor, 1.0, 4.0, original_max_position_embeddings)
 
@@ -111,6 +127,28 @@ PRESETS: dict[str, Preset] = {
     ),
     "qwen3-0.6b": _preset(
         "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, 40960, "bfloat16", 0.02, tie_word_embeddings=True
+    ),
+    # Phi-3: Llama's eps, RoPE theta 1e4, q/k/v and gate/up stored fused. phi3-tiny has Phi-3.5's longrope
+    # (original length 256, the long factors past it) and Phi-4-mini's partial rotary factor.
+    "phi3-tiny": replace(
+        _preset("llama", 128, 4, 4, 2, 32, 344, 0, 2048, "float32", 0.08),
+        model_type="phi3",
+        rope_theta=1e4,
+        rope_scaling=RopeScaling(
+            "longrope",
+            8.0,
+            original_max_position_embeddings=256,
+            short_factor=(1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0),
+            long_factor=(1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0),
+        ),
+        partial_rotary_factor=0.5,
+    ),
+    # Phi-3-mini-4k-instruct's shape (head_dim 96, no GQA). Its config.json slides every layer over 2047
+    # tokens, which the worker would cap max_model_len to; the preset has no window, for benchmarks at 4096.
+    "phi-3-mini": replace(
+        _preset("llama", 3072, 32, 32, 32, 96, 8192, 32064, 4096, "bfloat16", 0.02),
+        model_type="phi3",
+        rope_theta=1e4,
     ),
 }
 
@@ -162,6 +200,8 @@ def make_model(
         GenerationConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -180,16 +220,22 @@ def make_model(
     eos_ids = [tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids("<|eot_id|>")]
 
     dtype = getattr(torch, p.dtype)
-    rope: dict[str, float | int | str] = {"rope_type": "default", "rope_theta": p.rope_theta}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": p.rope_theta}
     if p.rope_scaling is not None:
-        rope.update(asdict(p.rope_scaling))
+        rope.update(_rope_parameters(p.rope_scaling))
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }[p.model_type]
-    # Qwen2's config has no head_dim (it is always hidden_size / num_heads there).
-    head_dim = {} if p.model_type == "qwen2" else {"head_dim": p.head_dim}
+    # Qwen2's and Phi-3's configs have no head_dim (it is always hidden_size / num_heads there).
+    extra: dict[str, Any] = {} if p.model_type in ("qwen2", "phi3") else {"head_dim": p.head_dim}
+    if p.model_type == "phi3":  # the pretraining length at the top level, and the partial rotary factor
+        scaling = p.rope_scaling
+        original = scaling.original_max_position_embeddings if scaling else p.max_position_embeddings
+        extra |= {"original_max_position_embeddings": original, "pad_token_id": None}
+        rope["partial_rotary_factor"] = p.partial_rotary_factor
     config = config_class(
         vocab_size=p.vocab_size or len(tokenizer),
         hidden_size=p.hidden_size,
@@ -197,7 +243,7 @@ def make_model(
         num_hidden_layers=p.num_layers,
         num_attention_heads=p.num_heads,
         num_key_value_heads=p.num_kv_heads,
-        **head_dim,
+        **extra,
         max_position_embeddings=p.max_position_embeddings,
         rms_norm_eps=p.rms_norm_eps,
         rope_parameters=rope,

@@ -63,7 +63,7 @@ def test_make_model_leaves_an_existing_checkpoint_alone(tiny_model_dir: Path) ->
 
 def test_presets_have_consistent_head_shapes() -> None:
     for name, p in PRESETS.items():
-        assert p.model_type in ("llama", "qwen2", "qwen3"), name
+        assert p.model_type in ("llama", "qwen2", "qwen3", "phi3"), name
         if p.model_type != "qwen3":  # Qwen3's head_dim is its own; the others' is hidden_size / num_heads
             assert p.hidden_size == p.num_heads * p.head_dim, name
         assert p.head_dim % 2 == 0, name

@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.model_config import ModelConfig, as_id_list, read_json, rope_settings
+from worker.model_config import (
+    DEFAULT_MAX_POSITION_EMBEDDINGS,
+    ModelConfig,
+    as_id_list,
+    read_json,
+    rope_max_positions,
+    rope_settings,
+)
 from worker.models.interface import CausalLM, WeightMap
 from worker.models.registry import BY_MODEL_TYPE, resolve_family
 from worker.parallel import ParallelContext
@@ -46,7 +53,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not eos:
         eos = as_id_list(raw.get("eos_token_id"))
     num_heads = int(raw["num_attention_heads"])
-    max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
+    raw_max_positions = int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
+    max_position_embeddings = rope_max_positions(raw_max_positions, scaling)
     window = family.sliding_window(raw)
     if window is not None:
         max_position_embeddings = min(max_position_embeddings, window)
@@ -90,19 +98,25 @@ def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
     return names
 
 
+Slices = tuple[slice, ...]
+
+
 def iter_checkpoint_tensors(
     model_dir: str | Path,
     device: torch.device,
-    select: Callable[[str], tuple[slice, ...] | None] | None = None,
+    select: Callable[[str], Slices | list[Slices] | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of the checkpoint, read one at a time straight onto `device`; where `select`
-    gives slices for a name, only that part of the tensor is read (a tensor-parallel rank's shard)."""
+    gives slices for a name, only that part of the tensor is read (a tensor-parallel rank's shard), and
+    where it gives a list of them, those parts one after the other along the first dimension."""
     for path in _checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
                 slices = select(name) if select is not None else None
                 if slices is None:
                     yield name, f.get_tensor(name)
+                elif isinstance(slices, list):
+                    yield name, torch.cat([f.get_slice(name)[part] for part in slices]).to(device)
                 else:
                     yield name, f.get_slice(name)[slices].to(device)
 
@@ -123,14 +137,21 @@ def _shard_rows(config: ModelConfig, weights: WeightMap, fused_name: str, shard:
 
 
 def _rank_slices(
-    name: str, weights: WeightMap, local: ModelConfig, vocab_rows: int, rank: int
-) -> tuple[slice, ...] | None:
+    name: str, weights: WeightMap, local: ModelConfig, vocab_rows: int, rank: int, world_size: int
+) -> Slices | list[Slices] | None:
     """The part of checkpoint tensor `name` that tensor-parallel rank `rank` holds (None: all of it), given
     the rank's layer shapes `local` and its rows of the vocabulary. Column-parallel projections (weights and
     biases) are split by output rows, row-parallel weights by input columns, the embedding and the LM head
-    by vocabulary rows; norms and the row-parallel biases are whole on every rank."""
+    by vocabulary rows; norms and the row-parallel biases are whole on every rank. A projection stored
+    fused (`weights.packed`) is split part by part: the rank's rows of each part, in the parts' order."""
     parts = name.split(".")
     proj = parts[-2] if len(parts) >= 2 else ""
+    if proj in weights.packed:
+        slices, start = [], 0
+        for rows in (getattr(local, size) for size in weights.packed[proj]):
+            slices.append((slice(start + rank * rows, start + (rank + 1) * rows),))
+            start += rows * world_size  # the whole part's rows
+        return slices
     rows = getattr(local, weights.column_parallel[proj]) if proj in weights.column_parallel else None
     if name in (weights.embedding, weights.lm_head):
         rows = vocab_rows
@@ -162,8 +183,9 @@ def load_weights(
         vocab_rows = parallel.vocab_shard(config.vocab_size)[1]
         config = local  # the fused rows below are this rank's
 
-        def select(name: str) -> tuple[slice, ...] | None:
-            return _rank_slices(name.removeprefix(weights.prefix), weights, local, vocab_rows, parallel.rank)
+        def select(name: str) -> Slices | list[Slices] | None:
+            name = name.removeprefix(weights.prefix)
+            return _rank_slices(name, weights, local, vocab_rows, parallel.rank, parallel.world_size)
 
     for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, device, select):
         name = ckpt_name.removeprefix(weights.prefix)

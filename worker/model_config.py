@@ -17,18 +17,30 @@ from typing import Any
 from common.config import WorkerConfig
 
 DEFAULT_ROPE_THETA = 10000.0
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_MAX_POSITION_EMBEDDINGS = 2048  # the loader's default too (LlamaConfig's)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Parameters of a RoPE frequency scaling; fields unused by a type keep their defaults."""
+    """Parameters of a RoPE frequency scaling; fields unused by a type keep their defaults. The math is
+    worker/models/rotary.py's."""
 
-    rope_type: str  # "linear" or "llama3"
+    rope_type: str  # "linear", "llama3", "yarn", "dynamic" or "longrope"
     factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    # llama3, yarn, longrope: the pretraining length; dynamic: config.json's max_position_embeddings, past
+    # which transformers starts to scale
     original_max_position_embeddings: int = 0
+    attention_factor: float | None = None  # yarn, longrope: multiplies cos/sin; None: derived from factor
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    mscale: float | None = None  # yarn (DeepSeek's form of the attention factor)
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors, up to the original length
+    long_factor: tuple[float, ...] = ()  # longrope: past it
 
 
 @dataclass(frozen=True)
@@ -53,10 +65,15 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
+    partial_rotary_factor: float = 1.0  # RoPE rotates this part of each head's dimensions (Phi-4-mini: 0.75)
 
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_size(self) -> int:
@@ -77,22 +94,67 @@ def as_id_list(value: Any) -> tuple[int, ...]:
 
 
 def rope_settings(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """RoPE's theta and scaling from a raw config.json, read as transformers reads them
+    (`RotaryEmbeddingConfigMixin.standardize_rope_params` and the `_compute_*_parameters` functions)."""
     # transformers 5 writes `rope_parameters` (theta included); older ones `rope_theta` and `rope_scaling`.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    # Phi-3 checkpoints name longrope "su" at first (transformers reads their "yarn" as longrope too).
+    if rope_type == "su" or (rope_type == "yarn" and raw.get("model_type") == "phi3"):
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
-    original = params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 0))
+    max_positions = int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
+    if rope_type == "dynamic":  # transformers scales past config.max_position_embeddings, whatever is set
+        original = max_positions
+    else:  # a top-level original_max_position_embeddings (Phi-3's) wins over the one in the rope parameters
+        original = int(
+            raw.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
+            or max_positions
+        )
+    factor = params.get("factor")
+    if factor is None:  # yarn and longrope: the ratio of the extended length to the pretraining one
+        if rope_type not in ("yarn", "longrope"):
+            raise ValueError(f"rope_type {rope_type!r} needs a factor")
+        factor = max_positions / original
+    attention_factor = params.get("attention_factor")
     return theta, RopeScaling(
         rope_type=rope_type,
-        factor=float(params["factor"]),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(original),
+        original_max_position_embeddings=original,
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        beta_fast=float(params.get("beta_fast") or 32.0),  # transformers: `or 32`, a 0 too
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=_optional_float(params.get("mscale")),
+        mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def rope_max_positions(max_position_embeddings: int, scaling: RopeScaling | None) -> int:
+    """The longest context a checkpoint is made for: config.json's max_position_embeddings, or past it what
+    the RoPE scaling extends to (vLLM's rule): YaRN's pretraining length times its factor, dynamic NTK's
+    max_position_embeddings times its factor. Linear, llama3 and longrope configs state the extended length
+    in max_position_embeddings already."""
+    if scaling is None:
+        return max_position_embeddings
+    if scaling.rope_type == "yarn":
+        return max(max_position_embeddings, int(scaling.original_max_position_embeddings * scaling.factor))
+    if scaling.rope_type == "dynamic":
+        return max(max_position_embeddings, int(max_position_embeddings * scaling.factor))
+    return max_position_embeddings
 
 
 def resolve_max_model_len(cfg: WorkerConfig, model_cfg: ModelConfig) -> int:

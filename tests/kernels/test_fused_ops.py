@@ -57,7 +57,9 @@ def test_rms_norm_over_head_dim_of_a_strided_view(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 32), (6, 3, 64), (2, 1, 16)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 32), (6, 3, 64), (2, 1, 16), (2, 1, 24)]
+)
 def test_rope_rotates_query_and_key_views_in_place(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -56,6 +56,9 @@ class WeightMap:
     embedding: str  # the token embedding, split by vocabulary rows
     lm_head: str  # the output projection, split likewise; tied to `embedding` where the checkpoint has none
     skipped: tuple[str, ...] = ()  # names containing one of these are not loaded (rotary inv_freq buffers)
+    # projections the checkpoint stores fused already (Phi-3's qkv_proj, gate_up_proj) -> the sizes of their
+    # parts in row order; under tensor parallelism a rank takes its rows of each part (its q, k and v heads)
+    packed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def fused_shards(self, fused: str) -> int:
         """How many checkpoint projections make up the fused projection `fused` (0: not a fused one)."""
@@ -63,6 +66,8 @@ class WeightMap:
 
     def shard_sizes(self, fused: str) -> list[str]:
         """The sizes of the parts of fused projection `fused`, in row order."""
+        if fused in self.packed:
+            return list(self.packed[fused])
         parts = sorted((shard, proj) for proj, (name, shard) in self.fused.items() if name == fused)
         return [self.column_parallel[proj] for _, proj in parts]
 

@@ -1,5 +1,6 @@
-"""The layers that the model families share: RMSNorm, rotary embeddings, attention (fused q/k/v projection,
-the paged attention proper, the output projection) and the gated MLP, each with its tensor-parallel split.
+"""The layers that the model families share: RMSNorm, rotary embeddings (worker/models/rotary.py), attention
+(fused q/k/v projection, the paged attention proper, the output projection) and the gated MLP, each with its
+tensor-parallel split.
 
 The batch is every scheduled token of every sequence, concatenated (`[T]`); attention finds each sequence's
 context through `AttentionMetadata`. The numerics follow transformers' LlamaForCausalLM (RMSNorm in float32,
@@ -10,7 +11,6 @@ Parameter names follow the checkpoints' (`qkv_proj` and `gate_up_proj` are the f
 
 from __future__ import annotations
 
-import math
 import types
 
 import torch
@@ -19,8 +19,11 @@ from torch import nn
 
 from kernels import reference_ops
 from worker.attention import AttentionBackend, AttentionMetadata
-from worker.model_config import ModelConfig, RopeScaling
+from worker.model_config import ModelConfig
 from worker.models.interface import KVCache
+
+# rope_inv_freq: re-exported for the callers that import the shared layers from here
+from worker.models.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401
 from worker.parallel import ParallelContext, row_parallel_linear
 
 
@@ -55,50 +58,6 @@ def _fused_ops() -> types.ModuleType:
     from kernels import fused_ops
 
     return fused_ops
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:  # [D/2] float32
-    """Inverse frequencies of RoPE, with linear or llama3 scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band between interpolated.
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    low, high = scaling.low_freq_factor, scaling.high_freq_factor
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE with cos/sin precomputed for every position below `max_len` (`fused`: one Triton kernel per
-    tensor, rotating in place)."""
-
-    def __init__(
-        self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device, fused: bool
-    ) -> None:
-        super().__init__()
-        self._rope = _fused_ops().rope_ if fused else reference_ops.rope
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, D]
-        self.register_buffer("cos", emb.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device=device, dtype=dtype), persistent=False)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        query: torch.Tensor,  # [T, Hq, D]
-        key: torch.Tensor,  # [T, Hkv, D]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rope(positions, query, key, self.cos, self.sin)
 
 
 class Attention(nn.Module):

@@ -15,6 +15,7 @@ from worker.model_config import ModelConfig
 from worker.models.interface import CausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
+from worker.models.phi3 import Phi3ForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
 from worker.parallel import ParallelContext
@@ -24,6 +25,7 @@ FAMILIES: tuple[type[CausalLM], ...] = (
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Phi3ForCausalLM,
 )
 
 
