@@ -37,6 +37,7 @@ KVPolicy = Literal["paged", "reserved", "reserved-max"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
+Quantization = Literal["", "fp8"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,9 @@ class WorkerConfig:
     cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # the key pair that opens the scheduler's sockets
     step_trace: str = ""  # a file for one JSON line per step: host timestamps, GPU and idle time (rank 0)
     log_level: str = "info"  # debug, info, warning or error: the least severe events logged
+    # fp8: quantize the checkpoint's linear weights to FP8 at load (one scale per output channel); a
+    # checkpoint with a quantization_config (FP8) is served as quantized whatever this says
+    quantization: Quantization = ""
 
     def __post_init__(self) -> None:
         check_choices(self)

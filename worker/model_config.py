@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import WorkerConfig
+from worker.models.quantization import QuantConfig
 
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -53,6 +54,9 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
+    # FP8 linear weights (worker/models/quantization.py): the checkpoint's quantization_config, or
+    # --quantization fp8 (quantized at load); None: the weights as they are
+    quantization: QuantConfig | None = None
 
     @property
     def q_size(self) -> int:
