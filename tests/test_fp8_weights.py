@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.config import WorkerConfig
+from tests import test_tensor_parallel as tp
 from tests.test_model_runner import Driver, _random_prompt, make_runner
 from worker.loader import load_model_config
 from worker.model_runner import ModelRunner
@@ -234,6 +236,34 @@ def test_fp8_tensors_without_their_scale_or_quantization_config_are_refused(
     (out / "fp8" / "config.json").write_text((out / "twin" / "config.json").read_text())
     with pytest.raises(ValueError, match="scales a projection the model does not quantize"):
         make_runner(out / "fp8")
+
+
+TP_LAYOUTS = ("fp8-tensor", "fp8-block", "compressed-tensors-channel")
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_fp8(float_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two ranks over gloo (tests/test_tensor_parallel.py's harness) on one checkpoint of each layout."""
+    root = tmp_path_factory.mktemp("fp8-tp")
+    dirs = {layout: write_fp8_checkpoint(float_dir, root / layout, layout) / "fp8" for layout in TP_LAYOUTS}
+    checkpoints = {"tiny": dirs[TP_LAYOUTS[0]], **dirs}  # the harness sets the group up from "tiny"
+    out_dir = root / "runs"
+    out_dir.mkdir()
+    tp._run_ranks(checkpoints, out_dir)
+    return {
+        "dirs": dirs,
+        "runs": {n: [torch.load(out_dir / f"{n}-rank{r}.pt") for r in range(tp.WORLD_SIZE)] for n in dirs},
+    }
+
+
+@pytest.mark.parametrize("layout", TP_LAYOUTS)
+def test_two_ranks_split_fp8_weights_and_scales_like_one_process(layout: str, tensor_parallel_fp8) -> None:
+    """Column-parallel ranks take their rows' scales (a per-tensor scale on every rank, block grids from
+    the rank's first row), row-parallel ones their columns' blocks: same tokens as one process, logits
+    within 1e-4."""
+    tp.check_two_ranks_match_one_process(
+        tensor_parallel_fp8["dirs"][layout], tensor_parallel_fp8["runs"][layout], "cpu"
+    )
 
 
 # -------------------------------------------------------------------------------------------------------
