@@ -8,8 +8,8 @@ its rows' scales as it takes its rows. Block-wise scales (`weight_block_size`) a
 weight is dequantized in float32 and, where it runs in FP8, requantized per row (one more rounding, of the
 same size as the checkpoint's own).
 
-Where it runs: on CUDA with compute capability >= 8.9 (Ada, Hopper) and bf16 activations, the weight stays
-FP8 and the product is `torch._scaled_mm` with row-wise scales: each token's activations are scaled by their
+Where it runs: on CUDA with compute capability >= 9.0 (Hopper) and bf16 activations, the weight stays FP8
+and the product is `torch._scaled_mm` with row-wise scales: each token's activations are scaled by their
 own absolute maximum and cast to e4m3 at run time (no host sync, so CUDA graphs capture it). Everywhere else
 (the CPU, older GPUs, float32/float16) the weight is dequantized once at load into the model dtype and the
 product is the plain matmul, so results there match the dequantized checkpoint's.
@@ -32,11 +32,13 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row (or token) keeps a finite scale
 
 
-def fp8_matmul_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether FP8 weights run as FP8 products here (else they are dequantized at load)."""
-    if device.type != "cuda" or dtype != torch.bfloat16:  # row-wise _scaled_mm writes bf16
+def fp8_matmul_supported(device: torch.device, dtype: torch.dtype, rows: int, cols: int) -> bool:
+    """Whether a [rows, cols] FP8 weight runs as FP8 products here (else it is dequantized at load): on
+    Hopper or later (torch's row-wise scaled matmul), with bf16 activations (what it writes), and sizes that
+    its kernels take (multiples of 16)."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or rows % 16 or cols % 16:
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [R, C] -> e4m3 [R, C], [R]
@@ -148,7 +150,7 @@ class Fp8Linear(nn.Module):
             missing = sorted(set(range(len(self.shard_rows))) - self._scaled)
             if missing:
                 raise ValueError(f"FP8 weight without its weight_scale (fused shards {missing})")
-        run_fp8 = fp8_matmul_supported(self.weight.device, self.dtype)
+        run_fp8 = fp8_matmul_supported(self.weight.device, self.dtype, *self.weight.shape)
         if not self.quant.pre_quantized:
             q, scale = quantize_rows(self.weight)
         elif self.quant.weight_strategy == "block":
