@@ -26,6 +26,7 @@ from tests import test_tensor_parallel as tp
 from tests.test_model_runner import Driver, _random_prompt, make_runner
 from worker.loader import load_model_config
 from worker.model_runner import ModelRunner
+from worker.models import fp8_linear
 from worker.models.fp8_linear import Fp8Linear, quantize_rows, scaled_mm_per_token
 from worker.models.quantization import UnsupportedQuantizationError, parse_quantization_config
 
@@ -267,6 +268,88 @@ def test_two_ranks_split_fp8_weights_and_scales_like_one_process(layout: str, te
     )
 
 
+def _cpu_scaled_mm() -> bool:
+    try:
+        one = torch.ones(16, 16).to(FP8)
+        scale = torch.ones(16, 1)
+        torch._scaled_mm(one, one.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _fake_quantized(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 per token (row), in float32: what an FP8 product multiplies."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return (xf / scale).clamp(-448, 448).to(FP8).float() * scale
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm(), reason="this torch has no row-wise _scaled_mm on the CPU")
+@pytest.mark.parametrize("layout", ["fp8-tensor", "fp8-block", "fbgemm_fp8"])
+def test_the_fp8_product_path_where_torch_runs_it_on_the_cpu(
+    float_dir: Path, tmp_path: Path, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's execution path (FP8 weights kept, per-token e4m3 activations, row-wise _scaled_mm), run on
+    the CPU where torch has the kernel, in bf16.
+
+    Each fused projection (its shards with their own scales; block scales requantized per row) against its
+    float32 emulation, e4m3-rounded activations times its weight: within bf16 output rounding (1%); that
+    weight is exactly the twin's (within one e4m3 rounding where blocks were requantized).
+
+    The whole model against transformers on the float32 twin: every projection's activations are rounded
+    to e4m3 (3 mantissa bits, ~3.6% rms per element), which over this random model's 12 products per token
+    measured 9% mean, 12% max relative L2 logits error (requantized blocks: 12%, 17%; bf16 alone: 1.6%,
+    2%); the bounds leave room for that, and most greedy tokens are the twin's."""
+
+    def on_cpu(device: torch.device, dtype: torch.dtype, rows: int, cols: int) -> bool:
+        return dtype == torch.bfloat16 and rows % 16 == 0 and cols % 16 == 0
+
+    monkeypatch.setattr(fp8_linear, "fp8_matmul_supported", on_cpu)
+    out = write_fp8_checkpoint(float_dir, tmp_path, layout)
+    runner = make_runner(out / "fp8", dtype="bfloat16")
+    hf = LlamaForCausalLM.from_pretrained(out / "twin", dtype=torch.float32).eval()
+    ours, theirs = runner.model.layers[2], hf.model.layers[2]
+    assert ours.mlp.gate_up_proj.weight.dtype == FP8 and ours.mlp.gate_up_proj.weight_scale.shape == (1, 688)
+    assert not ours.mlp.down_proj.fp8_matmul  # 344 input columns, no multiple of 16: dequantized
+    x = torch.randn(11, 128, dtype=torch.bfloat16)
+    for proj, parts in (
+        (
+            ours.self_attn.qkv_proj,
+            [theirs.self_attn.q_proj, theirs.self_attn.k_proj, theirs.self_attn.v_proj],
+        ),
+        (ours.mlp.gate_up_proj, [theirs.mlp.gate_proj, theirs.mlp.up_proj]),
+    ):
+        assert proj.fp8_matmul
+        twin_weight = torch.cat([part.weight for part in parts])
+        weight = proj.weight.float() * proj.weight_scale.T
+        if layout == "fp8-block":  # requantized per row: one more e4m3 rounding (<= 2^-4 relative)
+            assert ((weight - twin_weight).abs() <= twin_weight.abs() / 16 + 1e-6).all()
+        else:  # per-tensor and per-channel scales are kept: the weight is exactly the twin's
+            torch.testing.assert_close(weight, twin_weight, rtol=0, atol=0)
+        bias = torch.cat([part.bias for part in parts])
+        expected = _fake_quantized(x) @ weight.T + bias
+        err = ((proj(x).float() - expected).norm() / expected.norm()).item()
+        assert err < 0.01, err
+
+    driver = Driver(runner, seed=1)
+    rng = random.Random(2)
+    for s in range(3):
+        driver.add(s, _random_prompt(rng, 7 + 9 * s, runner.vocab_size))
+    driver.step({s: 7 + 9 * s for s in range(3)})
+    for _ in range(5):
+        driver.step({s: 1 for s in range(3)})
+    with torch.no_grad():
+        hf_logits = {s: hf(torch.tensor([t])).logits[0] for s, t in driver.tokens.items()}
+    errors, same = [], 0
+    for seq_id, index, row in driver.records:
+        ref = hf_logits[seq_id][index]
+        errors.append(((row.float() - ref).norm() / ref.norm()).item())
+        same += int(row.argmax()) == int(ref.argmax())
+    assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.15, errors
+    assert same >= 0.75 * len(driver.records)
+
+
 # -------------------------------------------------------------------------------------------------------
 # GPU: FP8 products (torch._scaled_mm), on compute capability >= 9.0 (skipped elsewhere)
 
@@ -305,8 +388,8 @@ def _cuda_runner(model_dir: Path, enforce_eager: bool) -> ModelRunner:
 @needs_fp8_gpu
 @pytest.mark.parametrize("layout", ["fp8-block", "compressed-tensors-tensor", "fbgemm_fp8"])
 def test_fp8_products_follow_the_dequantized_twin(float_dir: Path, tmp_path: Path, layout: str) -> None:
-    """bf16 with FP8 products, eagerly: every logits row within e4m3 activation rounding of transformers'
-    float32 logits on the twin (relative L2 error < 5%)."""
+    """bf16 with FP8 products, eagerly: logits within e4m3 activation rounding of transformers' float32
+    logits on the twin (the bounds of the CPU test of the same path above)."""
     out = write_fp8_checkpoint(float_dir, tmp_path, layout)
     runner = _cuda_runner(out / "fp8", enforce_eager=True)
     qkv, mlp = runner.model.layers[0].self_attn.qkv_proj, runner.model.layers[0].mlp
@@ -324,10 +407,11 @@ def test_fp8_products_follow_the_dequantized_twin(float_dir: Path, tmp_path: Pat
     with torch.no_grad():
         hf_logits = {s: hf(torch.tensor([t])).logits[0] for s, t in driver.tokens.items()}
     assert len(driver.records) == 4 * 7
-    for seq_id, index, row in driver.records:
-        ref = hf_logits[seq_id][index]
-        err = ((row.float().cpu() - ref).norm() / ref.norm()).item()
-        assert err < 0.05, f"sequence {seq_id} token {index}: relative logits error {err}"
+    errors = [
+        ((row.float().cpu() - hf_logits[s][i]).norm() / hf_logits[s][i].norm()).item()
+        for s, i, row in driver.records
+    ]
+    assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.15, errors
 
 
 @pytest.mark.gpu
