@@ -39,6 +39,7 @@ KVPolicy = Literal["paged", "reserved", "reserved-max"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
+Quantization = Literal["", "fp8"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,9 @@ class WorkerConfig:
     log_level: str = "info"  # debug, info, warning or error: the least severe events logged
     # With a Hugging Face repo id as --model: the branch, tag or commit (empty: main)
     revision: str = ""
+    # fp8: quantize the checkpoint's linear weights to FP8 at load (one scale per output channel); a
+    # checkpoint with a quantization_config (FP8) is served as quantized whatever this says
+    quantization: Quantization = ""
 
     def __post_init__(self) -> None:
         check_choices(self)

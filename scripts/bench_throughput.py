@@ -39,6 +39,13 @@ KV rows of docs/benchmarks.md (Llama-3.2-1B shape at /tmp/m1b; same tokens, then
     python3 scripts/bench_throughput.py --model /tmp/m1b --device cuda --num-requests 1000 \
         --max-model-len 2048 --runs paged --repeats 2 \
         --compare kv_cache_dtype=auto,num_kv_blocks=8192 kv_cache_dtype=fp8,num_kv_blocks=16384
+
+FP8 weights against bf16 (Llama-3-8B shape at /tmp/m8b, quantized at load; docs/models.md "Quantized
+checkpoints"), same KV pool on both sides:
+
+    python3 scripts/bench_throughput.py --model /tmp/m8b --device cuda --num-requests 1000 \
+        --num-kv-blocks 8192 --max-model-len 2048 --runs paged \
+        --compare quantization= quantization=fp8 --json-out fp8-weights-8b.json
 """
 
 from __future__ import annotations
@@ -94,6 +101,7 @@ RUNS: dict[str, tuple[str, bool, bool | None, bool]] = {
 COMPARE_KEYS: dict[str, Callable[[str], object]] = {
     "run": str,  # a name of RUNS
     "kv_cache_dtype": str,
+    "quantization": str,  # "" (the checkpoint's weights as they are) or fp8 (FP8 linear weights)
     "num_kv_blocks": int,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
@@ -131,6 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-cache-dtype",
         default="auto",
         help="every engine run's KV pools: auto (the model's dtype) or fp8 (float8 e4m3, half the bytes)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="",
+        choices=("", "fp8"),
+        help="every engine run's weights: fp8 quantizes the linear weights to FP8 at load (the worker's "
+        "--quantization); a quantized checkpoint runs quantized either way",
     )
     p.add_argument(
         "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
@@ -240,6 +255,7 @@ async def run_engine(
         piecewise_graphs=piecewise_graphs,
         max_model_len=args.max_model_len,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         step_trace=str(log_dir / "steps.jsonl") if args.step_trace else None,
     )
@@ -275,6 +291,7 @@ async def run_engine(
         "fused_ops": "default" if fused_ops is None else fused_ops,
         "piecewise_graphs": piecewise_graphs,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "num_kv_blocks": info.num_kv_blocks,
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,

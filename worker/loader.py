@@ -25,7 +25,9 @@ from worker.model_config import (
     rope_max_positions,
     rope_settings,
 )
+from worker.models.fp8_linear import Fp8Linear, finalize_fp8_linears, prepare_fp8_linears
 from worker.models.interface import CausalLM, WeightMap
+from worker.models.quantization import SCALE_NAMES, parse_quantization_config, quantization_from_flag
 from worker.models.registry import BY_MODEL_TYPE, resolve_family
 from worker.parallel import ParallelContext
 
@@ -34,8 +36,10 @@ from worker.parallel import ParallelContext
 KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale")
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """The ModelConfig of the checkpoint in `model_dir` (config.json, and generation_config.json for EOS)."""
+def load_model_config(model_dir: str | Path, quantization: str = "") -> ModelConfig:
+    """The ModelConfig of the checkpoint in `model_dir` (config.json, and generation_config.json for EOS);
+    `quantization`: WorkerConfig.quantization ("fp8": quantize the weights at load, unless the checkpoint is
+    quantized already)."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -74,6 +78,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         eos_token_ids=eos,
+        quantization=quantization_from_flag(
+            quantization, parse_quantization_config(raw.get("quantization_config"))
+        ),
         **family.config_fields(raw),  # qkv_bias, o_proj_bias, qk_norm and any of the family's own
     )
 
@@ -174,6 +181,7 @@ def load_weights(
     where the checkpoint says so. With a tensor-parallel `parallel` of more than one rank, reads only this
     rank's shard of each tensor."""
     weights = model.weight_map
+    prepare_fp8_linears(model, weights)
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
     loaded: set[str] = set()
@@ -184,12 +192,17 @@ def load_weights(
         config = local  # the fused rows below are this rank's
 
         def select(name: str) -> Slices | list[Slices] | None:
+            if name.rsplit(".", 1)[-1] in SCALE_NAMES:  # small: read whole, Fp8Linear takes its part
+                return None
             name = name.removeprefix(weights.prefix)
             return _rank_slices(name, weights, local, vocab_rows, parallel.rank, parallel.world_size)
 
     for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, device, select):
         name = ckpt_name.removeprefix(weights.prefix)
         if any(skipped in name for skipped in weights.skipped):
+            continue
+        if name.rsplit(".", 1)[-1] in SCALE_NAMES:
+            _load_scale(model, weights, ckpt_name, tensor, select)
             continue
         if name == weights.lm_head and config.tie_word_embeddings:
             continue
@@ -219,6 +232,9 @@ def load_weights(
         if target.shape != tensor.shape:
             shapes = f"checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}"
             raise ValueError(f"{ckpt_name}: shape mismatch: {shapes}")
+        if (tensor.dtype == torch.float8_e4m3fn) != (target.dtype == torch.float8_e4m3fn):
+            # a copy would cast without the scale: the quantization_config and the tensors disagree
+            raise ValueError(f"{ckpt_name}: {tensor.dtype} in the checkpoint for a {target.dtype} parameter")
         with torch.no_grad():
             target.copy_(tensor)
 
@@ -237,3 +253,35 @@ def load_weights(
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    finalize_fp8_linears(model)
+
+
+def _load_scale(
+    model: CausalLM,
+    weights: WeightMap,
+    ckpt_name: str,
+    tensor: torch.Tensor,
+    select: Callable[[str], tuple[slice, ...] | None] | None,
+) -> None:
+    """Hands a quantized projection's scale tensor (weight_scale, input_scale, ...) to its Fp8Linear, with
+    the checkpoint rows and columns of the weight that this rank holds."""
+    name = ckpt_name.removeprefix(weights.prefix)
+    target, shard = _fused_target(name, weights) or (name, 0)
+    module_name, kind = target.rsplit(".", 1)
+    module = model.get_submodule(module_name) if _has_submodule(model, module_name) else None
+    if not isinstance(module, Fp8Linear):
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} scales a projection the model does not quantize")
+    slices = select(ckpt_name.rsplit(".", 1)[0] + ".weight") if select is not None else None
+    rows, cols = (tuple(slices or ()) + (None, None))[:2]
+    try:
+        module.load_scale(kind, tensor, shard, rows, cols)
+    except ValueError as e:
+        raise ValueError(f"{ckpt_name}: {e}") from e
+
+
+def _has_submodule(model: torch.nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import WorkerConfig
+from worker.models.quantization import QuantConfig
 
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048  # the loader's default too (LlamaConfig's)
@@ -66,6 +67,9 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     partial_rotary_factor: float = 1.0  # RoPE rotates this part of each head's dimensions (Phi-4-mini: 0.75)
+    # FP8 linear weights (worker/models/quantization.py): the checkpoint's quantization_config, or
+    # --quantization fp8 (quantized at load); None: the weights as they are
+    quantization: QuantConfig | None = None
 
     @property
     def q_size(self) -> int:

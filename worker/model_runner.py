@@ -97,7 +97,7 @@ class ModelRunner:
         self.kv_dtype: torch.dtype = getattr(torch, cfg.resolved_kv_cache_dtype)  # the pools' (FP8: 1 byte)
         self.block_size = cfg.block_size
         self.parallel = parallel or ParallelContext()  # a tensor-parallel rank, or the whole model (size 1)
-        self.model_config = load_model_config(cfg.model)
+        self.model_config = load_model_config(cfg.model, cfg.quantization)
         self.shard_config = self.parallel.shard_model_config(self.model_config)  # this rank's heads, for KV
         self.max_model_len = resolve_max_model_len(cfg, self.model_config)
         backend = get_attention_backend(attention_backend)

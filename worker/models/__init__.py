@@ -5,6 +5,8 @@
 - `layers.py`: the shared layers (RMSNorm, rotary embeddings, attention, gated MLP) with their
   tensor-parallel split.
 - `llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`: one file per family, with its config quirks.
+- `quantization.py`, `fp8_linear.py`: quantized checkpoints' `quantization_config` (FP8 weights) and the
+  projection that runs them (FP8 products on Hopper, dequantized elsewhere).
 - `registry.py`: the families by config.json `architectures` / `model_type`, and `build_model`.
 
 docs/models.md says how to add a family.

@@ -14,17 +14,17 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference_ops
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
+from worker.models.fp8_linear import linear, make_linear, row_parallel
 from worker.models.interface import KVCache
 
 # rope_inv_freq: re-exported for the callers that import the shared layers from here
 from worker.models.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401
-from worker.parallel import ParallelContext, row_parallel_linear
+from worker.parallel import ParallelContext
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -79,12 +79,11 @@ class Attention(nn.Module):
         self.parallel = parallel
         kw = {"dtype": dtype, "device": device}
         qkv_rows = config.q_size + 2 * config.kv_size
-        self.qkv_proj = nn.Module()
-        self.qkv_proj.weight = param(qkv_rows, config.hidden_size, **kw)
-        self.qkv_proj.bias = param(qkv_rows, **kw) if config.qkv_bias else None
-        self.o_proj = nn.Module()
-        self.o_proj.weight = param(config.hidden_size, config.q_size, **kw)
-        self.o_proj.bias = param(config.hidden_size, **kw) if config.o_proj_bias else None
+        quant, shards = config.quantization, [config.q_size, config.kv_size, config.kv_size]
+        self.qkv_proj = make_linear(
+            qkv_rows, config.hidden_size, config.qkv_bias, **kw, quant=quant, shard_rows=shards
+        )
+        self.o_proj = make_linear(config.hidden_size, config.q_size, config.o_proj_bias, **kw, quant=quant)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:  # Qwen3: one norm over head_dim, shared by every head of q (and of k)
@@ -102,7 +101,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k and v [T, Hkv, D]
         """Queries, keys and values of `hidden` [T, H], with q/k norms (Qwen3) and RoPE applied."""
         c = self.config
-        qkv = F.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
+        qkv = linear(hidden, self.qkv_proj)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
@@ -122,7 +121,7 @@ class Attention(nn.Module):
         return out.reshape(-1, self.config.q_size)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:  # [T, q_size] -> [T, H]
-        return row_parallel_linear(attended, self.o_proj.weight, self.o_proj.bias, self.parallel)
+        return row_parallel(attended, self.o_proj, self.parallel)
 
 
 class GatedMLP(nn.Module):
@@ -142,13 +141,12 @@ class GatedMLP(nn.Module):
         self._silu_and_mul = _fused_ops().silu_and_mul if fused else reference_ops.silu_and_mul
         kw = {"dtype": dtype, "device": device}
         inter = config.intermediate_size
-        self.gate_up_proj = nn.Module()
-        self.gate_up_proj.weight = param(2 * inter, config.hidden_size, **kw)
-        self.gate_up_proj.bias = param(2 * inter, **kw) if config.mlp_bias else None
-        self.down_proj = nn.Module()
-        self.down_proj.weight = param(config.hidden_size, inter, **kw)
-        self.down_proj.bias = param(config.hidden_size, **kw) if config.mlp_bias else None
+        quant, bias = config.quantization, config.mlp_bias
+        self.gate_up_proj = make_linear(
+            2 * inter, config.hidden_size, bias, **kw, quant=quant, shard_rows=[inter, inter]
+        )
+        self.down_proj = make_linear(config.hidden_size, inter, bias, **kw, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        x = self._silu_and_mul(F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
-        return row_parallel_linear(x, self.down_proj.weight, self.down_proj.bias, self.parallel)
+        x = self._silu_and_mul(linear(x, self.gate_up_proj))
+        return row_parallel(x, self.down_proj, self.parallel)
