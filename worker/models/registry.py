@@ -12,6 +12,8 @@ import torch
 
 from worker.attention import AttentionBackend
 from worker.model_config import ModelConfig
+from worker.models.gemma2 import Gemma2ForCausalLM
+from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.interface import CausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
@@ -24,6 +26,8 @@ FAMILIES: tuple[type[CausalLM], ...] = (
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
 )
 
 
