@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from common.config import WorkerConfig
 from common.messages import SamplingParams
 from scripts.make_model import PRESETS, make_model
-from tests.kernels.conftest import INTERPRET
+from tests.kernels.conftest import HAS_CUDA, INTERPRET
 from tests.test_engine_correctness import _prompts, _run_engine, transformers_generate
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
 from worker.loader import load_model_config
@@ -152,11 +152,12 @@ def test_without_the_window_the_logits_differ(gemma_model_dir: Path, hf_gemma) -
     assert index == 39 and (row - expected).abs().max() > 1e-2
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the Triton backend on the CPU needs TRITON_INTERPRET=1")
+@pytest.mark.skipif(not (INTERPRET or HAS_CUDA), reason="Triton needs TRITON_INTERPRET=1 or CUDA")
 def test_triton_backend_matches_transformers_logits(gemma_model_dir: Path, hf_gemma) -> None:
-    # The kernels' window and soft-cap through the whole model: a prefill past the window, a chunked one and
-    # decodes beside it (the mixed path), decodes alone (the decode path).
-    runner = make_runner(gemma_model_dir, attention_backend="triton")
+    # The kernels' window and soft-cap through the whole model (float32; on CUDA too where there is one): a
+    # prefill past the window, a chunked one and decodes beside it (the mixed path), decodes alone.
+    device = "cpu" if INTERPRET else "cuda"
+    runner = make_runner(gemma_model_dir, device=device, attention_backend="triton")
     driver = Driver(runner, seed=3)
     rng = random.Random(3)
     driver.add(0, _random_prompt(rng, 30, runner.vocab_size))
