@@ -167,8 +167,14 @@ PRESETS: dict[str, Preset] = {
     # head_dim, as in Gemma-2-27B.
     "gemma2-tiny": _gemma_preset("gemma2", 128, 4, 4, 2, 32, 344, 0, 2048, "float32", 0.08, 16, 2, 48.0),
     "gemma3-tiny": _gemma_preset("gemma3_text", 128, 6, 4, 2, 64, 344, 0, 2048, "float32", 0.08, 16, 3, 48.0),
+    "gemma-2-2b": _gemma_preset(
+        "gemma2", 2304, 26, 8, 4, 256, 9216, 256000, 8192, "bfloat16", 0.02, 4096, 2, 256.0
+    ),
     "gemma-2-9b": _gemma_preset(
         "gemma2", 3584, 42, 16, 8, 256, 14336, 256000, 8192, "bfloat16", 0.02, 4096, 2, 256.0
+    ),
+    "gemma-3-1b": _gemma_preset(
+        "gemma3_text", 1152, 26, 4, 1, 256, 6912, 262144, 32768, "bfloat16", 0.02, 512, 6, 256.0
     ),
 }
 

@@ -59,7 +59,7 @@ class ModelConfig:
     final_logit_softcap: float = 0.0  # logits soft-capped likewise; 0 = off
     query_pre_attn_scalar: float = 0.0  # scores scaled by its -1/2 power; 0 = head_dim's
     sliding_rope_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0 = rope_theta
-    hidden_activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
+    hidden_activation: str = "silu"  # the gated MLP's activation: "silu", or config.json's GELU name (Gemma)
 
     @property
     def q_size(self) -> int:
