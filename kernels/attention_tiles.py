@@ -4,6 +4,11 @@ decode's speculative and register-prefetched tile loops, and the in-launch combi
 `kernels/triton_attention.py` holds the kernel that calls them and its launcher; `kernels/reference.py` is
 the PyTorch reference both are tested against (`tests/kernels/`). Pointers carry their shapes in comments;
 the caches are `[num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]`, read through their strides.
+
+Two features of a layer are compile-time flags whose code is absent when off (the default): SLIDING (each
+query sees only the keys above its position minus `window`; the caller starts the tile loops at the
+window's first tile, so tiles wholly outside it are never read) and SOFTCAP (scores soft-capped: the
+launcher folds 1 / softcap into `qk_scale` and passes `softcap_log2` = softcap * log2(e)).
 """
 
 from __future__ import annotations
@@ -27,6 +32,22 @@ def _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT: tl.constexpr):
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return acc * alpha[:, None] + pv, l_i, m_new
+
+
+@triton.jit
+def _scores(q, k, qk_scale, softcap_log2, IEEE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """[BLOCK_M, TILE_N] scores of the rows q against the tile's keys k, in log2 units; with SOFTCAP
+    softcap * tanh(q.k * scale / softcap) (qk_scale then holds scale / softcap)."""
+    if IEEE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    if SOFTCAP:
+        # tanh(s) = 1 - 2 / (e^(2s) + 1): exact at both ends (e^(2s) = inf or 0), no libdevice call (which
+        # the interpreter lacks).
+        s = (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0)) * softcap_log2
+    return s
 
 
 @triton.jit
@@ -59,8 +80,12 @@ def attend_tiles(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    MASKED: tl.constexpr,  # False only for tiles wholly inside every row's causal window
+    MASKED: tl.constexpr,  # False only for tiles wholly inside every row's causal (and sliding) window
     IEEE_DOT: tl.constexpr,  # float32 caches: exact float32 products instead of tf32
+    window=0,  # SLIDING: a row at position p sees the keys above p - window
+    softcap_log2=1.0,  # SOFTCAP: softcap * log2(e)
+    SLIDING: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, TILE_N)
     for t in range(tile_lo, tile_hi):
@@ -78,13 +103,12 @@ def attend_tiles(
             k = tl.load(k_cache_ptr + kv_offs)
             v = tl.load(v_cache_ptr + kv_offs)
         k, v = k.to(q.dtype), v.to(q.dtype)  # FP8 caches: the scales are folded into qk_scale and the output
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale  # [BLOCK_M, TILE_N]
+        s = _scores(q, k, qk_scale, softcap_log2, IEEE_DOT, SOFTCAP)  # [BLOCK_M, TILE_N]
         if MASKED:
-            s = tl.where(in_ctx[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            visible = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
     return acc, l_i, m_i
 
@@ -98,7 +122,10 @@ def _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE: t
 
 
 @triton.jit
-def _decode_tile_math(acc, l_i, m_i, q, k, v, in_ctx, qk_scale, IEEE_DOT: tl.constexpr, ZERO_V: tl.constexpr):
+def _decode_tile_math(
+    acc, l_i, m_i, q, k, v, in_ctx, qk_scale, softcap_log2, IEEE_DOT: tl.constexpr, ZERO_V: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):  # fmt: skip
     """One decode tile's scores and online-softmax step. The scores of slots outside the context (`in_ctx`
     false) are masked; ZERO_V zeroes their values too, for tiles whose loads were not masked (speculative):
     such slots may hold anything, even NaN, and NaN * 0 is NaN."""
@@ -106,12 +133,18 @@ def _decode_tile_math(acc, l_i, m_i, q, k, v, in_ctx, qk_scale, IEEE_DOT: tl.con
     v = v.to(q.dtype)
     if ZERO_V:
         v = tl.where(in_ctx[:, None], v, 0.0)
-    if IEEE_DOT:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(in_ctx[None, :], s * qk_scale, float("-inf"))  # [BLOCK_M, TILE_N]
+    s = _scores(q, k, qk_scale, softcap_log2, IEEE_DOT, SOFTCAP)
+    s = tl.where(in_ctx[None, :], s, float("-inf"))  # [BLOCK_M, TILE_N]
     return _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT)
+
+
+@triton.jit
+def _in_window(pos, seq_len, kv_lo, SLIDING: tl.constexpr):
+    """Which of the decode token's context positions `pos` it sees: below seq_len and, SLIDING, from kv_lo."""
+    in_ctx = pos < seq_len
+    if SLIDING:
+        in_ctx = in_ctx & (pos >= kv_lo)
+    return in_ctx
 
 
 @triton.jit
@@ -137,11 +170,15 @@ def attend_decode_tile(
     TILE_N: tl.constexpr,
     SPECULATIVE: tl.constexpr,  # load without waiting for seq_len: indices clamped in bounds, V zeroed after
     IEEE_DOT: tl.constexpr,
+    kv_lo=0,  # SLIDING: the first position in the window (seq_len - window)
+    softcap_log2=1.0,  # SOFTCAP: softcap * log2(e)
+    SLIDING: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     """One K/V tile of a decode token's context. K/V are read by this program only, so they are loaded
     evict-first (they would only push the split partials and block tables out of the L2)."""
     pos = t * TILE_N + tl.arange(0, TILE_N)
-    in_ctx = pos < seq_len
+    in_ctx = _in_window(pos, seq_len, kv_lo, SLIDING)
     if SPECULATIVE:
         block = _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE)
         kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
@@ -152,7 +189,9 @@ def attend_decode_tile(
         kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
         v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
-    return _decode_tile_math(acc, l_i, m_i, q, k, v, in_ctx, qk_scale, IEEE_DOT, SPECULATIVE)
+    return _decode_tile_math(
+        acc, l_i, m_i, q, k, v, in_ctx, qk_scale, softcap_log2, IEEE_DOT, SPECULATIVE, SOFTCAP
+    )
 
 
 @triton.jit
@@ -179,6 +218,10 @@ def attend_decode_tiles_prefetched(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    kv_lo=0,  # SLIDING: the first position in the window
+    softcap_log2=1.0,  # SOFTCAP: softcap * log2(e)
+    SLIDING: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     """All of a decode program's tiles, each one's K/V requested into registers before the math of the one
     before it, and its block-table entries one tile earlier still. The first tile's K/V and the second's
@@ -205,7 +248,10 @@ def attend_decode_tiles_prefetched(
         )
         after_pos = next_pos + step * TILE_N
         next_block = tl.load(table_ptr + after_pos // BLOCK_SIZE, mask=after_pos < seq_len, other=0)
-        acc, l_i, m_i = _decode_tile_math(acc, l_i, m_i, q, k, v, pos < seq_len, qk_scale, IEEE_DOT, True)
+        in_ctx = _in_window(pos, seq_len, kv_lo, SLIDING)
+        acc, l_i, m_i = _decode_tile_math(
+            acc, l_i, m_i, q, k, v, in_ctx, qk_scale, softcap_log2, IEEE_DOT, True, SOFTCAP
+        )
         k = next_k
         v = next_v
     return acc, l_i, m_i

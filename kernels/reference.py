@@ -11,6 +11,10 @@ sequence `b`'s chunk starts and `seq_lens[b]` its context length after this step
 the context (positions `seq_len - q_len .. seq_len - 1`), which covers prefill, chunked prefill starting
 part-way, and decode (q_len 1) in one call.
 
+A layer may slide (`sliding_window` w > 0: a query at position p attends only the keys at positions
+p - w + 1 .. p, as transformers' sliding-window mask) and soft-cap its scores (`softcap` c > 0: each scaled
+score s becomes c * tanh(s / c) before the softmax, Gemma 2); 0 turns either off.
+
 An FP8 cache (`torch.float8_e4m3fn`, half the bytes of bf16) holds each value divided by its pool's
 per-tensor scale (`k_scale`, `v_scale`: what one unit of the stored number is worth), saturated at the
 format's largest finite value; readers multiply back. Other caches store values as they are and ignore the
@@ -115,10 +119,18 @@ def _attend(
     value: torch.Tensor,  # [B, Lk, Hkv, D]
     mask: torch.Tensor,  # [B, Lq, Lk] bool, True where attention is allowed
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [B, Lq, Hq, D]
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
+    if softcap <= 0:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
+    # Soft-capped scores: SDPA has no hook between the product and the softmax, so spelled out.
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)  # [B, Hq, Lq, Lk]
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
 
 
 def paged_attention(
@@ -131,9 +143,12 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,  # FP8 caches: per-tensor scales
     v_scale: float = 1.0,
+    sliding_window: int = 0,  # > 0: each query sees only its last `sliding_window` positions
+    softcap: float = 0.0,  # > 0: scores soft-capped to (-softcap, softcap)
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of each sequence's query chunk to its whole cached context (the chunk's own K/V
-    included, so `write_kv` must run first). Each KV head serves Hq / Hkv consecutive query heads."""
+    """Causal attention of each sequence's query chunk to its cached context (the chunk's own K/V included,
+    so `write_kv` must run first), within the sliding window if any. Each KV head serves Hq / Hkv
+    consecutive query heads."""
     out = torch.empty_like(query)
 
     def gather(cache: torch.Tensor, tables: torch.Tensor, num_tokens: int, s: float) -> torch.Tensor:
@@ -150,8 +165,11 @@ def paged_attention(
         k = gather(k_cache, block_tables[b : b + 1], lens[b], k_scale)
         v = gather(v_cache, block_tables[b : b + 1], lens[b], v_scale)
         q_pos = torch.arange(lens[b] - q_lens[b], lens[b], device=query.device)
-        mask = torch.arange(lens[b], device=query.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        out[starts[b] : starts[b + 1]] = _attend(q[None], k, v, mask[None], scale)[0]
+        k_pos = torch.arange(lens[b], device=query.device)[None, :]
+        mask = k_pos <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window > 0:
+            mask &= k_pos > q_pos[:, None] - sliding_window
+        out[starts[b] : starts[b + 1]] = _attend(q[None], k, v, mask[None], scale, softcap)[0]
 
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
     i = 0
@@ -167,6 +185,10 @@ def paged_attention(
         rows = query_start_loc[idx].long()  # [G] each decode's query row
         k = gather(k_cache, block_tables[idx], longest, k_scale)  # [G, longest, Hkv, D]
         v = gather(v_cache, block_tables[idx], longest, v_scale)
-        mask = torch.arange(longest, device=query.device)[None, :] < seq_lens[idx].to(query.device)[:, None]
-        out[rows] = _attend(query[rows][:, None], k, v, mask[:, None], scale)[:, 0]
+        k_pos = torch.arange(longest, device=query.device)[None, :]
+        ends = seq_lens[idx].to(query.device)[:, None]
+        mask = k_pos < ends
+        if sliding_window > 0:
+            mask &= k_pos >= ends - sliding_window
+        out[rows] = _attend(query[rows][:, None], k, v, mask[:, None], scale, softcap)[:, 0]
     return out

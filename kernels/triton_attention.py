@@ -14,6 +14,10 @@ head) to finish, found through an atomic counter, combines the partial results i
 and mixed batches with splits (only when asked for) combine them in a second kernel. A mixed batch's
 leading decodes (given as `num_decode_seqs`) take the decode path, in a launch of their own.
 
+Per layer, a sliding window (SLIDING: a query at position p sees the keys p - window + 1 .. p) and score
+soft-capping (SOFTCAP) are compile-time features, absent from the code of layers without them. A sliding
+layer's programs start their tile loops at the window's first tile: the blocks before it are never read.
+
 The tiles and split counts come from `kernels/attention_config.py`; the jitted helpers the kernel calls (tile
 loops, the in-launch combine) from `kernels/attention_tiles.py`.
 """
@@ -42,7 +46,9 @@ from kernels.reference import is_fp8
 
 # Arguments that change from call to call: not specialized (on divisibility by 16, or == 1), which would
 # compile new variants in the middle of a serving run.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "max_blocks", "stride_bt", "first_program"])
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_splits", "max_blocks", "stride_bt", "first_program", "window"]
+)
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, HEAD_DIM], written unless SPLIT_KV
     part_acc_ptr,  # [T, Hq, num_splits, HEAD_DIM] fp32 unnormalized partial outputs (SPLIT_KV)
@@ -56,7 +62,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     num_seqs,
     num_splits,
-    qk_scale,  # softmax scale * log2(e), times k_scale for FP8 caches
+    qk_scale,  # softmax scale * log2(e) (SOFTCAP: scale / softcap), times k_scale for FP8 caches
     v_scale,  # FP8 caches: the V pool's scale, applied to the output (1.0 otherwise)
     max_blocks,  # block_tables.shape[1]
     num_blocks,  # k_cache.shape[0]
@@ -83,6 +89,10 @@ def _paged_attention_kernel(
     GROUP_PAD: tl.constexpr = 1,  # next power of 2 of GROUP (FUSED_SPLITS)
     COMBINE_CHUNK: tl.constexpr = 1,  # splits merged per step by combine_group (FUSED_SPLITS)
     REGISTER_PREFETCH: tl.constexpr = False,  # DECODE_ONLY: attend_decode_tiles_prefetched
+    window=0,  # SLIDING: tokens each query sees, itself included
+    softcap_log2=1.0,  # SOFTCAP: softcap * log2(e)
+    SLIDING: tl.constexpr = False,  # a sliding-window layer
+    SOFTCAP: tl.constexpr = False,  # scores soft-capped: softcap * tanh(score / softcap)
 ):
     if DECODE_ONLY:
         pid_q = tl.program_id(0)
@@ -146,47 +156,70 @@ def _paged_attention_kernel(
         # The tiles go round-robin to the splits (split s reads tiles s, s + num_splits, ...), so the first
         # tile of every program is known before seq_len is: it loads speculatively, in parallel with seq_len
         # (one dependent load less before the K/V bytes stream); positions past the context are masked.
+        # A sliding layer's tiles start at the window's first one (after seq_len, so not speculatively).
         if FUSED_SPLITS > 0:
             step = FUSED_SPLITS
         else:
             step = num_splits
+        if SLIDING:
+            kv_lo = tl.maximum(kv_len - window, 0)
+            first_tile = split + kv_lo // TILE_N
+        else:
+            kv_lo = 0
+            first_tile = split
         if REGISTER_PREFETCH:
             acc, l_i, m_i = attend_decode_tiles_prefetched(
-                acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, split, step, num_tiles, kv_head,
+                acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, first_tile, step, num_tiles, kv_head,
                 kv_len, qk_scale, max_blocks, num_blocks, stride_cb, stride_ct, stride_ch,
-                HEAD_DIM, BLOCK_SIZE, TILE_N, IEEE_DOT,
+                HEAD_DIM, BLOCK_SIZE, TILE_N, IEEE_DOT, kv_lo, softcap_log2, SLIDING, SOFTCAP,
             )  # fmt: skip
         else:
             acc, l_i, m_i = attend_decode_tile(
-                acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, split, kv_head, kv_len, qk_scale,
+                acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, first_tile, kv_head, kv_len, qk_scale,
                 max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE, TILE_N, True,
-                IEEE_DOT,
+                IEEE_DOT, kv_lo, softcap_log2, SLIDING, SOFTCAP,
             )  # fmt: skip
-            for t in range(split + step, num_tiles, step):
+            for t in range(first_tile + step, num_tiles, step):
                 acc, l_i, m_i = attend_decode_tile(
                     acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, t, kv_head, kv_len, qk_scale,
                     max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE, TILE_N,
-                    False, IEEE_DOT,
+                    False, IEEE_DOT, kv_lo, softcap_log2, SLIDING, SOFTCAP,
                 )  # fmt: skip
     else:
+        if SLIDING:  # the first tile holding a key in the first row's window (clamped: // of a negative)
+            tile_start = tl.maximum(first_pos - window + 1, 0) // TILE_N
+        else:
+            tile_start = 0
         if SPLIT_KV:
-            per_split = tl.cdiv(num_tiles, num_splits)
-            tile_lo = split * per_split
+            per_split = tl.cdiv(num_tiles - tile_start, num_splits)
+            tile_lo = tile_start + split * per_split
             tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
         else:
-            tile_lo = 0
+            tile_lo = tile_start
             tile_hi = num_tiles
         # Tiles ending at or before first_pos are visible to every row: no mask needed there.
         full_hi = tl.maximum(tile_lo, tl.minimum(tile_hi, (first_pos + 1) // TILE_N))
+        if SLIDING:
+            # ... and, sliding, only from the first tile inside the last row's window too; before it masked.
+            full_lo = tl.minimum(
+                tl.maximum(tile_lo, tl.cdiv(tl.maximum(kv_len - window, 0), TILE_N)), full_hi
+            )
+            acc, l_i, m_i = attend_tiles(
+                acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
+                tile_lo, full_lo, stride_cb, stride_ct, stride_ch,
+                HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT, window, softcap_log2, SLIDING, SOFTCAP,
+            )  # fmt: skip
+        else:
+            full_lo = tile_lo
         acc, l_i, m_i = attend_tiles(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
-            tile_lo, full_hi, stride_cb, stride_ct, stride_ch,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, False, IEEE_DOT,
+            full_lo, full_hi, stride_cb, stride_ct, stride_ch,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, False, IEEE_DOT, window, softcap_log2, False, SOFTCAP,
         )  # fmt: skip
         acc, l_i, m_i = attend_tiles(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
             full_hi, tile_hi, stride_cb, stride_ct, stride_ch,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT, window, softcap_log2, SLIDING, SOFTCAP,
         )  # fmt: skip
 
     acc = acc * v_scale
@@ -274,6 +307,8 @@ def paged_attention(
     num_decode_seqs: int = 0,
     k_scale: float = 1.0,  # FP8 caches (float8_e4m3fn): per-tensor scales, as `kernels.reference` says
     v_scale: float = 1.0,
+    sliding_window: int = 0,  # > 0: the layer's window, as `kernels.reference` says; 0: global
+    softcap: float = 0.0,  # > 0: scores soft-capped to (-softcap, softcap); 0: off
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal paged attention of each sequence's query chunk to its cached context.
 
@@ -286,7 +321,9 @@ def paged_attention(
     `num_splits` then applies to the rest. An FP8 cache is read as bytes and converted to the query's dtype
     in registers (half the bytes of a bf16 cache); its scales fold into the softmax scale and the output.
     `config` (default: `decode_config` / `prefill_config` for the path) sets the tiles and, for decode
-    splits, where they are combined (`AttentionConfig.combine`).
+    splits, where they are combined (`AttentionConfig.combine`). `sliding_window` and `softcap` are a
+    layer's constants (compile-time features of the kernel); a sliding layer reads only the KV tiles that
+    meet its window, and its automatic split count follows the window, not the whole context.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -311,12 +348,13 @@ def paged_attention(
         paged_attention(
             query[:first_seq], k_cache, v_cache, block_tables[:first_seq], seq_lens[:first_seq],
             query_start_loc[: first_seq + 1], scale, 1, max_seq_len, out=out[:first_seq],
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap,
         )  # fmt: skip
     assert not decode_only or block_tables.shape[1] > 0, "decode needs a block-table entry per sequence"
     if decode_only:
         if num_splits is None:
-            num_splits = choose_num_splits(query.device, num_seqs, num_kv_heads, max_seq_len, head_dim)
+            read_len = min(max_seq_len, sliding_window) if sliding_window > 0 else max_seq_len
+            num_splits = choose_num_splits(query.device, num_seqs, num_kv_heads, read_len, head_dim)
         cfg = config or decode_config(head_dim, is_fp8(k_cache), split=num_splits > 1)
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         block_q = 1
@@ -348,9 +386,11 @@ def paged_attention(
     # From first_seq on (rows of the query and output stay absolute, through query_start_loc).
     tables, lens, starts = block_tables[first_seq:], seq_lens[first_seq:], query_start_loc[first_seq:]
     grid = (num_q_programs, num_kv_heads, num_splits)
+    log2e = 1.4426950408889634
+    qk_scale = scale * k_scale * (1.0 / softcap if softcap > 0 else log2e)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, counters, query, k_cache, v_cache, tables, lens, starts,
-        num_seqs - first_seq, num_splits, scale * k_scale * 1.4426950408889634, v_scale, tables.shape[1],
+        num_seqs - first_seq, num_splits, qk_scale, v_scale, tables.shape[1],
         k_cache.shape[0],
         first_program, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -360,6 +400,8 @@ def paged_attention(
         DOTS_FP16=FP8_DOTS_IN_FP16 and is_fp8(k_cache) and query.dtype != torch.float32,
         FUSED_SPLITS=num_splits if fused else 0, GROUP_PAD=group_pad if fused else 1,
         COMBINE_CHUNK=combine_chunk if fused else 1, REGISTER_PREFETCH=decode_only and cfg.register_prefetch,
+        window=sliding_window, softcap_log2=softcap * log2e if softcap > 0 else 1.0,
+        SLIDING=sliding_window > 0, SOFTCAP=softcap > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1 and not fused and not (decode_only and cfg.combine == "none"):

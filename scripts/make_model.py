@@ -1,4 +1,5 @@
-"""Writes a Llama, Qwen2, Qwen3 or Phi-3 checkpoint with random weights and a locally trained tokenizer.
+"""Writes a Llama, Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3 (text) checkpoint with random weights and a
+locally trained tokenizer.
 
 Nothing can be downloaded where this project is developed and tested, so every model it serves is made here:
 a byte-level BPE tokenizer trained on the Python standard library's top-level modules (text every machine
@@ -108,6 +109,56 @@ def _rope_parameters(scaling: RopeScaling) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
 
 
+def _gemma_preset(
+    model_type: str,  # "gemma2" or "gemma3_text"
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    dtype: str,
+    initializer_range: float,
+    sliding_window: int,
+    sliding_window_pattern: int,  # every this many layers one is global
+    query_pre_attn_scalar: float,
+) -> Preset:
+    """Gemma 2 (soft-caps 50 and 30, RoPE theta 10k) or Gemma 3 (q/k norms, no soft-caps, theta 1M for the
+    global layers and 10k for the sliding ones); tied embeddings, eps 1e-6, GELU-tanh."""
+    gemma2 = model_type == "gemma2"
+    windows = tuple(sliding_window if (i + 1) % sliding_window_pattern else 0 for i in range(num_layers))
+    return Preset(
+        model_type=model_type,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0 if gemma2 else 1e6,
+        rope_scaling=None,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        o_proj_bias=False,
+        qk_norm=not gemma2,
+        mlp_bias=False,
+        eos_token_ids=(),
+        layer_windows=windows,
+        attn_logit_softcap=50.0 if gemma2 else 0.0,
+        final_logit_softcap=30.0 if gemma2 else 0.0,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        sliding_rope_theta=0.0 if gemma2 else 10000.0,
+        hidden_activation="gelu_pytorch_tanh",
+        dtype=dtype,
+        initializer_range=initializer_range,
+    )
+
+
 def _llama3_scaling(factor: float, original_max_position_embeddings: int) -> RopeScaling:
     return RopeScaling("llama3", factor, 1.0, 4.0, original_max_position_embeddings)
 
@@ -149,6 +200,19 @@ PRESETS: dict[str, Preset] = {
         _preset("llama", 3072, 32, 32, 32, 96, 8192, 32064, 4096, "bfloat16", 0.02),
         model_type="phi3",
         rope_theta=1e4,
+    ),
+    # Windows of 16 tokens, so that the tests' prompts and outputs run past them; query_pre_attn_scalar not
+    # head_dim, as in Gemma-2-27B.
+    "gemma2-tiny": _gemma_preset("gemma2", 128, 4, 4, 2, 32, 344, 0, 2048, "float32", 0.08, 16, 2, 48.0),
+    "gemma3-tiny": _gemma_preset("gemma3_text", 128, 6, 4, 2, 64, 344, 0, 2048, "float32", 0.08, 16, 3, 48.0),
+    "gemma-2-2b": _gemma_preset(
+        "gemma2", 2304, 26, 8, 4, 256, 9216, 256000, 8192, "bfloat16", 0.02, 4096, 2, 256.0
+    ),
+    "gemma-2-9b": _gemma_preset(
+        "gemma2", 3584, 42, 16, 8, 256, 14336, 256000, 8192, "bfloat16", 0.02, 4096, 2, 256.0
+    ),
+    "gemma-3-1b": _gemma_preset(
+        "gemma3_text", 1152, 26, 4, 1, 256, 6912, 262144, 32768, "bfloat16", 0.02, 512, 6, 256.0
     ),
 }
 
@@ -197,6 +261,10 @@ def make_model(
     generator)."""
     import torch
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         GenerationConfig,
         LlamaConfig,
         LlamaForCausalLM,
@@ -236,6 +304,19 @@ def make_model(
         original = scaling.original_max_position_embeddings if scaling else p.max_position_embeddings
         extra |= {"original_max_position_embeddings": original, "pad_token_id": None}
         rope["partial_rotary_factor"] = p.partial_rotary_factor
+    family: dict = {}
+    if p.model_type.startswith("gemma"):
+        family = {
+            "sliding_window": max(p.layer_windows),
+            "layer_types": ["sliding_attention" if w else "full_attention" for w in p.layer_windows],
+            "query_pre_attn_scalar": int(p.query_pre_attn_scalar),
+            "attn_logit_softcapping": p.attn_logit_softcap or None,
+            "final_logit_softcapping": p.final_logit_softcap or None,
+            "hidden_activation": p.hidden_activation,
+        }
+        if p.model_type == "gemma3_text":  # RoPE per layer type
+            local = {"rope_type": "default", "rope_theta": p.sliding_rope_theta}
+            rope = {"full_attention": rope, "sliding_attention": local}  # type: ignore[dict-item]
     config = config_class(
         vocab_size=p.vocab_size or len(tokenizer),
         hidden_size=p.hidden_size,
@@ -251,6 +332,7 @@ def make_model(
         initializer_range=p.initializer_range,
         bos_token_id=bos_id,
         eos_token_id=eos_ids[0],
+        **family,
     )
     torch.manual_seed(seed)
     # Built directly in the saved dtype so the large presets never hold a float32 copy.
@@ -258,10 +340,12 @@ def make_model(
         model = model_class._from_config(config, dtype=dtype)
     with torch.no_grad():
         # Random norm gains keep activations from being identical across positions of a random model; random
-        # biases (Qwen2's q/k/v) make a bias that is lost or misplaced change the output.
+        # biases (Qwen2's q/k/v) make a bias that is lost or misplaced change the output. Gemma's norms
+        # scale by 1 + weight.
+        gemma = p.model_type.startswith("gemma")
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+                param.uniform_(-0.5, 0.5) if gemma else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, do_sample=False)

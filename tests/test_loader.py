@@ -161,8 +161,8 @@ def test_qwen3_head_dim_comes_from_config(tmp_path: Path) -> None:
 
 
 def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unsupported model_type 'gemma2'.*qwen3"):
-        load_model_config(_write_config(tmp_path, {**BASE, "model_type": "gemma2"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'falcon'.*qwen3"):
+        load_model_config(_write_config(tmp_path, {**BASE, "model_type": "falcon"}))
 
 
 @pytest.mark.parametrize(

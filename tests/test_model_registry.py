@@ -66,12 +66,12 @@ def test_the_architecture_wins_over_the_model_type(tmp_path: Path) -> None:
 
 
 def test_an_unknown_model_is_refused_with_the_supported_ones(tmp_path: Path) -> None:
-    raw = {**TINY, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}
+    raw = {**TINY, "architectures": ["FalconForCausalLM"], "model_type": "falcon"}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(UnsupportedModelError) as raised:
         load_model_config(tmp_path)
     message = str(raised.value)
-    assert "'gemma2'" in message and "Gemma2ForCausalLM" in message
+    assert "'falcon'" in message and "FalconForCausalLM" in message
     assert all(name in message for name in [*BY_ARCHITECTURE, *BY_MODEL_TYPE])
     assert isinstance(raised.value, ValueError)  # what callers of load_model_config have always caught
 
@@ -112,7 +112,9 @@ def test_every_family_satisfies_the_interface(family_dir: Path) -> None:
 def test_every_family_matches_transformers_through_the_forward_and_the_pieces(family_dir: Path) -> None:
     """Prefill and decodes through the runner's forward, then through the piecewise graphs' pieces (run
     eagerly), against transformers' logits."""
-    hf = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+    # Eager attention: transformers' SDPA path leaves out Gemma 2's score soft-cap.
+    hf = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32, attn_implementation="eager")
+    hf = hf.eval()
     for piecewise in (False, True):
         runner = make_runner(family_dir, max_num_seqs=4)
         if piecewise:

@@ -50,8 +50,11 @@ class AttentionBackend(ABC):
         scale: float,
         k_scale: float = 1.0,  # FP8 caches: per-tensor scales (kernels/reference.py)
         v_scale: float = 1.0,
+        sliding_window: int = 0,  # the layer's window (kernels/reference.py); 0: it sees every token
+        softcap: float = 0.0,  # the layer's score soft-cap; 0: none
     ) -> torch.Tensor:  # [T, Hq, D]
-        ...
+        """Window and soft-cap are the layer's constants (not in `meta`, which is per step): a CUDA graph
+        replays each layer with its own."""
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -70,11 +73,13 @@ class TorchReferenceBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         reference.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return reference.paged_attention(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            k_scale, v_scale,
+            k_scale, v_scale, sliding_window, softcap,
         )  # fmt: skip
 
 
@@ -110,12 +115,15 @@ class TritonBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         self._write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return self._paged_attention(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             num_decode_seqs=meta.num_decode_seqs, k_scale=k_scale, v_scale=v_scale,
+            sliding_window=sliding_window, softcap=softcap,
         )  # fmt: skip
 
 

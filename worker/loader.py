@@ -3,9 +3,10 @@ and its weights into the worker's own modules.
 
 The parts of config.json every family reads alike are worker/model_config.py's. What differs between
 families (attention biases, q/k norms, sliding windows, checkpoint names) the family's class says
-(`config_fields`, `sliding_window`, `weight_map`); this module applies it. The worker has no sliding-window
-attention; within the window a sliding layer attends exactly as a full one does, so a checkpoint whose
-layers slide is served with max_position_embeddings capped to the window.
+(`config_fields`, `sliding_window`, `weight_map`); this module applies it. A family whose layers apply their
+windows (`layer_windows` among its config fields: Gemma 2 / 3) is served to its full length; any other
+family's sliding layers attend as full ones, which is exact within the window, so such a checkpoint is
+served with max_position_embeddings capped to the window.
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ def load_model_config(model_dir: str | Path, quantization: str = "") -> ModelCon
     raw_max_positions = int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
     max_position_embeddings = rope_max_positions(raw_max_positions, scaling)
     window = family.sliding_window(raw)
-    if window is not None:
+    fields = family.config_fields(raw)  # qkv_bias, o_proj_bias, qk_norm and any of the family's own
+    if window is not None and not any(fields.get("layer_windows", ())):
         max_position_embeddings = min(max_position_embeddings, window)
+    # A family whose config nests RoPE per layer type (Gemma 3) reads its global one itself.
+    theta = fields.pop("rope_theta", theta)
+    scaling = fields.pop("rope_scaling", scaling)
     return ModelConfig(
         model_type=model_type,
         hidden_size=int(raw["hidden_size"]),
@@ -81,7 +86,7 @@ def load_model_config(model_dir: str | Path, quantization: str = "") -> ModelCon
         quantization=quantization_from_flag(
             quantization, parse_quantization_config(raw.get("quantization_config"))
         ),
-        **family.config_fields(raw),  # qkv_bias, o_proj_bias, qk_norm and any of the family's own
+        **fields,
     )
 
 

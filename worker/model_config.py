@@ -59,7 +59,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None  # None: plain RoPE
-    max_position_embeddings: int  # capped to the sliding window, if any layer has one
+    max_position_embeddings: int  # capped to the sliding window where the family leaves windows out
     tie_word_embeddings: bool
     qkv_bias: bool
     o_proj_bias: bool
@@ -70,6 +70,13 @@ class ModelConfig:
     # FP8 linear weights (worker/models/quantization.py): the checkpoint's quantization_config, or
     # --quantization fp8 (quantized at load); None: the weights as they are
     quantization: QuantConfig | None = None
+    # Gemma 2 / 3 (worker/models/gemma2.py, gemma3.py); the defaults are every other family's.
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 = global; () = all global
+    attn_logit_softcap: float = 0.0  # scores soft-capped to (-c, c) before the softmax; 0 = off
+    final_logit_softcap: float = 0.0  # logits soft-capped likewise; 0 = off
+    query_pre_attn_scalar: float = 0.0  # scores scaled by its -1/2 power; 0 = head_dim's
+    sliding_rope_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0 = rope_theta
+    hidden_activation: str = "silu"  # the gated MLP's activation: "silu", or config.json's GELU name (Gemma)
 
     @property
     def q_size(self) -> int:

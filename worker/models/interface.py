@@ -113,7 +113,8 @@ class CausalLM(nn.Module, ABC):
     @classmethod
     def sliding_window(cls, raw: dict[str, Any]) -> int | None:
         """The attention window of the checkpoint's sliding layers, or None when every layer sees all tokens.
-        The worker has no sliding-window attention: the loader caps max_position_embeddings to it."""
+        The loader caps max_position_embeddings to it unless the family applies its windows (`layer_windows`
+        among its `config_fields`, as Gemma's)."""
         return None
 
     @property

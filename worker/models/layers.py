@@ -36,11 +36,22 @@ class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 whatever the model dtype; `fused`: one Triton kernel
     (kernels/fused_ops.py) instead of the PyTorch ops."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, fused: bool) -> None:
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: bool,
+        unit_offset: bool = False,  # Gemma: scaled by (1 + weight), in float32, then cast (gemma_rms_norm)
+    ) -> None:
         super().__init__()
         self.weight = param(size, dtype=dtype, device=device)
         self.eps = eps
-        self._norm = _fused_ops().rms_norm if fused else reference_ops.rms_norm
+        if unit_offset:  # no fused kernel for it: the PyTorch ops, also with --fused-ops
+            self._norm = gemma_rms_norm
+        else:
+            self._norm = _fused_ops().rms_norm if fused else reference_ops.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         return self._norm(x, self.weight, self.eps)[0]
@@ -51,6 +62,18 @@ class RMSNorm(nn.Module):
         out, residual = self._norm(x, self.weight, self.eps, residual)
         assert residual is not None
         return out, residual
+
+
+def gemma_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`reference_ops.rms_norm` with Gemma's numerics: the stored weight is an offset from 1, and the
+    product is taken in float32 before the cast to the model dtype (transformers' Gemma2RMSNorm)."""
+    if residual is not None:
+        x = residual = x + residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype), residual
 
 
 def _fused_ops() -> types.ModuleType:
@@ -72,10 +95,15 @@ class Attention(nn.Module):
         device: torch.device,
         parallel: ParallelContext,
         fused: bool,
+        sliding_window: int = 0,  # this layer's window; 0: it sees every token
+        softcap: float = 0.0,  # this layer's score soft-cap (Gemma 2); 0: none
+        scale: float | None = None,  # the score scale; None: head_dim ** -0.5
     ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         self.parallel = parallel
         kw = {"dtype": dtype, "device": device}
         qkv_rows = config.q_size + 2 * config.kv_size
@@ -89,7 +117,7 @@ class Attention(nn.Module):
         if config.qk_norm:  # Qwen3: one norm over head_dim, shared by every head of q (and of k)
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device, fused)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device, fused)
-        self.scale = config.head_dim**-0.5
+        self.scale = config.head_dim**-0.5 if scale is None else scale
         # What one unit of an FP8 cache's stored K (V) is worth: the checkpoint's self_attn.k_scale
         # (v_scale) where it has them (worker/loader.py `load_weights`), else 1.0. Other caches store
         # values as they are.
@@ -115,9 +143,10 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:  # [T, q_size]
         """Writes k, v into the cache at the batch's slots and attends over each sequence's cached tokens."""
-        out = self.backend.forward(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale
-        )  # [T, Hq, D]
+        out = self.backend.forward(  # [T, Hq, D]
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale,
+            self.sliding_window, self.softcap,
+        )  # fmt: skip
         return out.reshape(-1, self.config.q_size)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:  # [T, q_size] -> [T, H]

@@ -12,6 +12,8 @@ import torch
 
 from worker.attention import AttentionBackend
 from worker.model_config import ModelConfig
+from worker.models.gemma2 import Gemma2ForCausalLM
+from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.interface import CausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
@@ -26,6 +28,8 @@ FAMILIES: tuple[type[CausalLM], ...] = (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     Phi3ForCausalLM,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
 )
 
 
