@@ -296,6 +296,8 @@ def make_model(
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
+        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+        "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
     }[p.model_type]
     # Qwen2's and Phi-3's configs have no head_dim (it is always hidden_size / num_heads there).
     extra: dict[str, Any] = {} if p.model_type in ("qwen2", "phi3") else {"head_dim": p.head_dim}
