@@ -53,6 +53,12 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (worker/models/moe.py); 0 experts: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's; intermediate_size stays the dense layers'
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model (Qwen3-MoE mlp_only_layers)
 
     @property
     def q_size(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -56,10 +56,29 @@ class WeightMap:
     embedding: str  # the token embedding, split by vocabulary rows
     lm_head: str  # the output projection, split likewise; tied to `embedding` where the checkpoint has none
     skipped: tuple[str, ...] = ()  # names containing one of these are not loaded (rotary inv_freq buffers)
+    # Mixture of experts: a per-expert checkpoint projection (`...experts.<e>.<proj>.weight`) -> (the experts'
+    # stacked parameter [E, rows, cols] beside it, `...experts.<stacked>`, index of its moe_intermediate_size
+    # rows within the expert's). Tensor parallelism splits the rows, or for projections also in
+    # `row_parallel` (the down projection) the input columns, by the rank's moe_intermediate_size.
+    experts: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    # a checkpoint module name -> the model's, wherever it is a whole part of a name (Mixtral's
+    # `block_sparse_moe` is the layer's `mlp`)
+    renamed: Mapping[str, str] = field(default_factory=dict)
+
+    def model_name(self, checkpoint_name: str) -> str:
+        """A checkpoint tensor's name as the model's parameters are named: without `prefix`, renamed."""
+        name = checkpoint_name.removeprefix(self.prefix)
+        if self.renamed:
+            name = ".".join(self.renamed.get(part, part) for part in name.split("."))
+        return name
 
     def fused_shards(self, fused: str) -> int:
         """How many checkpoint projections make up the fused projection `fused` (0: not a fused one)."""
         return Counter(name for name, _ in self.fused.values())[fused]
+
+    def expert_blocks(self, stacked: str) -> int:
+        """How many row blocks of an expert make up the stacked experts' parameter `stacked` (0: none)."""
+        return Counter(name for name, _ in self.experts.values())[stacked]
 
     def shard_sizes(self, fused: str) -> list[str]:
         """The sizes of the parts of fused projection `fused`, in row order."""

@@ -15,8 +15,10 @@ from worker.model_config import ModelConfig
 from worker.models.interface import CausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
+from worker.models.mixtral import MixtralForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
+from worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from worker.parallel import ParallelContext
 
 FAMILIES: tuple[type[CausalLM], ...] = (
@@ -24,6 +26,8 @@ FAMILIES: tuple[type[CausalLM], ...] = (
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    MixtralForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 
 
