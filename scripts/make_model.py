@@ -1,4 +1,4 @@
-"""Writes a Llama, Qwen2 or Qwen3 checkpoint with random weights and a locally trained tokenizer.
+"""Writes a Llama, Qwen2, Qwen3 or Qwen3-MoE checkpoint with random weights and a locally trained tokenizer.
 
 Nothing can be downloaded where this project is developed and tested, so every model it serves is made here:
 a byte-level BPE tokenizer trained on the Python standard library's top-level modules (text every machine
@@ -64,10 +64,12 @@ def _preset(
     initializer_range: float,
     rope_scaling: RopeScaling | None = None,
     tie_word_embeddings: bool = False,
+    experts: tuple[int, int, int] = (0, 0, 0),  # Qwen3-MoE: (num_experts, top-k, moe_intermediate_size)
 ) -> Preset:
-    """Llama (RoPE theta 500k, eps 1e-5) or Qwen (theta 1e6, eps 1e-6; Qwen2 biases q/k/v, Qwen3 norms
-    q/k)."""
+    """Llama (RoPE theta 500k, eps 1e-5) or Qwen (theta 1e6, eps 1e-6; Qwen2 biases q/k/v, Qwen3 and
+    Qwen3-MoE norm q/k; Qwen3-MoE's top-k weights renormalised, as Qwen3-30B-A3B's)."""
     llama = model_type == "llama"
+    num_experts, top_k, moe_intermediate_size = experts
     return Preset(
         model_type=model_type,
         hidden_size=hidden_size,
@@ -84,9 +86,12 @@ def _preset(
         tie_word_embeddings=tie_word_embeddings,
         qkv_bias=model_type == "qwen2",
         o_proj_bias=False,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         mlp_bias=False,
         eos_token_ids=(),
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_intermediate_size,
         dtype=dtype,
         initializer_range=initializer_range,
     )
@@ -111,6 +116,13 @@ PRESETS: dict[str, Preset] = {
     ),
     "qwen3-0.6b": _preset(
         "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, 40960, "bfloat16", 0.02, tie_word_embeddings=True
+    ),
+    "qwen3-moe-tiny": _preset(
+        "qwen3_moe", 128, 4, 4, 2, 64, 344, 0, 2048, "float32", 0.08, experts=(8, 2, 96)
+    ),
+    # 30.5B parameters, 3.3B active: 61 GB in bfloat16 (128 experts of 3 x 768 x 2048 in each of 48 layers)
+    "qwen3-30b-a3b": _preset(
+        "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, 40960, "bfloat16", 0.02, experts=(128, 8, 768)
     ),
 }
 
@@ -166,6 +178,8 @@ def make_model(
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     out = Path(out_dir)
@@ -187,9 +201,15 @@ def make_model(
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[p.model_type]
     # Qwen2's config has no head_dim (it is always hidden_size / num_heads there).
-    head_dim = {} if p.model_type == "qwen2" else {"head_dim": p.head_dim}
+    extra: dict[str, object] = {} if p.model_type == "qwen2" else {"head_dim": p.head_dim}
+    if p.num_experts:
+        extra.update(
+            num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
+            moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=p.norm_topk_prob,
+        )  # fmt: skip
     config = config_class(
         vocab_size=p.vocab_size or len(tokenizer),
         hidden_size=p.hidden_size,
@@ -197,7 +217,7 @@ def make_model(
         num_hidden_layers=p.num_layers,
         num_attention_heads=p.num_heads,
         num_key_value_heads=p.num_kv_heads,
-        **head_dim,
+        **extra,
         max_position_embeddings=p.max_position_embeddings,
         rms_norm_eps=p.rms_norm_eps,
         rope_parameters=rope,

@@ -63,8 +63,11 @@ def test_make_model_leaves_an_existing_checkpoint_alone(tiny_model_dir: Path) ->
 
 def test_presets_have_consistent_head_shapes() -> None:
     for name, p in PRESETS.items():
-        assert p.model_type in ("llama", "qwen2", "qwen3"), name
-        if p.model_type != "qwen3":  # Qwen3's head_dim is its own; the others' is hidden_size / num_heads
+        assert p.model_type in ("llama", "qwen2", "qwen3", "qwen3_moe"), name
+        if p.model_type not in (
+            "qwen3",
+            "qwen3_moe",
+        ):  # Qwen3's head_dim is its own; the others' is H / heads
             assert p.hidden_size == p.num_heads * p.head_dim, name
         assert p.head_dim % 2 == 0, name
         assert p.num_heads % p.num_kv_heads == 0, name

@@ -10,6 +10,7 @@ dense layer among the sparse ones (`mlp_only_layers`), biased attention and no t
 from __future__ import annotations
 
 import random
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,12 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from common.config import WorkerConfig
 from common.messages import SamplingParams
+from scripts.make_model import PRESETS, make_model
 from tests.test_engine_correctness import _prompts, _run_engine, transformers_generate
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
 from worker.attention import get_attention_backend
 from worker.loader import load_model_config, load_weights
+from worker.model_config import ModelConfig
 from worker.model_runner import ModelRunner
 from worker.models.llama import GatedMLP
 from worker.models.moe import SparseMoE
@@ -75,7 +78,10 @@ def test_config_and_layers_follow_the_checkpoint(moe_dir: Path, hf_moe) -> None:
     cfg = load_model_config(moe_dir)
     hf_cfg = hf_moe.config
     assert cfg.model_type == hf_cfg.model_type
-    assert (cfg.num_experts, cfg.num_experts_per_tok) == (hf_cfg.num_local_experts, hf_cfg.num_experts_per_tok)
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (
+        hf_cfg.num_local_experts,
+        hf_cfg.num_experts_per_tok,
+    )
     model = make_runner(moe_dir).model
     kinds = [type(layer.mlp) for layer in model.layers]
     if cfg.model_type == "mixtral":
@@ -142,3 +148,12 @@ def test_tensor_parallel_shards_of_the_experts_sum_to_the_whole(
     with torch.no_grad():
         parts = [model.layers[0].mlp(x) for model in ranks]
         torch.testing.assert_close(parts[0] + parts[1], whole.layers[0].mlp(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_qwen3_moe_preset_reads_back_as_written(tmp_path: Path) -> None:
+    loaded = load_model_config(make_model(tmp_path / "m", preset="qwen3-moe-tiny"))
+    preset = PRESETS["qwen3-moe-tiny"]
+    expected = {f.name: getattr(preset, f.name) for f in fields(ModelConfig)}
+    expected |= {"vocab_size": loaded.vocab_size, "eos_token_ids": loaded.eos_token_ids}  # the tokenizer's
+    assert {f.name: getattr(loaded, f.name) for f in fields(ModelConfig)} == expected
+    assert loaded.num_experts == 8 and PRESETS["qwen3-30b-a3b"].num_experts == 128
