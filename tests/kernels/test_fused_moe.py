@@ -7,11 +7,19 @@ bfloat16 matrix product); the GPU tests add bfloat16 at Qwen3-30B-A3B's and Mixt
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from kernels import fused_moe, reference_moe
 from tests.kernels.conftest import gpu
+from tests.test_gpu_graphs import _generate as _gpu_generate
+from tests.test_gpu_graphs import _runner as _gpu_runner
+from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
+from tests.test_moe import make_tiny_moe
 
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -120,3 +128,41 @@ def test_gpu_kernel_is_captured_by_a_cuda_graph() -> None:
     torch.testing.assert_close(
         out.float(), reference_moe.fused_moe(x, w13, w2, weights, ids).float(), **TOL[torch.bfloat16]
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The kernel in the model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_model_with_the_kernel_matches_transformers_logits(
+    device: torch.device, tmp_path: Path, family: str
+) -> None:
+    model_dir = make_tiny_moe(tmp_path / family, family)
+    runner = make_runner(model_dir, device=str(device), fused_ops=True)
+    assert runner.model.layers[0].mlp._experts is fused_moe.fused_moe
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
+    driver = Driver(runner, seed=2)
+    rng = random.Random(2)
+    driver.add(0, _random_prompt(rng, 6, runner.vocab_size))
+    driver.add(1, _random_prompt(rng, 19, runner.vocab_size))
+    driver.step({0: 6, 1: 19})
+    driver.step({0: 1, 1: 1})
+    _assert_logits_match_hf(driver, hf, dict(driver.tokens))
+
+
+@pytest.mark.parametrize("piecewise", [False, True])
+@gpu
+def test_gpu_moe_model_graphs_give_the_tokens_of_eager_execution(tmp_path: Path, piecewise: bool) -> None:
+    """Decode CUDA graphs (and the piecewise graphs of mixed steps) hold the MoE layers: the same greedy
+    tokens as eager execution, float32."""
+    model_dir = make_tiny_moe(tmp_path / "qwen3_moe", "qwen3_moe")
+    graphs = _gpu_runner(model_dir, False, "float32", piecewise)
+    eager = _gpu_runner(model_dir, True, "float32")
+    assert graphs.graphs is not None and (graphs.mixed_graphs is not None) == piecewise
+    rng = random.Random(3)
+    prompts = [[rng.randrange(graphs.vocab_size) for _ in range(rng.randint(1, 90))] for _ in range(13)]
+    max_tokens = [rng.randint(5, 30) for _ in prompts]
+    results = [_gpu_generate(runner, prompts, max_tokens) for runner in (graphs, eager)]
+    assert graphs.graphs.num_replays > 0
+    assert results[0] == results[1]
