@@ -1,10 +1,11 @@
-"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE) in the worker, against transformers' own
-MixtralForCausalLM / Qwen3MoeForCausalLM, and the tensor-parallel split of the experts.
+"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE) in the worker, against transformers' own
+MixtralForCausalLM / Qwen3MoeForCausalLM / Qwen2MoeForCausalLM, and the tensor-parallel split of the experts.
 
 The tiny checkpoints are made by transformers (`from_config`, `save_pretrained`, which writes each expert's
 projections apart) with random norm gains and biases, and a router scaled up so that the top-k choice is
 decisive (near-tied router probabilities would let float32 noise pick another expert). Qwen3-MoE's has a
-dense layer among the sparse ones (`mlp_only_layers`), biased attention and no top-k renormalisation.
+dense layer among the sparse ones (`mlp_only_layers`), biased attention and no top-k renormalisation;
+Qwen2-MoE's sparse layers are every second one (`decoder_sparse_step`), each with a shared expert.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from common.config import WorkerConfig
 from common.messages import SamplingParams
@@ -43,6 +44,12 @@ def tiny_moe_config(family: str):  # a transformers PretrainedConfig
         return MixtralConfig(
             **COMMON, num_local_experts=6, num_experts_per_tok=2, architectures=["MixtralForCausalLM"]
         )
+    if family == "qwen2_moe":
+        return Qwen2MoeConfig(
+            **COMMON, moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
+            architectures=["Qwen2MoeForCausalLM"],
+        )  # fmt: skip
     return Qwen3MoeConfig(
         **COMMON, head_dim=32, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
         norm_topk_prob=False, mlp_only_layers=[1], attention_bias=True, architectures=["Qwen3MoeForCausalLM"],
@@ -64,7 +71,7 @@ def make_tiny_moe(out: Path, family: str, seed: int = 0) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe"])
 def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_moe(tmp_path_factory.mktemp("models") / request.param, request.param)
 
@@ -79,7 +86,7 @@ def test_config_and_layers_follow_the_checkpoint(moe_dir: Path, hf_moe) -> None:
     hf_cfg = hf_moe.config
     assert cfg.model_type == hf_cfg.model_type
     assert (cfg.num_experts, cfg.num_experts_per_tok) == (
-        hf_cfg.num_local_experts,
+        hf_cfg.num_experts,
         hf_cfg.num_experts_per_tok,
     )
     model = make_runner(moe_dir).model
@@ -87,11 +94,19 @@ def test_config_and_layers_follow_the_checkpoint(moe_dir: Path, hf_moe) -> None:
     if cfg.model_type == "mixtral":
         assert cfg.norm_topk_prob and cfg.moe_intermediate_size == hf_cfg.intermediate_size
         assert kinds == [SparseMoE] * 3 and cfg.dense_layers == ()
-    else:
+    elif cfg.model_type == "qwen3_moe":
         assert not cfg.norm_topk_prob and cfg.qk_norm and cfg.qkv_bias and cfg.o_proj_bias
         assert kinds == [SparseMoE, GatedMLP, SparseMoE] and cfg.dense_layers == (1,)
-    hf_experts = hf_moe.model.layers[0].mlp.experts
-    ours = model.layers[0].mlp.experts
+    else:  # qwen2_moe: every second layer sparse, with a shared expert
+        assert cfg.norm_topk_prob and cfg.qkv_bias and not cfg.o_proj_bias
+        assert kinds == [GatedMLP, SparseMoE, GatedMLP] and cfg.dense_layers == (0, 2)
+        assert cfg.shared_expert_intermediate_size == 80
+        shared = hf_moe.model.layers[1].mlp.shared_expert
+        gate_up = torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
+        torch.testing.assert_close(model.layers[1].mlp.shared_gate_up_proj.weight, gate_up, rtol=0, atol=0)
+    sparse = cfg.dense_layers[0] + 1 if cfg.dense_layers == (0, 2) else 0
+    hf_experts = hf_moe.model.layers[sparse].mlp.experts
+    ours = model.layers[sparse].mlp.experts
     torch.testing.assert_close(ours.gate_up_proj, hf_experts.gate_up_proj, rtol=0, atol=0)
     torch.testing.assert_close(ours.down_proj, hf_experts.down_proj, rtol=0, atol=0)
 
@@ -141,13 +156,19 @@ def test_tensor_parallel_shards_of_the_experts_sum_to_the_whole(
     # No process group here: the all-reduce returns the rank's own partial sum.
     monkeypatch.setattr(ParallelContext, "all_reduce", lambda self, x: x)
     ranks = [load(ParallelContext(rank, 2)) for rank in range(2)]
-    moe = ranks[0].layers[0].mlp
+    sparse = next(i for i in range(cfg.num_layers) if i not in cfg.dense_layers)
+    moe = ranks[0].layers[sparse].mlp
     assert moe.experts.gate_up_proj.shape == (cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size)
     assert moe.experts.down_proj.shape == (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // 2)
+    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert is split likewise
+        assert moe.shared_down_proj.weight.shape == (
+            cfg.hidden_size,
+            cfg.shared_expert_intermediate_size // 2,
+        )
     x = torch.randn(13, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        parts = [model.layers[0].mlp(x) for model in ranks]
-        torch.testing.assert_close(parts[0] + parts[1], whole.layers[0].mlp(x), rtol=1e-5, atol=1e-5)
+        parts = [model.layers[sparse].mlp(x) for model in ranks]
+        torch.testing.assert_close(parts[0] + parts[1], whole.layers[sparse].mlp(x), rtol=1e-5, atol=1e-5)
 
 
 def test_the_qwen3_moe_preset_reads_back_as_written(tmp_path: Path) -> None:

@@ -59,6 +59,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's; intermediate_size stays the dense layers'
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model (Qwen3-MoE mlp_only_layers)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, beside the routed ones (0: none)
 
     @property
     def q_size(self) -> int:

@@ -20,6 +20,7 @@ from tests.test_gpu_graphs import _generate as _gpu_generate
 from tests.test_gpu_graphs import _runner as _gpu_runner
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
 from tests.test_moe import make_tiny_moe
+from worker.models.moe import SparseMoE
 
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -134,13 +135,14 @@ def test_gpu_kernel_is_captured_by_a_cuda_graph() -> None:
 # The kernel in the model
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_moe_model_with_the_kernel_matches_transformers_logits(
     device: torch.device, tmp_path: Path, family: str
 ) -> None:
     model_dir = make_tiny_moe(tmp_path / family, family)
     runner = make_runner(model_dir, device=str(device), fused_ops=True)
-    assert runner.model.layers[0].mlp._experts is fused_moe.fused_moe
+    moes = [layer.mlp for layer in runner.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moes and all(moe._experts is fused_moe.fused_moe for moe in moes)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
     driver = Driver(runner, seed=2)
     rng = random.Random(2)

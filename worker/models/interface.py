@@ -61,15 +61,18 @@ class WeightMap:
     # rows within the expert's). Tensor parallelism splits the rows, or for projections also in
     # `row_parallel` (the down projection) the input columns, by the rank's moe_intermediate_size.
     experts: Mapping[str, tuple[str, int]] = field(default_factory=dict)
-    # a checkpoint module name -> the model's, wherever it is a whole part of a name (Mixtral's
-    # `block_sparse_moe` is the layer's `mlp`)
+    # checkpoint module path -> the model's, wherever it is whole parts of a name (Mixtral's
+    # `block_sparse_moe` is the layer's `mlp`; Qwen2-MoE's `shared_expert.gate_proj` is `shared_gate_proj`)
     renamed: Mapping[str, str] = field(default_factory=dict)
 
     def model_name(self, checkpoint_name: str) -> str:
         """A checkpoint tensor's name as the model's parameters are named: without `prefix`, renamed."""
         name = checkpoint_name.removeprefix(self.prefix)
         if self.renamed:
-            name = ".".join(self.renamed.get(part, part) for part in name.split("."))
+            dotted = f".{name}."
+            for old, new in self.renamed.items():
+                dotted = dotted.replace(f".{old}.", f".{new}.")
+            name = dotted[1:-1]
         return name
 
     def fused_shards(self, fused: str) -> int:

@@ -17,6 +17,7 @@ from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
 from worker.models.mixtral import MixtralForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
 from worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from worker.parallel import ParallelContext
@@ -28,6 +29,7 @@ FAMILIES: tuple[type[CausalLM], ...] = (
     Qwen3ForCausalLM,
     MixtralForCausalLM,
     Qwen3MoeForCausalLM,
+    Qwen2MoeForCausalLM,
 )
 
 
