@@ -4,7 +4,9 @@
   layer's attention), and `WeightMap`, how the loader places a family's checkpoint tensors.
 - `layers.py`: the shared layers (RMSNorm, rotary embeddings, attention, gated MLP) with their
   tensor-parallel split.
-- `llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`: one file per family, with its config quirks.
+- `moe.py`: the mixture-of-experts feed-forward (router, top-k, stacked experts), split per expert.
+- `llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`, `mixtral.py`, `qwen3_moe.py`, `qwen2_moe.py`: one file per
+  family, with its config quirks.
 - `registry.py`: the families by config.json `architectures` / `model_type`, and `build_model`.
 
 docs/models.md says how to add a family.
