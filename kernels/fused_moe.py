@@ -143,15 +143,16 @@ def align_by_expert(
     return sorted_ids, block_expert, padded_end[-1:].to(torch.int32)
 
 
-def _tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
+def _tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) from the shapes: small row blocks when each expert gets few rows
-    (decodes), larger ones for prefills."""
+    (decodes), larger ones for prefills; float32 keeps BLOCK_N at 64, as its gated tiles (x, gate and up,
+    three stages) would not fit in shared memory at 128."""
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 16:
         return 16, 64, 64
     if rows_per_expert <= 64:
         return 32, 64, 64
-    return 64, 128, 64
+    return 64, 64 if dtype == torch.float32 else 128, 64
 
 
 def _launch(
@@ -177,6 +178,7 @@ def _launch(
         TOP_K=top_k, A_PER_TOKEN=a_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
         IEEE_DOT=a.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=4,
+        num_stages=2 if a.dtype == torch.float32 else 3,
     )  # fmt: skip
 
 
@@ -197,7 +199,7 @@ def fused_moe(
     if num_tokens == 0:
         return torch.empty_like(x)
     num_pairs = num_tokens * top_k
-    tiles = _tiles(num_pairs, num_experts)
+    tiles = _tiles(num_pairs, num_experts, x.dtype)
     sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, num_experts, tiles[0])
     weights = topk_weights.flatten().to(torch.float32).contiguous()  # [T*K]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T*K, I]
