@@ -1,5 +1,5 @@
-"""Writes a Llama, Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3 (text) checkpoint with random weights and a
-locally trained tokenizer.
+"""Writes a Llama, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2 or Gemma 3 (text) checkpoint with random weights
+and a locally trained tokenizer.
 
 Nothing can be downloaded where this project is developed and tested, so every model it serves is made here:
 a byte-level BPE tokenizer trained on the Python standard library's top-level modules (text every machine
@@ -66,10 +66,12 @@ def _preset(
     initializer_range: float,
     rope_scaling: RopeScaling | None = None,
     tie_word_embeddings: bool = False,
+    experts: tuple[int, int, int] = (0, 0, 0),  # Qwen3-MoE: (num_experts, top-k, moe_intermediate_size)
 ) -> Preset:
-    """Llama (RoPE theta 500k, eps 1e-5) or Qwen (theta 1e6, eps 1e-6; Qwen2 biases q/k/v, Qwen3 norms
-    q/k)."""
+    """Llama (RoPE theta 500k, eps 1e-5) or Qwen (theta 1e6, eps 1e-6; Qwen2 biases q/k/v, Qwen3 and
+    Qwen3-MoE norm q/k; Qwen3-MoE's top-k weights renormalised, as Qwen3-30B-A3B's)."""
     llama = model_type == "llama"
+    num_experts, top_k, moe_intermediate_size = experts
     return Preset(
         model_type=model_type,
         hidden_size=hidden_size,
@@ -86,9 +88,12 @@ def _preset(
         tie_word_embeddings=tie_word_embeddings,
         qkv_bias=model_type == "qwen2",
         o_proj_bias=False,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         mlp_bias=False,
         eos_token_ids=(),
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_intermediate_size,
         dtype=dtype,
         initializer_range=initializer_range,
     )
@@ -214,6 +219,13 @@ PRESETS: dict[str, Preset] = {
     "gemma-3-1b": _gemma_preset(
         "gemma3_text", 1152, 26, 4, 1, 256, 6912, 262144, 32768, "bfloat16", 0.02, 512, 6, 256.0
     ),
+    "qwen3-moe-tiny": _preset(
+        "qwen3_moe", 128, 4, 4, 2, 64, 344, 0, 2048, "float32", 0.08, experts=(8, 2, 96)
+    ),
+    # 30.5B parameters, 3.3B active: 61 GB in bfloat16 (128 experts of 3 x 768 x 2048 in each of 48 layers)
+    "qwen3-30b-a3b": _preset(
+        "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, 40960, "bfloat16", 0.02, experts=(128, 8, 768)
+    ),
 }
 
 
@@ -274,6 +286,8 @@ def make_model(
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     out = Path(out_dir)
@@ -298,6 +312,7 @@ def make_model(
         "phi3": (Phi3Config, Phi3ForCausalLM),
         "gemma2": (Gemma2Config, Gemma2ForCausalLM),
         "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[p.model_type]
     # Qwen2's and Phi-3's configs have no head_dim (it is always hidden_size / num_heads there).
     extra: dict[str, Any] = {} if p.model_type in ("qwen2", "phi3") else {"head_dim": p.head_dim}
@@ -306,6 +321,11 @@ def make_model(
         original = scaling.original_max_position_embeddings if scaling else p.max_position_embeddings
         extra |= {"original_max_position_embeddings": original, "pad_token_id": None}
         rope["partial_rotary_factor"] = p.partial_rotary_factor
+    if p.num_experts:
+        extra.update(
+            num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
+            moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=p.norm_topk_prob,
+        )  # fmt: skip
     family: dict = {}
     if p.model_type.startswith("gemma"):
         family = {

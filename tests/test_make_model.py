@@ -63,9 +63,9 @@ def test_make_model_leaves_an_existing_checkpoint_alone(tiny_model_dir: Path) ->
 
 def test_presets_have_consistent_head_shapes() -> None:
     for name, p in PRESETS.items():
-        assert p.model_type in ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"), name
+        assert p.model_type in ("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text"), name
         # Qwen3's and Gemma's head_dim is their own; the others' is hidden_size / num_heads
-        if p.model_type not in ("qwen3", "gemma2", "gemma3_text"):
+        if p.model_type not in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text"):
             assert p.hidden_size == p.num_heads * p.head_dim, name
         assert p.head_dim % 2 == 0, name
         assert p.num_heads % p.num_kv_heads == 0, name

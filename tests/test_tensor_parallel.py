@@ -3,9 +3,10 @@
 Rank 0 runs the real scheduler core and forwards each StepPlan to rank 1 the way the worker does
 (`ParallelContext.forward_to_followers`); rank 1 runs the worker's follower loop. The plans cover chunked
 prefill beside decodes, prefix-cache hits, preemption by swap and by recompute, greedy and seeded sampling;
-the checkpoints cover Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied embeddings), and a vocabulary that
-two ranks do not split evenly with biases on every projection. Every token must equal the single process's,
-every logits row must agree closely with its row, and the two ranks must agree exactly with each other.
+the checkpoints cover Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied embeddings), a vocabulary that
+two ranks do not split evenly with biases on every projection, and Qwen3-MoE (each expert split as the
+dense MLP). Every token must equal the single process's, every logits row must agree closely with its row,
+and the two ranks must agree exactly with each other.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from scheduler.settings import SchedulerSettings
 from scripts._servers import free_port
 from scripts.make_model import make_model
 from tests.test_engine_correctness import _prompts
+from tests.test_moe import make_tiny_moe
 from worker import server
 from worker.loader import load_model_config
 from worker.model_runner import ModelRunner
@@ -46,7 +48,7 @@ MAX_TOKENS = 8
 NUM_KV_BLOCKS = 24  # of 4 tokens: small enough that the prompts below preempt one another
 NUM_CPU_BLOCKS = 64  # the scheduler's swap pool, the same for both runs (the ranks' pools hold more)
 TIMEOUT_S = 120.0
-CHECKPOINTS = ("tiny", "qwen2-tiny", "qwen3-tiny", "odd-vocab-biases")
+CHECKPOINTS = ("tiny", "qwen2-tiny", "qwen3-tiny", "odd-vocab-biases", "qwen3-moe")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,7 @@ def checkpoints(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         "qwen2-tiny": make_model(root / "qwen2-tiny", preset="qwen2-tiny", seed=0),
         "qwen3-tiny": make_model(root / "qwen3-tiny", preset="qwen3-tiny", seed=0),
         "odd-vocab-biases": _odd_vocab_with_biases(tiny_model_dir, root / "odd-vocab-biases", 4093),
+        "qwen3-moe": make_tiny_moe(root / "qwen3-moe", "qwen3_moe"),  # each expert split as the dense MLP
     }
 
 

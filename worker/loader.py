@@ -142,6 +142,15 @@ def _fused_target(name: str, weights: WeightMap) -> tuple[str, int] | None:
     return None
 
 
+def _expert_target(name: str, weights: WeightMap) -> tuple[str, int, int] | None:
+    """('...experts.gate_up_proj', expert, row block) for a per-expert checkpoint tensor, else None."""
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-2] in weights.experts:
+        stacked, block = weights.experts[parts[-2]]
+        return ".".join(parts[:-3] + [stacked]), int(parts[-3]), block
+    return None
+
+
 def _shard_rows(config: ModelConfig, weights: WeightMap, fused_name: str, shard: int) -> tuple[int, int]:
     sizes = [getattr(config, size) for size in weights.shard_sizes(fused_name.split(".")[-2])]
     start = sum(sizes[:shard])
@@ -158,6 +167,11 @@ def _rank_slices(
     fused (`weights.packed`) is split part by part: the rank's rows of each part, in the parts' order."""
     parts = name.split(".")
     proj = parts[-2] if len(parts) >= 2 else ""
+    if _expert_target(name, weights) is not None:  # each expert is split as a dense MLP of its size
+        size = local.moe_intermediate_size
+        if proj in weights.row_parallel:
+            return (slice(None), slice(rank * size, (rank + 1) * size))
+        return (slice(rank * size, (rank + 1) * size),)
     if proj in weights.packed:
         slices, start = [], 0
         for rows in (getattr(local, size) for size in weights.packed[proj]):
@@ -182,9 +196,9 @@ def load_weights(
     parallel: ParallelContext | None = None,
 ) -> None:
     """Copies the checkpoint's tensors into `model` (whose parameters are already on the target device and
-    dtype) by its family's `weight_map`: fusing q/k/v and gate/up, and tying the LM head to the embedding
-    where the checkpoint says so. With a tensor-parallel `parallel` of more than one rank, reads only this
-    rank's shard of each tensor."""
+    dtype) by its family's `weight_map`: fusing q/k/v and gate/up, stacking the experts of a MoE, and tying
+    the LM head to the embedding where the checkpoint says so. With a tensor-parallel `parallel` of more
+    than one rank, reads only this rank's shard of each tensor."""
     weights = model.weight_map
     prepare_fp8_linears(model, weights)
     params = dict(model.named_parameters())
@@ -199,11 +213,11 @@ def load_weights(
         def select(name: str) -> Slices | list[Slices] | None:
             if name.rsplit(".", 1)[-1] in SCALE_NAMES:  # small: read whole, Fp8Linear takes its part
                 return None
-            name = name.removeprefix(weights.prefix)
-            return _rank_slices(name, weights, local, vocab_rows, parallel.rank, parallel.world_size)
+            model_name = weights.model_name(name)
+            return _rank_slices(model_name, weights, local, vocab_rows, parallel.rank, parallel.world_size)
 
     for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, device, select):
-        name = ckpt_name.removeprefix(weights.prefix)
+        name = weights.model_name(ckpt_name)
         if any(skipped in name for skipped in weights.skipped):
             continue
         if name.rsplit(".", 1)[-1] in SCALE_NAMES:
@@ -219,8 +233,16 @@ def load_weights(
             module, attr = name.rsplit(".", 1)
             setattr(model.get_submodule(module), attr, tensor.item())
             continue
+        expert = _expert_target(name, weights)
         fused = _fused_target(name, weights)
-        if fused is not None:
+        if expert is not None:  # one expert's projection: its rows of the experts' stacked parameter
+            target_name, index, block = expert
+            target = params[target_name][index]  # [rows, cols] of this expert
+            if name.split(".")[-2] not in weights.row_parallel:  # gate or up: a block of the rows
+                rows = config.moe_intermediate_size
+                target = target[block * rows : (block + 1) * rows]
+            loaded.add(f"{target_name}#{index}.{block}")
+        elif fused is not None:
             target_name, shard = fused
             start, end = _shard_rows(config, weights, target_name, shard)
             target = params[target_name][start:end]
@@ -251,7 +273,11 @@ def load_weights(
     expected = set()
     for name in params:
         shards = weights.fused_shards(name.split(".")[-2]) if "." in name else 0
-        if shards:
+        blocks = weights.expert_blocks(name.rsplit(".", 1)[-1]) if ".experts." in name else 0
+        if blocks:
+            num_experts = params[name].shape[0]
+            expected.update(f"{name}#{e}.{b}" for e in range(num_experts) for b in range(blocks))
+        elif shards:
             expected.update(f"{name}#{i}" for i in range(shards))
         else:
             expected.add(name)

@@ -77,6 +77,13 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0  # scores scaled by its -1/2 power; 0 = head_dim's
     sliding_rope_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0 = rope_theta
     hidden_activation: str = "silu"  # the gated MLP's activation: "silu", or config.json's GELU name (Gemma)
+    # Mixture of experts (worker/models/moe.py); 0 experts: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's; intermediate_size stays the dense layers'
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model (Qwen3-MoE mlp_only_layers)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, beside the routed ones (0: none)
 
     @property
     def q_size(self) -> int:

@@ -39,7 +39,13 @@ from worker.model_config import ModelConfig
 KEEPALIVE_S = 60.0  # rank 0 sends an empty message when idle this long, well inside the group's timeout
 GROUP_TIMEOUT = timedelta(minutes=30)  # a collective (or a wait for rank 0's next message) longer fails
 CLOSE_TIMEOUT = timedelta(seconds=10)  # how long a clean exit waits for the other ranks to leave as well
-_SHARDED_SIZES = ("num_heads", "num_kv_heads", "intermediate_size")
+_SHARDED_SIZES = (
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 _HONCHO_INDEX = re.compile(r"\.(\d+)$")
 
 

@@ -59,10 +59,32 @@ class WeightMap:
     # projections the checkpoint stores fused already (Phi-3's qkv_proj, gate_up_proj) -> the sizes of their
     # parts in row order; under tensor parallelism a rank takes its rows of each part (its q, k and v heads)
     packed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Mixture of experts: a per-expert checkpoint projection (`...experts.<e>.<proj>.weight`) -> (the experts'
+    # stacked parameter [E, rows, cols] beside it, `...experts.<stacked>`, index of its moe_intermediate_size
+    # rows within the expert's). Tensor parallelism splits the rows, or for projections also in
+    # `row_parallel` (the down projection) the input columns, by the rank's moe_intermediate_size.
+    experts: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    # checkpoint module path -> the model's, wherever it is whole parts of a name (Mixtral's
+    # `block_sparse_moe` is the layer's `mlp`; Qwen2-MoE's `shared_expert.gate_proj` is `shared_gate_proj`)
+    renamed: Mapping[str, str] = field(default_factory=dict)
+
+    def model_name(self, checkpoint_name: str) -> str:
+        """A checkpoint tensor's name as the model's parameters are named: without `prefix`, renamed."""
+        name = checkpoint_name.removeprefix(self.prefix)
+        if self.renamed:
+            dotted = f".{name}."
+            for old, new in self.renamed.items():
+                dotted = dotted.replace(f".{old}.", f".{new}.")
+            name = dotted[1:-1]
+        return name
 
     def fused_shards(self, fused: str) -> int:
         """How many checkpoint projections make up the fused projection `fused` (0: not a fused one)."""
         return Counter(name for name, _ in self.fused.values())[fused]
+
+    def expert_blocks(self, stacked: str) -> int:
+        """How many row blocks of an expert make up the stacked experts' parameter `stacked` (0: none)."""
+        return Counter(name for name, _ in self.experts.values())[stacked]
 
     def shard_sizes(self, fused: str) -> list[str]:
         """The sizes of the parts of fused projection `fused`, in row order."""

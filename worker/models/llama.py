@@ -53,13 +53,14 @@ class LlamaDecoderLayer(nn.Module):
         device: torch.device,
         parallel: ParallelContext,
         fused: bool,
+        mlp: nn.Module | None = None,  # the feed-forward block, [T, H] -> [T, H]; None: the dense GatedMLP
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, fused)
         self.self_attn = Attention(config, backend, dtype, device, parallel, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, fused)
-        self.mlp = GatedMLP(config, dtype, device, parallel, fused)
+        self.mlp = mlp if mlp is not None else GatedMLP(config, dtype, device, parallel, fused)
 
     def attention_inputs(
         self,
@@ -110,8 +111,8 @@ class LlamaForCausalLM(CausalLM):
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(layer_config, backend, dtype, device, self.parallel, fused_ops)
-            for _ in range(config.num_layers)
+            self.make_layer(i, layer_config, backend, dtype, device, fused_ops)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused_ops)
         self.lm_head = nn.Module()
@@ -120,6 +121,18 @@ class LlamaForCausalLM(CausalLM):
         else:
             self.lm_head.weight = param(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(config, max_model_len, dtype, device, fused_ops)
+
+    def make_layer(
+        self,
+        i: int,
+        config: ModelConfig,  # this rank's shape
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused_ops: bool,
+    ) -> LlamaDecoderLayer:
+        """Decoder layer i; a family whose layers differ in their feed-forward block (MoE) overrides it."""
+        return LlamaDecoderLayer(config, backend, dtype, device, self.parallel, fused_ops)
 
     @property
     def num_layers(self) -> int:

@@ -17,9 +17,12 @@ from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.interface import CausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
+from worker.models.mixtral import MixtralForCausalLM
 from worker.models.phi3 import Phi3ForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
+from worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from worker.parallel import ParallelContext
 
 FAMILIES: tuple[type[CausalLM], ...] = (
@@ -30,6 +33,9 @@ FAMILIES: tuple[type[CausalLM], ...] = (
     Phi3ForCausalLM,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
+    MixtralForCausalLM,
+    Qwen3MoeForCausalLM,
+    Qwen2MoeForCausalLM,
 )
 
 
