@@ -115,10 +115,9 @@ def serve_children(
             parser.error(f"bad setting: {e}")
     env = {ENV_PREFIX + k.upper(): _env_value(v) for k, v in values.items() if v is not None}
     children = [Child("api", "api"), Child("scheduler", "scheduler")]
-    children += [
-        Child("worker" if rank == 0 else f"worker{rank}", "worker", {ENV_PREFIX + "RANK": str(rank)})
-        for rank in range(num_ranks)
-    ]
+    for rank in range(num_ranks):  # ranks other than 0 are stopped by rank 0, then signalled (launcher.py)
+        name, after = (f"worker{rank}", "worker") if rank else ("worker", "")
+        children.append(Child(name, "worker", {ENV_PREFIX + "RANK": str(rank)}, after=after))
     return children, env
 
 

@@ -3,9 +3,12 @@
 not restarted), and the launcher stops them all when one supervisor exits, as honcho does.
 
 SIGTERM or SIGINT (Ctrl-C) to the launcher goes to every supervisor once, which passes it on: the api and
-the scheduler drain (`--shutdown-timeout-s`), the scheduler then tells the worker to stop. A process group
-still alive `GRACE_S` after that is killed. Each supervisor runs in its own session, so a terminal's Ctrl-C
-reaches the processes once, through the launcher; on Linux each also gets SIGTERM should the launcher die.
+the scheduler drain (`--shutdown-timeout-s`), the scheduler then tells the worker to stop. Tensor-parallel
+ranks other than 0 are signalled only once rank 0's supervisor has exited: a follower has no stop flag (rank
+0 tells it to stop, worker/server.py), so signalled with the others it would die while rank 0 still sends it
+the last plans. A process group still alive `GRACE_S` after the drain is killed. Each supervisor runs in
+its own session, so a terminal's Ctrl-C reaches the processes once, through the launcher; on Linux each
+also gets SIGTERM should the launcher die.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Child:
     name: str
     module: str
     env: dict[str, str] = field(default_factory=dict)
+    after: str = ""  # on stop, signalled once this child (by name) has exited: a follower rank after rank 0
 
 
 def _die_with_parent() -> None:
@@ -93,21 +97,29 @@ class Launcher:
             time.sleep(POLL_S)
         signum = self.stopping or signal.SIGTERM
         self.log.info("stopping", signal=signal.Signals(signum).name, timeout_s=self.stop_timeout_s)
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signum)
-        codes = self._wait_all()
+        codes = self._stop_all(signum)
         if code == 0:
             code = next((c for c in codes.values() if c not in (0, -signum)), 0)
         self.log.info("stopped", exit_codes=codes)
         return code
 
-    def _wait_all(self) -> dict[str, int]:
+    def _stop_all(self, signum: int) -> dict[str, int]:
+        """Signals each child once its `after` child has exited, waits for all; kills what is left by the
+        deadline. Returns their exit codes."""
         deadline = time.monotonic() + self.stop_timeout_s
+        waiting = list(self.children)  # not yet signalled
+        while time.monotonic() < deadline:
+            for child in list(waiting):
+                leader = self.procs.get(child.after)
+                if leader is None or leader.poll() is not None:
+                    waiting.remove(child)
+                    if self.procs[child.name].poll() is None:
+                        self.procs[child.name].send_signal(signum)
+            if not waiting and all(p.poll() is not None for p in self.procs.values()):
+                break
+            time.sleep(POLL_S)
         for name, proc in self.procs.items():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 self.log.error("killed", child=name, after_s=self.stop_timeout_s)
                 os.killpg(proc.pid, signal.SIGKILL)  # the supervisor and its process: their own session
                 proc.wait()

@@ -121,6 +121,7 @@ def test_tensor_parallel_size_starts_one_worker_per_rank_meeting_at_a_free_port(
     workers = [c for c in children if c.module == "worker"]
     assert [c.name for c in workers] == ["worker", "worker1", "worker2"]
     assert [c.env["PAGEDSERVE_RANK"] for c in workers] == ["0", "1", "2"]
+    assert [c.after for c in workers] == ["", "worker", "worker"]  # rank 0 stops the others first
     assert env["PAGEDSERVE_DIST_INIT_METHOD"] != WorkerConfig.dist_init_method
     _, env = parse([str(tiny_model_dir), "--tensor-parallel-size", "2", "--dist-init-method", "tcp://h:1"])
     assert env["PAGEDSERVE_DIST_INIT_METHOD"] == "tcp://h:1"  # a chosen rendezvous is kept
