@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("api", "scheduler", "worker", "common", "kernels", "client")
+PACKAGES = ("api", "scheduler", "worker", "common", "kernels", "client", "pagedserve")
 MAX_LINES = 450
 
 
