@@ -198,6 +198,9 @@ def test_gpu_greedy_matches_transformers_with_kernels_and_graphs(
         max_num_seqs=4, piecewise_graphs=piecewise_graphs,
     )  # fmt: skip
     runner = ModelRunner(config, attention_backend="triton")
-    ours, _ = _run_engine(runner, prompts, SamplingParams(max_tokens=12, temperature=0.0), max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    ours, _ = _run_engine(
+        runner, prompts, params, max_num_seqs=4, max_num_batched_tokens=config.max_num_batched_tokens
+    )
     for i, want in enumerate(expected):
         assert ours[(i, 0)] == want, f"prompt {i}"
