@@ -42,3 +42,8 @@ def rope(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_and_mul(gate_up: torch.Tensor, approximate: str) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up

@@ -20,18 +20,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionBackend
 from worker.model_config import ModelConfig
 from worker.models.interface import AttentionShape, CausalLM
-from worker.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, param
+from worker.models.layers import GELU_APPROXIMATE, Attention, GatedMLP, RMSNorm, RotaryEmbedding, param
 from worker.models.llama import LlamaForCausalLM
-from worker.parallel import ParallelContext, row_parallel_linear, vocab_parallel_embedding
-
-# config.json `hidden_activation` (or the older `hidden_act`) -> F.gelu's `approximate`
-_GELU_APPROXIMATE = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
+from worker.parallel import ParallelContext, vocab_parallel_embedding
 
 
 def gemma_sliding_layers(raw: dict[str, Any], default_pattern: int) -> list[bool]:
@@ -50,9 +46,9 @@ def gemma_config_fields(raw: dict[str, Any], default_pattern: int) -> dict[str, 
     window = int(raw.get("sliding_window") or 0)
     windows = tuple(window if s else 0 for s in gemma_sliding_layers(raw, default_pattern))
     activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
-    if activation not in _GELU_APPROXIMATE:
+    if activation not in GELU_APPROXIMATE:
         raise ValueError(
-            f"unsupported hidden_activation {activation!r}; supported: {', '.join(_GELU_APPROXIMATE)}"
+            f"unsupported hidden_activation {activation!r}; supported: {', '.join(GELU_APPROXIMATE)}"
         )
     head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
     bias = bool(raw.get("attention_bias", False))
@@ -66,26 +62,6 @@ def gemma_config_fields(raw: dict[str, Any], default_pattern: int) -> dict[str, 
         "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or head_dim),
         "hidden_activation": activation,
     }
-
-
-class GemmaMLP(GatedMLP):
-    """The gated MLP with GELU (tanh approximation for Gemma 2 / 3) instead of SiLU."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        parallel: ParallelContext,
-        fused: bool,
-    ) -> None:
-        super().__init__(config, dtype, device, parallel, fused)
-        self.approximate = _GELU_APPROXIMATE[config.hidden_activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)
-        x = F.gelu(gate, approximate=self.approximate) * up
-        return row_parallel_linear(x, self.down_proj.weight, self.down_proj.bias, self.parallel)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -120,7 +96,7 @@ class GemmaDecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(config.hidden_size)
         self.pre_feedforward_layernorm = norm(config.hidden_size)
         self.post_feedforward_layernorm = norm(config.hidden_size)
-        self.mlp = GemmaMLP(config, dtype, device, parallel, fused)
+        self.mlp = GatedMLP(config, dtype, device, parallel, fused)
 
     def attention_inputs(
         self,

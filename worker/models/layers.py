@@ -11,6 +11,7 @@ Parameter names follow the checkpoints' (`qkv_proj` and `gate_up_proj` are the f
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -74,6 +75,10 @@ def gemma_rms_norm(
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (x32 * (1.0 + weight.float())).to(x.dtype), residual
+
+
+# config.json `hidden_activation` (or `hidden_act`) of a GELU-gated MLP (Gemma) -> F.gelu's `approximate`
+GELU_APPROXIMATE = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
 
 def _fused_ops() -> types.ModuleType:
@@ -154,8 +159,9 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward with fused gate/up projection (with tensor parallelism, this rank's rows of it;
-    down_proj's partial outputs are summed over the ranks)."""
+    """Gated feed-forward with fused gate/up projection (with tensor parallelism, this rank's rows of it;
+    down_proj's partial outputs are summed over the ranks): SwiGLU, or GELU-gated where
+    `config.hidden_activation` names a GELU (Gemma)."""
 
     def __init__(
         self,
@@ -167,7 +173,11 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.parallel = parallel
-        self._silu_and_mul = _fused_ops().silu_and_mul if fused else reference_ops.silu_and_mul
+        if config.hidden_activation != "silu":
+            approximate = GELU_APPROXIMATE[config.hidden_activation]
+            self._act_and_mul = functools.partial(reference_ops.gelu_and_mul, approximate=approximate)
+        else:
+            self._act_and_mul = _fused_ops().silu_and_mul if fused else reference_ops.silu_and_mul
         kw = {"dtype": dtype, "device": device}
         inter = config.intermediate_size
         quant, bias = config.quantization, config.mlp_bias
@@ -177,5 +187,5 @@ class GatedMLP(nn.Module):
         self.down_proj = make_linear(config.hidden_size, inter, bias, **kw, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        x = self._silu_and_mul(linear(x, self.gate_up_proj))
+        x = self._act_and_mul(linear(x, self.gate_up_proj))
         return row_parallel(x, self.down_proj, self.parallel)
