@@ -61,5 +61,5 @@ class MixtralForCausalLM(MistralForCausalLM):
         fused_ops: bool,
     ) -> LlamaDecoderLayer:
         return moe_decoder_layer(
-            config, backend, dtype, device, self.parallel, fused_ops, round_weights=False
+            i, config, backend, dtype, device, self.parallel, fused_ops, round_weights=False
         )

@@ -99,6 +99,7 @@ class SparseMoE(nn.Module):
 
 
 def moe_decoder_layer(
+    layer: int,
     config: ModelConfig,
     backend: AttentionBackend,
     dtype: torch.dtype,
@@ -107,6 +108,9 @@ def moe_decoder_layer(
     fused: bool,
     round_weights: bool,
 ) -> LlamaDecoderLayer:
-    """A Llama decoder layer whose feed-forward block is a SparseMoE."""
+    """Decoder layer `layer` of a MoE model: a Llama decoder layer whose feed-forward block is a SparseMoE,
+    or the dense one in `config.dense_layers` (Qwen-MoE's mlp_only_layers and decoder_sparse_step)."""
+    if layer in config.dense_layers:
+        return LlamaDecoderLayer(config, backend, dtype, device, parallel, fused)
     moe = SparseMoE(config, dtype, device, parallel, fused, round_weights)
     return LlamaDecoderLayer(config, backend, dtype, device, parallel, fused, mlp=moe)

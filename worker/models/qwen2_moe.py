@@ -73,6 +73,6 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         device: torch.device,
         fused_ops: bool,
     ) -> LlamaDecoderLayer:
-        if i in config.dense_layers:
-            return super().make_layer(i, config, backend, dtype, device, fused_ops)
-        return moe_decoder_layer(config, backend, dtype, device, self.parallel, fused_ops, round_weights=True)
+        return moe_decoder_layer(
+            i, config, backend, dtype, device, self.parallel, fused_ops, round_weights=True
+        )

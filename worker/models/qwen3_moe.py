@@ -68,6 +68,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         device: torch.device,
         fused_ops: bool,
     ) -> LlamaDecoderLayer:
-        if i in config.dense_layers:
-            return super().make_layer(i, config, backend, dtype, device, fused_ops)
-        return moe_decoder_layer(config, backend, dtype, device, self.parallel, fused_ops, round_weights=True)
+        return moe_decoder_layer(
+            i, config, backend, dtype, device, self.parallel, fused_ops, round_weights=True
+        )
