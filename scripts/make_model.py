@@ -134,33 +134,20 @@ def _gemma_preset(
     global layers and 10k for the sliding ones); tied embeddings, eps 1e-6, GELU-tanh."""
     gemma2 = model_type == "gemma2"
     windows = tuple(sliding_window if (i + 1) % sliding_window_pattern else 0 for i in range(num_layers))
-    return Preset(
-        model_type=model_type,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        rms_norm_eps=1e-6,
+    base = _preset(
+        model_type, hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size,
+        max_position_embeddings, dtype, initializer_range, tie_word_embeddings=True,
+    )  # fmt: skip
+    return replace(
+        base,
         rope_theta=10000.0 if gemma2 else 1e6,
-        rope_scaling=None,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        qkv_bias=False,
-        o_proj_bias=False,
         qk_norm=not gemma2,
-        mlp_bias=False,
-        eos_token_ids=(),
         layer_windows=windows,
         attn_logit_softcap=50.0 if gemma2 else 0.0,
         final_logit_softcap=30.0 if gemma2 else 0.0,
         query_pre_attn_scalar=query_pre_attn_scalar,
         sliding_rope_theta=0.0 if gemma2 else 10000.0,
         hidden_activation="gelu_pytorch_tanh",
-        dtype=dtype,
-        initializer_range=initializer_range,
     )
 
 
