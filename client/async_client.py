@@ -27,14 +27,12 @@ from client.request_stream import RequestHandle, RequestResult, _RequestState
 from common.config import default_cluster_key_file
 from common.log import get_logger
 from common.messages import (
-    MAX_INT32,
-    MAX_NAME_CHARS,
-    MAX_PROMPT_TOKENS,
     ErrorKind,
     InfoReply,
     SamplingParams,
     SubmitRequest,
 )
+from common.wire_types import MAX_INT32, MAX_NAME_CHARS, MAX_PROMPT_TOKENS
 
 Prompt = str | Sequence[int]  # text (tokenized here) or token ids (sent exactly as given)
 log = get_logger(component="client")

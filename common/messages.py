@@ -18,10 +18,42 @@ Processes and directions:
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar
 
 import msgspec
 from msgspec import Meta
+
+from common.sampling_params import SamplingParams
+from common.wire_types import (
+    MAX_INT32,
+    MAX_NUM_BLOCKS,
+    MAX_PLAN_ITEMS,
+    MAX_PROMPT_TOKENS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    BlockIds,
+    BlockPairs,
+    Count,
+    Counts,
+    ErrorKindValue,
+    FinishReasonValue,
+    Index,
+    Int64,
+    Logprob,
+    Name,
+    NumBlocks,
+    RequestId,
+    Seconds,
+    Seed,
+    SeqBlocks,
+    SeqId,
+    SeqIds,
+    SeqPairs,
+    SeqTokens,
+    Text,
+    TokenId,
+    TokenIds,
+)
 
 
 class MsgType(IntEnum):
@@ -50,153 +82,6 @@ class FinishReason:
     STOP = "stop"  # EOS, a stop token id, or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # the client aborted or went away
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Field types with their ranges. A receiver may index, allocate or loop by any of these values, so each has
-# a bound that no honest sender reaches.
-
-MAX_N = 128  # sequences per prompt (SamplingParams.n)
-MAX_INT32 = 2**31 - 1
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
-MAX_PROMPT_TOKENS = 1 << 20
-# Blocks in a pool. The scheduler's block manager allocates ~90 bytes of bookkeeping per block of each pool
-# when a worker announces itself, so this bounds what one WorkerReady can make it allocate (~1.5 GB a pool
-# here, where a claim of 2**40 blocks would take all memory). It is not lower because honest pools come
-# close: a tiny test model (2 KiB of KV a token, 16-token blocks) on a 141 GB GPU holds ~4M blocks in float32,
-# ~8M in bfloat16. Real models need far fewer (a 0.5B Qwen2 at 12 KiB a token: 1M blocks is 192 GiB).
-MAX_NUM_BLOCKS = 1 << 24
-MAX_PLAN_ITEMS = 1 << 20  # entries of any one list in a StepPlan / StepOutput / RequestOutputs
-MAX_TOP_LOGPROBS = 1024  # candidates reported per token (logprobs <= 20; beams ask for 2 x width <= 32)
-
-Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
-# Signed or unsigned 64-bit (the worker masks it): msgpack's own int range, which msgspec cannot bound further
-Seed = int
-Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # a non-negative 64-bit int: an id, a step, a length
-TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]  # below the model's vocab_size: the receiver checks that
-SeqId = Count
-BlockId = Annotated[int, Meta(ge=0, lt=MAX_NUM_BLOCKS)]  # below the pool's size: the receiver checks that
-NumBlocks = Annotated[int, Meta(ge=0, le=MAX_NUM_BLOCKS)]
-Index = Annotated[int, Meta(ge=0, lt=MAX_N)]  # one of a request's sequences
-MAX_REQUEST_ID_CHARS = 256
-RequestId = Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)]
-MAX_NAME_CHARS = 4096
-Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]  # a model name or path, a worker id, a cache salt
-Text = Annotated[str, Meta(max_length=1 << 16)]  # an error message
-StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
-Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]  # finite: the bounds refuse NaN and infinities too
-# A logprob is at most 0; -inf is a token of probability 0 (underflow), NaN is refused by the bound.
-Logprob = Annotated[float, Meta(le=0.0)]
-# The sampler's temperature and top_p of one sequence; the ranges SamplingParams.validate() checks.
-Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
-TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, Meta(ge=0, le=MAX_INT32)]
-FinishReasonValue = Literal["stop", "length", "abort"]  # a FinishReason value
-ErrorKindValue = Literal["invalid_request_error", "service_unavailable", "internal_error"]  # an ErrorKind
-
-TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
-SeqIds = Annotated[list[SeqId], Meta(max_length=MAX_PLAN_ITEMS)]
-BlockIds = Annotated[list[BlockId], Meta(max_length=MAX_PLAN_ITEMS)]
-Counts = Annotated[list[Count], Meta(max_length=MAX_PLAN_ITEMS)]
-BlockPairs = Annotated[list[tuple[BlockId, BlockId]], Meta(max_length=MAX_PLAN_ITEMS)]
-SeqPairs = Annotated[list[tuple[SeqId, SeqId]], Meta(max_length=MAX_PLAN_ITEMS)]
-SeqTokens = Annotated[list[tuple[SeqId, TokenId]], Meta(max_length=MAX_PLAN_ITEMS)]
-SeqBlocks = Annotated[list[tuple[SeqId, BlockIds]], Meta(max_length=MAX_PLAN_ITEMS)]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Sampling parameters
-
-
-class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
-    """What a request asks of generation. Validated by `validate()` in the scheduler, for every client; the
-    decoder already refuses a field outside its own range (the `Meta` bounds), `validate()` says why in words
-    for parameters built in-process and checks the rules that tie fields together."""
-
-    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # independent sequences per prompt
-    max_tokens: Annotated[int, Meta(ge=1, le=MAX_INT32)] = 16  # tokens to generate per sequence, at most
-    temperature: Temperature = 1.0  # 0 means greedy
-    top_p: TopP = 1.0  # nucleus mass kept, in (0, 1]
-    top_k: TopK = 0  # keep the k most likely tokens; 0 keeps all
-    seed: Seed | None = None  # same seed, same output; None draws one per request
-    # generating one of these ends the sequence (it is kept)
-    stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()
-    ignore_eos: bool = False  # keep going past the model's EOS tokens
-    # None: no logprobs; k >= 0: sampled token's logprob and the top k
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    # stop strings: applied by the client library, which sees text
-    stop: Annotated[tuple[StopString, ...], Meta(max_length=MAX_STOP_STRINGS)] = ()
-    # 0: sample; W >= n: beam search keeping W beams, returning the n best, at the end
-    beam_width: Annotated[int, Meta(ge=0, le=16)] = 0
-    # beam search ranks finished beams by sum of logprobs / length ** this
-    length_penalty: Annotated[float, Meta(ge=-100.0, le=100.0)] = 1.0
-
-    MAX_LOGPROBS: ClassVar[int] = 20
-    MAX_BEAM_WIDTH: ClassVar[int] = 16
-
-    @property
-    def beam(self) -> bool:  # beam search: a beam reports candidates, the scheduler chooses its tokens
-        return self.beam_width > 0
-
-    @property
-    def num_logprobs(self) -> int:
-        """Candidates reported per token: -1 none, else the sampled token's logprob and the top k. A beam
-        asks for 2 x beam_width, so that W beams always have W unfinished continuations."""
-        return 2 * self.beam_width if self.beam_width else -1 if self.logprobs is None else self.logprobs
-
-    def validate(self) -> str | None:
-        """Returns why these parameters are unusable, or None when they are fine. Every comparison is
-        written so that NaN fails it."""
-        if not 1 <= self.n <= MAX_N:
-            return f"n must be between 1 and {MAX_N}, got {self.n}"
-        if not 1 <= self.max_tokens <= MAX_INT32:
-            return f"max_tokens must be between 1 and {MAX_INT32}, got {self.max_tokens}"
-        if not 0.0 <= self.temperature <= 100.0:
-            return f"temperature must be between 0 and 100, got {self.temperature}"
-        if not 0.0 < self.top_p <= 1.0:
-            return f"top_p must be in (0, 1], got {self.top_p}"
-        if not 0 <= self.top_k <= MAX_INT32:
-            return f"top_k must be 0 (off) or positive, at most {MAX_INT32}, got {self.top_k}"
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            return f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}"
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            return f"seed must fit in 64 bits, got {self.seed}"
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            return f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}"
-        if any(not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
-            return f"stop token ids must be between 0 and {MAX_INT32}"
-        if len(self.stop) > MAX_STOP_STRINGS:
-            return f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
-        if any(not s for s in self.stop):
-            return "stop strings must not be empty"
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            return f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters"
-        if not all(s.isascii() or _encodes(s) for s in self.stop):
-            return "stop strings must be valid Unicode (a lone surrogate cannot cross the wire)"
-        if not 0 <= self.beam_width <= self.MAX_BEAM_WIDTH:
-            return f"beam width must be between 0 and {self.MAX_BEAM_WIDTH}, got {self.beam_width}"
-        if not -100.0 <= self.length_penalty <= 100.0:
-            return f"length_penalty must be between -100 and 100, got {self.length_penalty}"
-        if self.beam_width:
-            if not self.n <= self.beam_width:
-                limit = self.MAX_BEAM_WIDTH
-                return f"beam width must be between n ({self.n}) and {limit}, got {self.beam_width}"
-            if self.temperature != 0.0:
-                return "temperature must be 0 with beam search"
-            if self.logprobs is not None:
-                return "logprobs are not available with beam search"
-        return None
-
-
-def _encodes(text: str) -> bool:
-    """Whether `text` has a UTF-8 form, as msgpack needs (JSON can carry a lone surrogate, UTF-8 cannot)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -319,6 +204,9 @@ class NewSequence(msgspec.Struct, array_like=True):
     # top_p, top_k, logprobs, beam search), so a new sampling parameter crosses the wire with no new field
     params: SamplingParams
     seed: Seed  # the sequence's own seed; the worker's randomness depends only on it and the position
+    # how many of token_ids (at their end) were generated, before a preemption by recompute; the rest is the
+    # prompt. Penalties and grammars read the generated tokens apart from the prompt.
+    num_output_tokens: Count = 0
 
 
 class Fork(msgspec.Struct, array_like=True):

@@ -12,7 +12,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from common.messages import MAX_REQUEST_ID_CHARS, Message, MsgType, RequestOutputs, SeqOutput, encode
+from common.messages import Message, MsgType, RequestOutputs, SeqOutput, encode
+from common.wire_types import MAX_REQUEST_ID_CHARS
 from scheduler.request import Output
 
 log = structlog.get_logger(process="scheduler")

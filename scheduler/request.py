@@ -119,6 +119,7 @@ def new_sequence_message(seq: Sequence, block_table: list[int]) -> NewSequence:
         num_computed_tokens=seq.num_computed_tokens,
         params=seq.request.params,
         seed=seq.seed,
+        num_output_tokens=seq.num_output_tokens,
     )
 
 

@@ -10,7 +10,6 @@ import msgspec
 import pytest
 
 from common.messages import (
-    MAX_NUM_BLOCKS,
     MESSAGE_CLASSES,
     AbortRequest,
     CodecError,
@@ -32,6 +31,7 @@ from common.messages import (
     decode,
     encode,
 )
+from common.wire_types import MAX_NUM_BLOCKS
 
 PARAMS = SamplingParams(
     n=3, max_tokens=17, temperature=0.7, top_p=0.9, top_k=40, seed=2**63 + 5, stop_token_ids=(7, 9),

@@ -21,7 +21,7 @@ import os
 import torch
 
 from common.config import WorkerConfig
-from common.messages import MAX_NUM_BLOCKS
+from common.wire_types import MAX_NUM_BLOCKS
 from kernels.reference import byte_view, head_major
 from worker.model_config import ModelConfig
 

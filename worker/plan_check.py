@@ -156,6 +156,8 @@ def _check_changes(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | Non
             return f"sequence {new.seq_id} has bad num_computed_tokens"
         if new.num_computed_tokens > len(new.block_table) * limits.block_size:
             return f"sequence {new.seq_id} has {new.num_computed_tokens} computed tokens but few blocks"
+        if not new.num_output_tokens < len(new.token_ids):
+            return f"sequence {new.seq_id} has no prompt ({new.num_output_tokens} output tokens of all)"
         if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < limits.vocab_size:
             return f"sequence {new.seq_id} has token ids outside the vocab"
         if not -1 <= new.params.num_logprobs <= limits.vocab_size:

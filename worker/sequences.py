@@ -95,6 +95,7 @@ class SeqState:
     row: int  # this sequence's row in the BlockTableArray: its block table
     beam: bool = False  # report candidates, append nothing: the scheduler chooses the beam's tokens
     pending: int = 0  # tokens sampled by a launched step that has not finished: not in token_ids yet
+    prompt_len: int = 0  # token_ids[:prompt_len] is the prompt, the rest was generated
 
     @classmethod
     def from_new(cls, s: NewSequence, row: int) -> SeqState:
@@ -106,6 +107,7 @@ class SeqState:
             s.params.num_logprobs,
             row,
             s.params.beam,
+            prompt_len=len(s.token_ids) - s.num_output_tokens,
         )
 
 
