@@ -89,3 +89,28 @@ def test_honcho_with_two_workers_derives_their_ranks(tiny_model_dir: Path, tmp_p
             raise
     text = log_path.read_text()
     assert '"rank": 0' in text and '"rank": 1' in text and "following_rank_0" in text
+
+
+def test_a_stop_signal_to_every_rank_lets_the_stream_finish(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """honcho and supervisors signal every process at once. Rank 1 used to die at once and take rank 0's next
+    collective with it; it now follows rank 0 until its Shutdown, so the request in flight completes."""
+    engine = _start_group(tiny_model_dir, tmp_path / "logs", monkeypatch)
+    try:
+        with EngineClient(engine.scheduler_address) as client:
+            _wait_ready(client, engine)
+            handle = client.submit_one(
+                [3, 4, 5], SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+            )
+            first = next(iter(handle))  # generating
+            for name in ("scheduler", "worker", "worker1"):
+                engine.procs[name].send_signal(signal.SIGTERM)
+            result = handle.result(timeout=60)
+            assert len(first.token_ids) + len(result.outputs[0].token_ids) == 120  # result(): the rest
+            assert result.outputs[0].finish_reason == "length"
+        codes = {name: engine.procs[name].wait(timeout=60) for name in ("scheduler", "worker", "worker1")}
+        assert codes == {"scheduler": 0, "worker": 0, "worker1": 0}, engine.logs("worker1")
+        assert '"shutdown"' in engine.logs("worker1")
+    finally:
+        engine.stop()

@@ -11,7 +11,8 @@ not match the worker's state (ModelRunner.check_plan) is not run: the worker for
 itself again, which makes the scheduler fail what ran and start over with an empty cache.
 
 SIGTERM does not stop the worker at once: it serves for `shutdown_timeout_s` more, while the scheduler lets
-its requests finish, and exits when the scheduler says Shutdown or goes away.
+its requests finish, and exits when the scheduler says Shutdown or goes away. Tensor-parallel ranks other
+than 0 keep following rank 0 through that time and exit on its Shutdown.
 """
 
 from __future__ import annotations
@@ -165,8 +166,14 @@ def serve(cfg: WorkerConfig) -> int:
         )
     if not parallel.is_driver:
         code = 1
+        # A stop signal reaches every rank at once (honcho, a supervisor, a terminal's ^C), while rank 0
+        # serves on for shutdown_timeout_s to let streams finish, which needs every rank in each step's
+        # collectives: a follower waits for rank 0's Shutdown, giving up only after rank 0's own deadline.
+        stop = _StopFlag(cfg.shutdown_timeout_s + 2 * SHUTDOWN_GRACE_S)
+        signal.signal(signal.SIGTERM, stop.set)
+        signal.signal(signal.SIGINT, stop.set)
         try:
-            code = _follow(runner, parallel, log)
+            code = _follow(runner, parallel, log, stop)
             return code
         finally:
             runner.close()
@@ -355,15 +362,15 @@ def _drain(runner: ModelRunner) -> None:
         runner.finish()
 
 
-def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any) -> int:
+def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any, stop: _StopFlag) -> int:
     """A tensor-parallel rank other than 0: runs every StepPlan that rank 0 forwards, in step with it,
-    until Shutdown, or until rank 0 goes away."""
-    # No stop flag here: a follower blocks inside the group's receive, where it could not look at one, and
-    # holds nothing that needs a clean exit. Rank 0 answers the scheduler and tells the others to stop.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    until Shutdown, until rank 0 goes away, or past `stop`'s deadline after a stop signal (the receive
+    returns at least every keepalive, so the deadline is looked at)."""
     log.info("following_rank_0")
     while True:
+        if stop.due():
+            log.warning("stopped_by_signal_without_shutdown", signal=signal.Signals(stop.signum or 15).name)
+            return 1
         try:
             frames = parallel.receive_message()
         except RuntimeError as e:  # rank 0 exited, or sent nothing within the group timeout
