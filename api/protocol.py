@@ -24,6 +24,7 @@ from api.fields import (
     is_int,
 )
 from api.model import ServedModel
+from api.scheduling import parse_priority
 from common.messages import SamplingParams
 
 # Accepted and dropped: they change nothing about the output.
@@ -148,6 +149,8 @@ def _generation_request(
     if stream and beam_width:
         raise invalid("beam search results are complete only at the end: 'stream' is not supported", "stream")
     options = f.body.get("stream_options")
+    if options and not stream:  # it would change nothing: refused, as vLLM does ({} changes nothing)
+        raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise invalid("'stream_options' supports only 'include_usage'", "stream_options")
     include_usage = stream and Fields(options or {}).boolean("include_usage")
@@ -157,7 +160,7 @@ def _generation_request(
         stream,
         include_usage,
         num_logprobs,
-        priority=f.integer("priority", 0),  # type: ignore[arg-type]
+        priority=parse_priority(f, model),
         cache_salt=f.string("cache_salt", MAX_CACHE_SALT_CHARS),
     )
 
