@@ -273,9 +273,8 @@ def parse_chat(body: Any, model: ServedModel, max_seqs: int) -> GenerationReques
         raise invalid("tools are not supported", "tools")
     f.neutral("tool_choice", "none", "auto")
     _check_num_seqs(1, f.integer("n", 1, lo=1, hi=MAX_N), max_seqs)  # type: ignore[arg-type]
-    max_tokens = f.integer("max_completion_tokens", None, lo=1, hi=2**63)
-    if max_tokens is None:
-        max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)
+    legacy_max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)  # checked also when overridden
+    max_tokens = f.integer("max_completion_tokens", legacy_max_tokens, lo=1, hi=2**63)
     top_logprobs = f.integer("top_logprobs", None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
     want_logprobs = f.boolean("logprobs")
     if top_logprobs is not None and not want_logprobs:

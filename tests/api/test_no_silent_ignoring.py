@@ -112,3 +112,10 @@ def test_version_needs_the_api_key_like_every_route_but_the_probes(tiny_model_di
         assert api.get("/version", headers={"Authorization": "Bearer sk-v"}).status == 200
     finally:
         api.close()
+
+
+def test_max_completion_tokens_wins_but_max_tokens_is_still_checked(server: ApiServer) -> None:
+    body = {"messages": USER, "max_completion_tokens": 2, "max_tokens": 5}
+    assert server.post("/v1/chat/completions", body).json()["usage"]["completion_tokens"] == 2
+    error = assert_error(server.post("/v1/chat/completions", {**body, "max_tokens": "five"}), 400)
+    assert error["param"] == "max_tokens"
