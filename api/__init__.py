@@ -14,6 +14,10 @@ model.py          the tokenizer, loaded from --model at start; the served model'
                   from the scheduler once a worker is ready (503 while it serves another checkpoint)
 state.py          what handlers share: config, client, model, counters, tokenizer thread, requests in flight
 errors.py         ApiError and OpenAI's error body (the 401s word for word)
+tokenization.py   POST /tokenize and /detokenize (vLLM's), by the served model's tokenizer
+version.py        GET /version
+request_id.py     X-Request-Id: the client's or a fresh one, echoed on every response, in the response id
+scheduling.py     `priority`, refused under the scheduler's fcfs policy (it would change nothing)
 
 With ApiConfig.api_key set, every route but /health and /metrics needs `Authorization: Bearer <key>`.
 """

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ from api.model import ServedModel
 from api.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from api.protocol import GenerationRequest, parse_chat, parse_completion
 from api.request_body import parse_json
+from api.request_id import request_id
 from api.state import RECORD, STATE
 from client import ClientClosed, RequestRejected
 from common.config import ApiConfig
@@ -80,7 +80,7 @@ async def _serve(
     else:
         loop = asyncio.get_running_loop()
         req = await loop.run_in_executor(state.tokenizer_pool, parse, body, model, max_seqs)
-    response_id = id_prefix + uuid.uuid4().hex
+    response_id = id_prefix + request_id(request)  # X-Request-Id, given or made up (api/request_id.py)
     record = request[RECORD]
     record.update(
         response_id=response_id,

@@ -37,6 +37,7 @@ class ServedModel:
     tokenizer: Any
     token_strings: TokenStrings  # per-token text and bytes for logprobs
     longest_token_chars: int = 64  # characters of the vocabulary's longest token (its piece, as stored)
+    scheduling_policy: str = "fcfs"  # the scheduler's: under fcfs a request's priority would change nothing
 
     @property
     def max_prompt_chars(self) -> int:
@@ -202,6 +203,7 @@ class ModelState:
             tokenizer=tokenizer.tokenizer,
             token_strings=tokenizer.token_strings,
             longest_token_chars=tokenizer.longest_token_chars,
+            scheduling_policy=info.scheduling_policy,
         )
         log.info("model_ready", model=model.name, root=model.root, max_model_len=model.max_model_len)
         return model

@@ -24,6 +24,7 @@ from api.fields import (
     is_int,
 )
 from api.model import ServedModel
+from api.scheduling import parse_priority
 from common.messages import SamplingParams
 
 # Accepted and dropped: they change nothing about the output.
@@ -148,6 +149,8 @@ def _generation_request(
     if stream and beam_width:
         raise invalid("beam search results are complete only at the end: 'stream' is not supported", "stream")
     options = f.body.get("stream_options")
+    if options and not stream:  # it would change nothing: refused, as vLLM does ({} changes nothing)
+        raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise invalid("'stream_options' supports only 'include_usage'", "stream_options")
     include_usage = stream and Fields(options or {}).boolean("include_usage")
@@ -157,7 +160,7 @@ def _generation_request(
         stream,
         include_usage,
         num_logprobs,
-        priority=f.integer("priority", 0),  # type: ignore[arg-type]
+        priority=parse_priority(f, model),
         cache_salt=f.string("cache_salt", MAX_CACHE_SALT_CHARS),
     )
 
@@ -270,9 +273,8 @@ def parse_chat(body: Any, model: ServedModel, max_seqs: int) -> GenerationReques
         raise invalid("tools are not supported", "tools")
     f.neutral("tool_choice", "none", "auto")
     _check_num_seqs(1, f.integer("n", 1, lo=1, hi=MAX_N), max_seqs)  # type: ignore[arg-type]
-    max_tokens = f.integer("max_completion_tokens", None, lo=1, hi=2**63)
-    if max_tokens is None:
-        max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)
+    legacy_max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)  # checked also when overridden
+    max_tokens = f.integer("max_completion_tokens", legacy_max_tokens, lo=1, hi=2**63)
     top_logprobs = f.integer("top_logprobs", None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
     want_logprobs = f.boolean("logprobs")
     if top_logprobs is not None and not want_logprobs:

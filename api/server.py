@@ -20,7 +20,10 @@ from aiohttp import web
 from api.errors import ApiError, error_body, unauthorized
 from api.handlers import chat_completions, completions, dumps
 from api.model import INFO_TIMEOUT_S, ModelState
+from api.request_id import check_request_id, echo_request_id
 from api.state import RECORD, STATE, ApiState
+from api.tokenization import add_routes as add_tokenization_routes
+from api.version import version
 from client import AsyncEngineClient, RequestRejected
 from common.config import ApiConfig
 from common.log import get_logger
@@ -196,7 +199,9 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
         cluster_key_file=config.cluster_key_file,
         liveness_timeout_s=config.scheduler_timeout_s,
     )
-    app = web.Application(middlewares=[observe, authenticate], client_max_size=config.max_request_bytes)
+    middlewares = [observe, check_request_id, authenticate]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_request_bytes)
+    app.on_response_prepare.append(echo_request_id)
     app[STATE] = ApiState(config, client, ModelState(config, client))
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
@@ -205,4 +210,6 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     app.router.add_get("/v1/models/{model}", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    add_tokenization_routes(app)
     return app

@@ -159,6 +159,8 @@ class InfoReply(msgspec.Struct, array_like=True):
     block_size: Count
     num_kv_blocks: NumBlocks
     metrics_text: Annotated[str, Meta(max_length=1 << 24)]  # the scheduler's metrics, Prometheus text format
+    # "fcfs" or "priority" (--scheduling-policy): the api refuses a non-zero priority under fcfs, as vLLM does
+    scheduling_policy: Annotated[str, Meta(max_length=16)] = "fcfs"
 
 
 # ---------------------------------------------------------------------------------------------------------

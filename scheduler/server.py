@@ -242,6 +242,7 @@ class SchedulerServer:
             block_size=settings.block_size,
             num_kv_blocks=settings.num_kv_blocks,
             metrics_text=self.core.metrics_text(),
+            scheduling_policy=settings.scheduling_policy,
         )
 
     def _send_errors(self) -> None:

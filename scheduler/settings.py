@@ -104,6 +104,8 @@ def check_request(settings: SchedulerSettings, msg: SubmitRequest) -> str | None
         return problem
     if type(msg.priority) is not int or type(msg.cache_salt) is not str:
         return "priority must be an integer and cache_salt a string"
+    if msg.priority != 0 and settings.scheduling_policy != "priority":  # it would change nothing: say so
+        return f"Got priority {msg.priority} but Priority scheduling is not enabled."
     prompt = msg.prompt_token_ids
     if not prompt:
         return "the prompt is empty"

@@ -157,6 +157,18 @@ def test_priority_and_cache_salt_travel_with_every_request() -> None:
         sent = [(s.prompt_token_ids, s.priority, s.cache_salt) for s in fake.submits()]
         assert sent == [([1, 2], -2, "team-a"), ([3], -2, "team-a"), ([4], 7, ""), ([5], 0, "")]
 
+    run_with_fake(test, scheduling_policy="priority")
+
+
+def test_a_priority_under_fcfs_is_refused_by_the_scheduler() -> None:
+    async def test(fake: FakeScheduler) -> None:
+        async with AsyncEngineClient(fake.address, detokenize=False) as client:
+            with pytest.raises(RequestRejected) as info:
+                await (await client.submit_one([4], SamplingParams(max_tokens=1), priority=7)).result()
+            assert info.value.kind == ErrorKind.INVALID_REQUEST
+            assert "Priority scheduling is not enabled" in info.value.message
+            await (await client.submit_one([4], SamplingParams(max_tokens=1), priority=0)).result()
+
     run_with_fake(test)
 
 
@@ -223,7 +235,7 @@ def test_thousands_of_concurrent_requests_share_one_socket() -> None:
 
 def test_sync_client_streams_and_generates(tokenizer: Any) -> None:
     background = BackgroundLoop()
-    fake = background.run(FakeScheduler().start())
+    fake = background.run(FakeScheduler(scheduling_policy="priority").start())
     try:
         with EngineClient(fake.address, tokenizer) as client:
             assert client.info().ready

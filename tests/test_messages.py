@@ -53,6 +53,7 @@ EXAMPLES = [
     ),
     RequestError("req-9", "invalid_request_error", "prompt too long: 9000 > 2048"),
     InfoReply(41, True, "/models/x", "x", 2048, 4096, 16, 512, "# TYPE a gauge\na 1\n"),
+    InfoReply(42, True, "/models/x", "x", 2048, 4096, 16, 512, "", scheduling_policy="priority"),
     WorkerReady(512, 16, 2048, 4096, [2, 5], "/models/x", "x", num_cpu_blocks=64, worker_id="9f2c"),
     WorkerReady(
         512, 16, 2048, 4096, [2], "/m", "x", worker_id="9f2c", max_num_seqs=256, max_num_batched_tokens=4096

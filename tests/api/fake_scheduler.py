@@ -77,6 +77,7 @@ class FakeScheduler:
         answer_info: bool = True,
         late_tokens_after_abort: int = 0,
         output_start: int = 0,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -90,6 +91,7 @@ class FakeScheduler:
         self.answer_info = answer_info  # False: InfoRequests go unanswered, like a hung scheduler
         self.late_tokens_after_abort = late_tokens_after_abort  # tokens still sent after an abort
         self.output_start = output_start  # where in the prompt the echo starts
+        self.scheduling_policy = scheduling_policy  # "fcfs" refuses a non-zero priority, as the real one
         self.received: list[Message] = []
         self.address = ""
         self._active: list[FakeSequence] = []
@@ -174,6 +176,7 @@ class FakeScheduler:
             self.block_size,
             self.num_kv_blocks,
             metrics,
+            self.scheduling_policy,
         )
 
     def _refusal(self, msg: SubmitRequest) -> tuple[str, str] | None:
@@ -181,6 +184,9 @@ class FakeScheduler:
             return ErrorKind.UNAVAILABLE, "no worker is ready"
         problem = msg.params.validate()
         if problem is not None:
+            return ErrorKind.INVALID_REQUEST, problem
+        if msg.priority != 0 and self.scheduling_policy != "priority":
+            problem = f"Got priority {msg.priority} but Priority scheduling is not enabled."
             return ErrorKind.INVALID_REQUEST, problem
         if not msg.prompt_token_ids:
             return ErrorKind.INVALID_REQUEST, "the prompt is empty"

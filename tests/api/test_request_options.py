@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.api.harness import ApiServer
 
 USER = [{"role": "user", "content": "tell me about the block manager"}]
@@ -14,7 +16,16 @@ def cached_tokens(body: dict[str, Any]) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_completion_passes_priority_and_cache_salt_for_every_prompt(server: ApiServer) -> None:
+@pytest.fixture(scope="module")
+def prioritized(tiny_model_dir: Any) -> Any:
+    """A server whose scheduler runs the priority policy: under fcfs a non-zero priority is a 400."""
+    api = ApiServer(str(tiny_model_dir), scheduling_policy="priority")
+    yield api
+    api.close()
+
+
+def test_completion_passes_priority_and_cache_salt_for_every_prompt(prioritized: ApiServer) -> None:
+    server = prioritized
     request = {
         "prompt": ["first prompt", [7, 8, 9]],
         "max_tokens": 2,
@@ -26,7 +37,8 @@ def test_completion_passes_priority_and_cache_salt_for_every_prompt(server: ApiS
     assert [(s.priority, s.cache_salt) for s in submits] == [(-3, "tenant-a")] * 2
 
 
-def test_chat_passes_priority_and_cache_salt(server: ApiServer) -> None:
+def test_chat_passes_priority_and_cache_salt(prioritized: ApiServer) -> None:
+    server = prioritized
     request = {"messages": USER, "max_tokens": 2, "priority": 5, "cache_salt": "tenant-b", "stream": True}
     server.stream("/v1/chat/completions", request)
     last = server.fake.submits()[-1]

@@ -255,3 +255,11 @@ def test_beam_search_returns_the_n_best_beams_deterministically(server):
     assert all(c["finish_reason"] == "length" for c in r1["choices"])
     assert r1["usage"]["completion_tokens"] == 20
     server.wait_until_idle()
+
+
+def test_a_priority_under_the_default_fcfs_policy_is_refused(server):
+    status, body = post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 2, "priority": 1})
+    assert (
+        status == 400 and body["error"]["message"] == "Got priority 1 but Priority scheduling is not enabled."
+    )
+    assert post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 2, "priority": 0})[0] == 200

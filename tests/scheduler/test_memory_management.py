@@ -326,3 +326,16 @@ def test_differential_fuzz_caching_swap_and_pool_size_change_nothing(trial):
                 assert h.tokens[key] == tokens[: len(h.tokens[key])], (config, key)
             else:
                 assert h.tokens[key] == tokens and h.finish[key] == reference.finish[key], (config, key)
+
+
+def test_a_priority_under_fcfs_is_refused_not_ignored():
+    """fcfs orders by arrival alone: a non-zero priority would change nothing, so it is an error (vLLM's)."""
+    from common.messages import ErrorKind, SamplingParams, SubmitRequest
+
+    h = make_harness(num_blocks=64)
+    urgent = SubmitRequest("p", [1, 2], SamplingParams(max_tokens=2), priority=3)
+    error = h.scheduler.add_request(OWNER, urgent)
+    assert error is not None and error.kind == ErrorKind.INVALID_REQUEST
+    assert error.message == "Got priority 3 but Priority scheduling is not enabled."
+    assert h.scheduler.add_request(OWNER, SubmitRequest("z", [1, 2], SamplingParams(max_tokens=2))) is None
+    h.run()  # the harness checks the invariants after every step

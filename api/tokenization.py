@@ -1,0 +1,127 @@
+"""POST /tokenize and /detokenize, with vLLM's paths, bodies and answers, by the served model's tokenizer.
+
+/tokenize takes a text (`prompt`, with `add_special_tokens`, default true) or a conversation (`messages`,
+rendered by the chat template exactly as /v1/chat/completions renders it, special tokens not added again)
+and answers {count, max_model_len, tokens, token_strs}; `token_strs` (the tokens' pieces, as stored in the
+vocabulary) only with `return_token_strs`. /detokenize takes {tokens} and answers {prompt}, the ids decoded
+with their special tokens, as vLLM does. Both are bounded as generation requests are: a text by the most
+characters the context could hold (ServedModel.max_prompt_chars), token ids by the model's vocabulary and
+their number by its context. Unlike vLLM, which checks the API key on /v1 paths only, they need the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from api.errors import invalid
+from api.fields import Fields, is_int
+from api.handlers import INLINE_PARSE_BYTES, check_model, dumps
+from api.model import ServedModel
+from api.protocol import check_fields, render_chat
+from api.request_body import parse_json
+from api.state import STATE
+
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
+TOKENIZE_CHAT_FIELDS = frozenset(
+    {"model", "messages", "add_generation_prompt", "continue_final_message"}
+    | {"add_special_tokens", "return_token_strs"}
+)
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+Work = Callable[[Any, ServedModel], dict[str, Any]]
+
+
+def tokenize_body(body: Any, model: ServedModel) -> dict[str, Any]:
+    """The answer to a /tokenize body: the text form ({prompt}) or the chat form ({messages})."""
+    if isinstance(body, dict) and "messages" in body:
+        if "prompt" in body:
+            raise invalid("Only one of `prompt` or `messages` should be provided.", "prompt")
+        f = check_fields(body, TOKENIZE_CHAT_FIELDS)
+        tokens = _chat_tokens(f, model)
+    else:
+        f = check_fields(body, TOKENIZE_FIELDS)
+        tokens = _text_tokens(f, model)
+    token_strs = None
+    if f.boolean("return_token_strs"):
+        token_strs = list(model.tokenizer.convert_ids_to_tokens(tokens))
+    return {
+        "count": len(tokens),
+        "max_model_len": model.max_model_len,
+        "tokens": tokens,
+        "token_strs": token_strs,
+    }
+
+
+def _text_tokens(f: Fields, model: ServedModel) -> list[int]:
+    prompt = f.body.get("prompt")
+    if not isinstance(prompt, str):
+        raise invalid("'prompt' must be a string (or give 'messages' for a conversation)", "prompt")
+    if len(prompt) > model.max_prompt_chars:
+        raise invalid(
+            f"the prompt is over {model.max_prompt_chars} characters, more than this model's context of "
+            f"{model.max_model_len} tokens can hold",
+            "prompt",
+            "context_length_exceeded",
+        )
+    add_special_tokens = f.boolean("add_special_tokens", True)
+    return list(model.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _chat_tokens(f: Fields, model: ServedModel) -> list[int]:
+    """The conversation as /v1/chat/completions feeds it to the model. The rendering takes the generation
+    prompt and no special tokens of its own; other values are refused until it takes them (vLLM's
+    defaults are these)."""
+    if f.boolean("add_generation_prompt", True) and f.boolean("continue_final_message"):
+        raise invalid(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
+    for name, default in (
+        ("add_generation_prompt", True),
+        ("continue_final_message", False),
+        ("add_special_tokens", False),
+    ):
+        if f.boolean(name, default) != default:
+            raise invalid(f"'{name}': {str(not default).lower()} is not supported", name)
+    return render_chat(f.body.get("messages"), model)
+
+
+def detokenize_body(body: Any, model: ServedModel) -> dict[str, Any]:
+    """The answer to a /detokenize body: {"prompt": the ids decoded, special tokens included}."""
+    f = check_fields(body, DETOKENIZE_FIELDS)
+    tokens = f.body.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) > model.max_model_len:
+        message = f"'tokens' must be a list of at most {model.max_model_len} token ids (the model's context)"
+        raise invalid(message, "tokens")
+    if not all(is_int(t) and 0 <= t < model.vocab_size for t in tokens):
+        raise invalid(f"'tokens' must hold token ids in [0, {model.vocab_size})", "tokens")
+    return {"prompt": model.tokenizer.decode(tokens)}
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    return await _answer(request, tokenize_body)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    return await _answer(request, detokenize_body)
+
+
+async def _answer(request: web.Request, work: Work) -> web.Response:
+    state = request.app[STATE]
+    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
+    body = parse_json(raw)
+    model = await state.models.get()
+    check_model(body, model)
+    if len(raw) <= INLINE_PARSE_BYTES:
+        answer = work(body, model)
+    else:  # a long text or conversation: off the event loop, as generation requests' parsing is
+        answer = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, work, body, model)
+    return web.Response(text=dumps(answer), content_type="application/json")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
