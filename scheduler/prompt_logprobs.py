@@ -38,12 +38,14 @@ def prompt_logprob_outputs(step: StepOutput, seqs: dict[int, Sequence]) -> list[
             continue  # finished or aborted since the step was planned
         request = seq.request
         sent = request.num_prompt_logprobs
-        skip = sent + 1 - chunk.start  # of this chunk's positions, those sent before
+        # Of this chunk's positions, those sent before. A chunk after a gap (no honest worker sends one) goes
+        # as it is: the client refuses it, which fails that request alone.
+        skip = max(0, sent + 1 - chunk.start)
         entries = chunk.logprobs[skip:]
         if not entries:
             continue
-        request.num_prompt_logprobs += len(entries)
-        new = PromptLogprobs(sent + 1, entries, chunk.ranks[skip:])
+        request.num_prompt_logprobs = chunk.start + len(chunk.logprobs) - 1
+        new = PromptLogprobs(chunk.start + skip, entries, chunk.ranks[skip:])
         out = SeqOutput(
             request.request_id, seq.index, [], None, None, len(request.prompt_token_ids),
             max(0, seq.num_cached_tokens), prompt_logprobs=new,
@@ -54,8 +56,9 @@ def prompt_logprob_outputs(step: StepOutput, seqs: dict[int, Sequence]) -> list[
 
 def check_prompt_logprobs(step: StepOutput, seqs: dict[int, Sequence], vocab_size: int) -> str | None:
     """What is wrong with the step's prompt logprobs: each names a live sequence (or one gone since) whose
-    request asked for them, at most once, with consecutive positions inside its prompt that start no later
-    than the first position not yet sent, each with the request's k alternatives and a rank."""
+    request asked for them, at most once, with positions inside its prompt, each with the request's k
+    alternatives and a rank. (Whether they follow the positions sent is known only in `update`: the steps
+    before this one may not be taken yet.)"""
     if not isinstance(step.prompt_logprobs, list):
         return "prompt_logprobs must be a list"
     seen: set[int] = set()
@@ -82,9 +85,7 @@ def _check_chunk(chunk: PromptLogprobs, request: Request, vocab_size: int) -> st
     entries, ranks, start = chunk.logprobs, chunk.ranks, chunk.start
     if not isinstance(entries, list) or not isinstance(ranks, list) or len(entries) != len(ranks):
         return "logprobs and ranks differ in length"
-    if type(start) is not int or not 1 <= start <= request.num_prompt_logprobs + 1:
-        return f"starts at {start!r}, after a gap (position {request.num_prompt_logprobs + 1} is next)"
-    if start + len(entries) > len(request.prompt_token_ids):
+    if type(start) is not int or start < 1 or start + len(entries) > len(request.prompt_token_ids):
         return "past the end of the prompt"
     if not all(type(r) is int and 1 <= r <= vocab_size for r in ranks):
         return "a rank is outside [1, vocab_size]"

