@@ -170,3 +170,25 @@ def test_streamed_echo_starts_with_the_prompt(real_server, hf):
     assert len(token_logprobs) == len(ids) + 2
     _assert_scores(model, ids, token_logprobs, None, 1)
     real_server.wait_until_idle()
+
+
+def test_chat_prompt_logprobs_on_the_response(real_server, hf):
+    """vLLM's chat `prompt_logprobs`: on the response, for the rendered conversation's tokens."""
+    model, tokenizer = hf
+    messages = [{"role": "user", "content": "Say something."}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    body = {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}
+    req = urllib.request.Request(
+        real_server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        r = json.loads(resp.read())
+    scored = r["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    ref = _reference(model, ids)
+    got = [scored[t][str(ids[t])]["logprob"] for t in range(1, len(ids))]
+    assert got == pytest.approx([ref[t - 1, ids[t]].item() for t in range(1, len(ids))], abs=1e-4)
+    assert all(len(entry) == 1 for entry in scored[1:])  # k = 0: the token alone
+    real_server.wait_until_idle()
