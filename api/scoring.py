@@ -123,7 +123,10 @@ class PromptEcho:
         scored = self.scored(choice_index)
         if not want_logprobs or scored is None:
             return ids, []
-        return ids, [None, *scored.logprobs]
+        # Complete whenever a token has come (the scheduler sends them all first); padded all the same, so
+        # that entries never slide against their tokens
+        entries: list[TokenLogprobs | None] = [None, *scored.logprobs[: len(ids) - 1]]
+        return ids, entries + [None] * (len(ids) - len(entries))
 
     def prompt_logprobs(self, choice_index: int) -> list[dict[str, dict[str, Any]] | None] | None:
         """vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id: {logprob, rank,

@@ -141,3 +141,14 @@ def test_out_of_range_output_options_are_400(server: ApiServer, path: str, body:
     assert reply.status == 400, reply.json()
     error = reply.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_echo_logprobs_stay_aligned_with_their_tokens(server: ApiServer, tokenizer: Any) -> None:
+    """The fake scheduler scores no prompt: the prompt's entries are null, the generated ones line up."""
+    prompt = tokenizer.encode(" one two three", add_special_tokens=False)
+    body = {"prompt": prompt, "max_tokens": 2, "logprobs": 1, "echo": True}
+    logprobs = server.post("/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert server.fake.submits()[-1].params.prompt_logprobs == 1  # echo + logprobs asks for them
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(prompt) + 2
+    assert logprobs["token_logprobs"][: len(prompt)] == [None] * len(prompt)
+    assert logprobs["token_logprobs"][len(prompt) :] == [-0.25, -0.5]
