@@ -16,6 +16,7 @@ from api.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from api.protocol import GenerationRequest, parse_chat, parse_completion
 from api.request_body import parse_json
 from api.request_id import request_id
+from api.scoring import PromptEcho
 from api.state import RECORD, STATE
 from client import ClientClosed, RequestRejected
 from common.config import ApiConfig
@@ -105,8 +106,13 @@ async def _serve(
     record["request_ids"] = [h.request_id for h in handles]
     generation = Generation(handles)
     state.in_flight.add(generation)
+    echo = PromptEcho(req.outputs, handles, model)
     fmt = format_cls(
-        response_id, model, logprobs=req.num_logprobs is not None, include_usage_field=req.include_usage
+        response_id,
+        model,
+        logprobs=req.num_logprobs is not None,
+        include_usage_field=req.include_usage,
+        echo=echo,
     )
     try:
         if req.stream:

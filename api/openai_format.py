@@ -7,6 +7,7 @@ from typing import Any
 
 from api.generation import Choice, Usage
 from api.model import ServedModel
+from api.scoring import PromptEcho, echo_choice
 from client import SequenceDelta
 from common.messages import TokenLogprobs
 
@@ -24,10 +25,18 @@ class ResponseFormat:
     chunk_object = ""
 
     def __init__(
-        self, response_id: str, model: ServedModel, *, logprobs: bool, include_usage_field: bool = False
+        self,
+        response_id: str,
+        model: ServedModel,
+        *,
+        logprobs: bool,
+        include_usage_field: bool = False,
+        echo: PromptEcho | None = None,
     ) -> None:
         self.id = response_id
         self.model = model
+        self.echo = echo  # the prompts' echo and logprobs, and how tokens are named (api/scoring.py)
+        self.strings = model.token_strings if echo is None else echo.strings
         self.logprobs = logprobs  # the request asked for logprobs
         self.created = int(time.time())
         self._usage_field = include_usage_field  # stream_options.include_usage: every chunk has "usage"
@@ -79,8 +88,10 @@ class CompletionFormat(ResponseFormat):
         super().__init__(*args, **kwargs)
         self._text_offsets: dict[int, int] = {}  # per choice: characters of token text so far
 
-    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
-        strings = self.model.token_strings
+    def _logprobs(
+        self, index: int, token_ids: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> dict[str, Any]:
+        strings = self.strings
         tokens, offsets, top = [], [], []
         offset = self._text_offsets.get(index, 0)
         for token_id, lp in zip(token_ids, logprobs, strict=False):
@@ -89,6 +100,9 @@ class CompletionFormat(ResponseFormat):
             offsets.append(offset)
             if token_id not in strings.special_ids:  # skipped in the text, so they take no room in it
                 offset += len(text)
+            if lp is None:  # the first prompt token (echo): it follows nothing
+                top.append(None)
+                continue
             alternatives: dict[str, float] = {}
             for alt_id, alt_lp in zip(lp.top_token_ids, lp.top_logprobs, strict=False):
                 alternatives.setdefault(strings.get(alt_id)[0], _logprob(alt_lp))
@@ -96,33 +110,43 @@ class CompletionFormat(ResponseFormat):
         self._text_offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+            "token_logprobs": [None if lp is None else _logprob(lp.logprob) for lp in logprobs],
             "top_logprobs": top,
             "text_offset": offsets,
         }
 
     def choice(self, c: Choice) -> dict[str, Any]:
-        logprobs = self._logprobs(c.index, c.token_ids, c.logprobs) if self.logprobs else None
-        return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        text, token_ids, entries = echo_choice(
+            self.echo, c.index, c.text, c.token_ids, c.logprobs, self.logprobs
+        )
+        logprobs = self._logprobs(c.index, token_ids, entries) if self.logprobs else None
+        body = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        if self.echo is not None and self.echo.scored(c.index) is not None:
+            body["prompt_logprobs"] = self.echo.prompt_logprobs(c.index)
+        return body
 
     def chunk_choice(self, index: int, delta: SequenceDelta, first: bool) -> dict[str, Any] | None:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        text, token_ids, entries = echo_choice(
+            self.echo, index, delta.text or "", delta.token_ids, delta.logprobs or [], self.logprobs, first
+        )
+        if not text and delta.finish_reason is None and not entries:
             return None
-        logprobs = self._logprobs(index, delta.token_ids, delta.logprobs or []) if self.logprobs else None
-        return {
-            "index": index,
-            "text": delta.text or "",
-            "logprobs": logprobs,
-            "finish_reason": delta.finish_reason,
-        }
+        logprobs = self._logprobs(index, token_ids, entries) if self.logprobs else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
 class ChatFormat(ResponseFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def response(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        body = super().response(choices, usage)
+        if self.echo is not None and self.echo.scored(0) is not None:  # vLLM's, on the response
+            body["prompt_logprobs"] = self.echo.prompt_logprobs(0)
+        return body
+
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text, raw = self.model.token_strings.get(token_id)
+        text, raw = self.strings.get(token_id)
         return {"token": text, "logprob": _logprob(logprob), "bytes": list(raw)}
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:

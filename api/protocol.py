@@ -25,6 +25,7 @@ from api.fields import (
 )
 from api.model import ServedModel
 from api.scheduling import parse_priority
+from api.scoring import SCORING_FIELDS, OutputOptions, parse_output_options
 from common.messages import SamplingParams
 
 # Accepted and dropped: they change nothing about the output.
@@ -47,9 +48,9 @@ SAMPLING_FIELDS = frozenset(
 # How the scheduler treats the request rather than what it generates (vLLM's extensions of the same names).
 SCHEDULING_FIELDS = frozenset({"priority", "cache_salt"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"}
+COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"} | SCORING_FIELDS
 CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion_tokens", "logprobs"}
-CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"}
+CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"} | SCORING_FIELDS
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -64,6 +65,7 @@ class GenerationRequest:
     num_logprobs: int | None  # top logprobs per token; None: no logprobs
     priority: int = 0  # under the scheduler's priority policy, lower runs first
     cache_salt: str = ""  # non-empty: prefix-cache entries shared only with requests of the same salt
+    outputs: OutputOptions = OutputOptions()  # echo, prompt logprobs, token names (api/scoring.py)
 
 
 def check_fields(body: Any, allowed: frozenset[str]) -> Fields:
@@ -119,6 +121,7 @@ def _generation_request(
     num_logprobs: int | None,
     model: ServedModel,
     beam_width: int = 0,
+    echo: bool = False,
 ) -> GenerationRequest:
     for name in ("presence_penalty", "frequency_penalty", "min_p"):
         f.neutral(name, 0)
@@ -141,11 +144,14 @@ def _generation_request(
             f.number("length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY) if beam_width else 1.0
         ),
     )
+    stream = f.boolean("stream")
+    outputs, output_fields = parse_output_options(f, num_logprobs, max_tokens, stream, echo)
+    sampling.update(output_fields)
+    max_tokens = 1 if outputs.echo_only else max_tokens  # echo with max_tokens 0: one token, not shown
     problem = SamplingParams(**sampling).validate()
     if problem is not None:
         raise invalid(problem)
     params = [SamplingParams(**sampling, max_tokens=_max_tokens(max_tokens, p, model)) for p in prompts]
-    stream = f.boolean("stream")
     if stream and beam_width:
         raise invalid("beam search results are complete only at the end: 'stream' is not supported", "stream")
     options = f.body.get("stream_options")
@@ -162,6 +168,7 @@ def _generation_request(
         num_logprobs,
         priority=parse_priority(f, model),
         cache_salt=f.string("cache_salt", MAX_CACHE_SALT_CHARS),
+        outputs=outputs,
     )
 
 
@@ -194,8 +201,7 @@ def _completion_prompts(raw: Any, model: ServedModel, seqs_per_prompt: int, max_
 def parse_completion(body: Any, model: ServedModel, max_seqs: int) -> GenerationRequest:
     """A /v1/completions body. `prompt` is a string, a list of token ids, or a list of either (a batch)."""
     f = check_fields(body, COMPLETION_FIELDS)
-    if f.boolean("echo"):
-        raise invalid("'echo' is not supported", "echo")
+    echo = f.boolean("echo")
     f.neutral("suffix", "")
     n = f.integer("n", 1, lo=1, hi=MAX_N)
     best_of = f.integer("best_of", None, lo=1, hi=SamplingParams.MAX_BEAM_WIDTH)
@@ -207,9 +213,9 @@ def parse_completion(body: Any, model: ServedModel, max_seqs: int) -> Generation
     else:
         f.neutral("length_penalty", 1)
     num_logprobs = f.integer("logprobs", None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
-    max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)
+    max_tokens = f.integer("max_tokens", None, lo=0 if echo else 1, hi=2**63)  # 0 with echo: the prompt alone
     prompts = _completion_prompts(body.get("prompt"), model, max(n, beam_width), max_seqs)  # type: ignore[type-var]
-    return _generation_request(f, prompts, max_tokens, num_logprobs, model, beam_width)
+    return _generation_request(f, prompts, max_tokens, num_logprobs, model, beam_width, echo)
 
 
 def _message_content(message: dict[str, Any], i: int) -> str:

@@ -5,6 +5,7 @@ async_client.py    AsyncEngineClient: prompts checked and tokenized, submitted, 
 connection.py      SchedulerConnection: the CURVE DEALER socket, the requests in flight, the scheduler's
                    liveness (UNAVAILABLE when it exits or stops answering)
 request_stream.py  RequestHandle and what it streams: SequenceDelta, SequenceResult, RequestResult
+scored_prompt.py   ScoredPrompt: a prompt's logprobs (prompt_logprobs), gathered as they arrive
 detokenizer.py     incremental detokenizing, stop strings, per-token strings for logprobs
 sync_client.py     EngineClient: the blocking flavour, on an event loop in a background thread
 errors.py          RequestRejected (refused, invalid, or lost with the scheduler) and ClientClosed
@@ -20,6 +21,7 @@ The wire protocol itself (messages, codec, config, security) is common/'s.
 from client.async_client import AsyncEngineClient, Prompt, load_tokenizer
 from client.errors import ClientClosed, RequestRejected
 from client.request_stream import RequestHandle, RequestResult, SequenceDelta, SequenceResult
+from client.scored_prompt import ScoredPrompt
 from client.sync_client import EngineClient, SyncRequestHandle
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "RequestHandle",
     "RequestRejected",
     "RequestResult",
+    "ScoredPrompt",
     "SequenceDelta",
     "SequenceResult",
     "SyncRequestHandle",

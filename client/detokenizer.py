@@ -22,12 +22,17 @@ class IncrementalDetokenizer:
     whatever comes first. Text is held back while the window ends in U+FFFD, since the next token may complete
     the character. Pushing everything and then `flush()` yields exactly `tokenizer.decode(ids,
     skip_special_tokens=...)` for tokenizers whose decode does not clean up tokenization spaces (transformers
-    skips that clean-up for BPE tokenizers, Llama's included).
+    skips that clean-up for BPE tokenizers, Llama's included), with the same `skip_special_tokens` and
+    `spaces_between_special_tokens` (the tokenizer decides what the latter does: transformers' tokenizers
+    backed by `tokenizers` put no spaces between special tokens either way, as vLLM's fast detokenizer).
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -35,7 +40,10 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+            ids,
+            skip_special_tokens=self._skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+            spaces_between_special_tokens=self._spaces_between_special_tokens,
         )
 
     def push(self, token_ids: Sequence[int]) -> str:
@@ -68,10 +76,11 @@ class StopChecker:
     searched and is safe to emit.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop_str: bool = False) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         self._stop = tuple(stop)
+        self._include = include_stop_str  # emit the stop string itself (vLLM's include_stop_str_in_output)
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""
         self.stopped = False  # a stop string was found; nothing more will be emitted
@@ -81,11 +90,12 @@ class StopChecker:
         if self.stopped:
             return ""
         buf = self._pending + text
-        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((buf.find(s), s) for s in self._stop) if i >= 0]
         if hits:
             self.stopped = True
             self._pending = ""
-            return buf[: min(hits)]
+            at, length = min(hits)  # the earliest; of two starting there, the shorter ends first
+            return buf[: at + length] if self._include else buf[:at]
         hold = self._partial_match(buf)
         self._pending = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]
@@ -107,9 +117,18 @@ class StopChecker:
 class SequenceText:
     """The text of one generated sequence: incremental detokenization, then stop-string truncation."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self._stop = StopChecker(stop) if stop else None
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        include_stop_str: bool = False,
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, skip_special_tokens, spaces_between_special_tokens
+        )
+        self._stop = StopChecker(stop, include_stop_str) if stop else None
 
     @property
     def stopped(self) -> bool:

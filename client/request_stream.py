@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from client.detokenizer import SequenceText
+from client.scored_prompt import ScoredPrompt
 from common.messages import AbortRequest, FinishReason, SamplingParams, SeqOutput, TokenLogprobs
 
 
@@ -50,6 +51,7 @@ class RequestResult:
     outputs: list[SequenceResult]
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: ScoredPrompt | None = None  # when the request asked for prompt_logprobs
 
     @property
     def num_output_tokens(self) -> int:
@@ -73,7 +75,8 @@ class _RequestState:
         self.params = params
         self.queue: asyncio.Queue[SequenceDelta | BaseException | None] = asyncio.Queue()
         n = params.n
-        self.texts = None if tokenizer is None else [SequenceText(tokenizer, params.stop) for _ in range(n)]
+        self.texts = None if tokenizer is None else [_sequence_text(tokenizer, params) for _ in range(n)]
+        self.prompt_logprobs = None if params.prompt_logprobs is None else ScoredPrompt()
         self.num_output_tokens = [0] * n
         self.finished = [False] * n
         self.num_unfinished = n
@@ -107,13 +110,19 @@ class _RequestState:
         i = out.index
         if not 0 <= i < len(self.finished) or self.finished[i]:
             return None  # late tokens of a sequence we already ended
+        if out.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.add(out.prompt_logprobs)
+        if not out.token_ids and out.finish_reason is None:
+            return None  # prompt logprobs alone: no delta (they are all in before any token is)
         self.num_output_tokens[i] += len(out.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         finish_reason = out.finish_reason
         text = None
         if self.texts is not None:
             seq_text = self.texts[i]
-            text = seq_text.push(out.token_ids)
+            # A stop token's text is left out, as a stop string's, unless include_stop_str_in_output
+            drop_stop = finish_reason == FinishReason.STOP and not self.params.include_stop_str_in_output
+            text = seq_text.push(out.token_ids[:-1] if drop_stop else out.token_ids)
             if finish_reason is not None and not seq_text.stopped:
                 text += seq_text.finish()
             if seq_text.stopped:
@@ -183,6 +192,12 @@ class RequestHandle:
         """Every sequence has ended (or the request failed); nothing more will be queued."""
         return self._state.done
 
+    @property
+    def prompt_logprobs(self) -> ScoredPrompt | None:
+        """The prompt's logprobs received so far (None when the request asked for none): complete by the
+        time any sequence's first delta is read, since the scheduler sends them all before any token."""
+        return self._state.prompt_logprobs
+
     def __aiter__(self) -> AsyncIterator[SequenceDelta]:
         return self
 
@@ -241,5 +256,20 @@ class RequestHandle:
             num_prompt_tokens = delta.num_prompt_tokens
             num_cached_tokens = max(num_cached_tokens, delta.num_cached_tokens)
         return RequestResult(
-            self.request_id, self.prompt_token_ids, outputs, num_prompt_tokens, num_cached_tokens
+            self.request_id,
+            self.prompt_token_ids,
+            outputs,
+            num_prompt_tokens,
+            num_cached_tokens,
+            self.prompt_logprobs,
         )
+
+
+def _sequence_text(tokenizer: Any, params: SamplingParams) -> SequenceText:
+    return SequenceText(
+        tokenizer,
+        params.stop,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+        include_stop_str=params.include_stop_str_in_output,
+    )

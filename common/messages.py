@@ -122,6 +122,18 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     )
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of consecutive prompt tokens of one sequence, each given the tokens before it (prompt
+    scoring, `SamplingParams.prompt_logprobs`): a prefill chunk's worth, so no message holds a whole long
+    prompt's."""
+
+    start: Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]  # prompt index of the first (token 0 has none)
+    # one per token: its logprob and the k most likely tokens at its position, best first
+    logprobs: Annotated[list[TokenLogprobs], Meta(max_length=MAX_PLAN_ITEMS)]
+    # one per token: its rank in its position's distribution (1: the most likely)
+    ranks: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_INT32 + 1)]], Meta(max_length=MAX_PLAN_ITEMS)]
+
+
 class SeqOutput(msgspec.Struct, array_like=True):
     """New tokens of one sequence of a request since its last output."""
 
@@ -133,6 +145,9 @@ class SeqOutput(msgspec.Struct, array_like=True):
     finish_reason: FinishReasonValue | None  # set on the sequence's last output
     num_prompt_tokens: Count  # for usage
     num_cached_tokens: Count = 0  # prompt tokens served from the prefix cache
+    # the request's next prompt logprobs, in order, each position once (an output may carry only these);
+    # all of them come before the first token of any of the request's sequences
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class RequestOutputs(msgspec.Struct, array_like=True):
@@ -269,6 +284,10 @@ class StepOutput(msgspec.Struct, array_like=True):
     # The GPU's idle time from the end of the worker's previous step to this step's start, on the GPU's
     # own clock (0 for the first step, and off CUDA)
     gpu_idle_before_s: Seconds = 0.0
+    # (seq_id, the prompt logprobs its scheduled prompt tokens gave), for sequences that asked for them
+    prompt_logprobs: Annotated[list[tuple[SeqId, PromptLogprobs]], Meta(max_length=MAX_PLAN_ITEMS)] = (
+        msgspec.field(default_factory=list)
+    )
 
 
 class Shutdown(msgspec.Struct, array_like=True):

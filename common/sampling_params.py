@@ -60,6 +60,14 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
     # beam search ranks finished beams by sum of logprobs / length ** this
     length_penalty: Annotated[float, Meta(ge=-100.0, le=100.0)] = 1.0
     structured: StructuredOutput | None = None  # None: free text
+    # None: none; k >= 0: each prompt token's logprob given the tokens before it (the first has none) and
+    # the top k there. Computed during prefill: a request that asks recomputes its prompt (no prefix cache)
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # The client library's text (client/detokenizer.py): keep the stop string (or stop token) that ended
+    # the sequence; drop special tokens; put spaces between special tokens (where the tokenizer decodes so)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     MAX_LOGPROBS: ClassVar[int] = 20
     MAX_BEAM_WIDTH: ClassVar[int] = 16
@@ -89,6 +97,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
             return f"top_k must be 0 (off) or positive, at most {MAX_INT32}, got {self.top_k}"
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             return f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}"
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
+            return f"prompt_logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.prompt_logprobs}"
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             return f"seed must fit in 64 bits, got {self.seed}"
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -115,6 +125,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
                 return "temperature must be 0 with beam search"
             if self.logprobs is not None:
                 return "logprobs are not available with beam search"
+            if self.prompt_logprobs is not None:
+                return "prompt_logprobs are not available with beam search"
         return None
 
 

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from common.messages import StepOutput, TokenLogprobs
+from scheduler.prompt_logprobs import check_prompt_logprobs
 from scheduler.request import Sequence
 
 
@@ -59,7 +60,7 @@ def check_step_output(
         problem = _check_logprobs(logprobs, params.num_logprobs, vocab_size, need_one=params.beam)
         if problem is not None:
             return f"seq {seq_id}: {problem}"
-    return None
+    return check_prompt_logprobs(step, seqs, vocab_size)
 
 
 def _check_logprobs(lp: Any, k: int, vocab_size: int, need_one: bool) -> str | None:

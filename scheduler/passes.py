@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from scheduler.block_manager import BlockManager
 from scheduler.metrics import SchedulerMetrics
+from scheduler.prompt_logprobs import cacheable_prefix
 from scheduler.queues import RunQueue, SwappedQueue
 from scheduler.request import SeqStatus, Sequence, new_sequence_message
 from scheduler.settings import SchedulerSettings
@@ -157,6 +158,7 @@ class Admission:
             if self._running.seats_taken + self._seats_needed(seq) > settings.max_num_seqs:
                 break
             hits = bm.find_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+            hits = cacheable_prefix(seq.request, hits, settings.block_size)  # prompt logprobs need the rest
             num_computed_tokens = len(hits) * settings.block_size
             num_tokens = min(len(seq.token_ids) - num_computed_tokens, budget)
             reserve = settings.reserve_tokens(seq)

@@ -41,6 +41,7 @@ class Request:
     # entry there
     waiting: list[tuple[tuple[int, int, int], Sequence]] = field(default_factory=list)
     queue_version: int = 0
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were sent (scheduler/prompt_logprobs.py)
 
     @property
     def key(self) -> tuple[bytes, str]:

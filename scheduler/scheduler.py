@@ -50,6 +50,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.output_check import check_step_output
 from scheduler.passes import Admission, RunningPass
 from scheduler.preemption import PreemptionPolicy
+from scheduler.prompt_logprobs import prompt_logprob_outputs
 from scheduler.queues import RunQueue, SwappedQueue
 from scheduler.request import (
     Error,
@@ -388,7 +389,7 @@ class Scheduler:
         decode_only = step.step_id in self._decode_only_steps
         self._decode_only_steps.discard(step.step_id)
         self.metrics.observe_step(step.gpu_time_s, step.gpu_idle_before_s, decode_only)
-        outputs: list[Output] = []
+        outputs: list[Output] = prompt_logprob_outputs(step, self._seqs)  # before any token of theirs
         any_finished = False
         generated = 0
         live = self._seqs.get  # (bound once: the loop runs once per sampled token)

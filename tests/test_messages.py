@@ -18,6 +18,7 @@ from common.messages import (
     InfoReply,
     InfoRequest,
     NewSequence,
+    PromptLogprobs,
     RequestError,
     RequestOutputs,
     SamplingParams,
@@ -49,6 +50,9 @@ EXAMPLES = [
         [
             SeqOutput("a", 0, [1, 2], [TokenLogprobs(-0.5, [1, 3], [-0.5, -1.25])] * 2, None, 12, 4),
             SeqOutput("b", 1, [], None, "length", 3),
+            SeqOutput(
+                "c", 0, [], None, None, 9, prompt_logprobs=PromptLogprobs(1, [TokenLogprobs(-1.5)], [7])
+            ),
         ]
     ),
     RequestError("req-9", "invalid_request_error", "prompt too long: 9000 > 2048"),
@@ -81,6 +85,13 @@ EXAMPLES = [
         appended_tokens=[(2, 301), (15, 302)],
     ),
     StepOutput(7, [9, 2], [100, 200], [None, TokenLogprobs(-2.0)], 0.0042, 0.0005),
+    StepOutput(
+        8,
+        [],
+        [],
+        [],
+        prompt_logprobs=[(9, PromptLogprobs(3, [TokenLogprobs(-0.5, [4], [-0.25])] * 2, [2, 1]))],
+    ),
     Shutdown("bye"),
 ]
 
@@ -174,6 +185,10 @@ def test_well_framed_messages_with_wrong_field_types_raise_codec_error(msg_type:
         StepPlan(1, [], [], [(0, [MAX_NUM_BLOCKS])], [0], [1], [0]),
         StepPlan(1, [-1], [], [], [], [], []),
         StepOutput(1, [0], [5], [TokenLogprobs(math.nan)]),
+        StepOutput(1, [], [], [], prompt_logprobs=[(0, PromptLogprobs(0, [TokenLogprobs(-1.0)], [1]))]),
+        StepOutput(1, [], [], [], prompt_logprobs=[(0, PromptLogprobs(1, [TokenLogprobs(0.5)], [1]))]),
+        StepOutput(1, [], [], [], prompt_logprobs=[(0, PromptLogprobs(1, [TokenLogprobs(-1.0)], [0]))]),
+        SubmitRequest("r", [1], SamplingParams(prompt_logprobs=21)),
         StepOutput(1, [0], [5], [None], gpu_time_s=-1.0),
     ],
     ids=lambda m: type(m).__name__,
@@ -210,6 +225,9 @@ def test_values_outside_a_fields_range_raise_codec_error(msg) -> None:
         ({"length_penalty": 1e308}, "length_penalty"),
         ({"length_penalty": -1e308}, "length_penalty"),
         ({"length_penalty": math.nan}, "length_penalty"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "beam_width": 2, "temperature": 0.0}, "prompt_logprobs"),
         ({"n": 2, "beam_width": 2, "temperature": 0.0, "length_penalty": 1e308}, "length_penalty"),
     ],
 )
@@ -230,6 +248,8 @@ def test_every_sampling_field_has_a_finite_range(change: dict, problem: str) -> 
         {"seed": 2**64 - 1},
         {"seed": -(2**63)},
         {"logprobs": 20},
+        {"prompt_logprobs": 20, "include_stop_str_in_output": True, "skip_special_tokens": False},
+        {"prompt_logprobs": 0, "spaces_between_special_tokens": False},
         {"stop": ("x" * 1024,) * 16},
         {"stop_token_ids": tuple(range(1024))},
         {"n": 2, "beam_width": 16, "temperature": 0.0, "length_penalty": -100.0},

@@ -35,6 +35,7 @@ from worker.model_config import resolve_max_model_len
 from worker.models.registry import build_model
 from worker.parallel import ParallelContext
 from worker.plan_check import PlanLimits
+from worker.prompt_logprobs import PromptScores, score_prompts, select_prompt_rows, take_prompt_scores
 from worker.sampler import MASK64, SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
 from worker.sequences import BlockTableArray, SeqState, Sequences
 
@@ -162,6 +163,7 @@ class ModelRunner:
             self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.last_step_gpu_s = 0.0  # GPU time of the last step with a forward (CUDA; 0 elsewhere)
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not finished; oldest first
+        self.prompt_scores: dict[int, PromptScores] = {}  # step id -> its prompt logprobs on their way
         self._last_ended: torch.cuda.Event | None = None  # the end of the last launched step on the GPU
         self.num_tokens_fed = 0  # tokens a step read from the previous step's sampler output on the device
         # With `trace_launches`: the host clock (perf_counter) at each phase of the last launch, by name
@@ -249,6 +251,7 @@ class ModelRunner:
         while self.in_flight:
             self.finish()
         self.sequences.clear()
+        self.prompt_scores.clear()  # a step that failed between its selection and its end
         self._last_ended = None
         self.last_step_gpu_s = 0.0
         self.num_tokens_fed = 0
@@ -298,14 +301,16 @@ class ModelRunner:
         return put(inputs.token_ids), put(inputs.positions), meta
 
     def _forward(
-        self, inputs: HostInputs, sampling: list[int], feed: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> torch.Tensor | None:
+        self, inputs: HostInputs, sampling: list[int], feed: tuple[torch.Tensor, torch.Tensor] | None,
+        scores: PromptScores | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
         """Runs the batch, its pending tokens put in from `feed`; returns the logits rows of the sequences at
         `sampling` (batch indices), or None when none samples. A decode batch that a captured graph holds
         replays it; other steps replay the piecewise graphs when there are some (attention eagerly)."""
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
             logits = self.graphs.run(inputs, feed)  # [B, V]
+            score_prompts(scores, logits)  # one token per sequence: its flat row is its batch row
             if len(sampling) == batch:
                 return logits
             return logits[self._put(np.array(sampling, dtype=np.int64))] if sampling else None
@@ -316,6 +321,7 @@ class ModelRunner:
             hidden = self.mixed_graphs.run(token_ids, positions, meta)  # [T, H]
         else:
             hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
+        score_prompts(scores, hidden, self.model.compute_logits, self.vocab_size)
         if not sampling:
             return None
         # The last scheduled token of each sampling sequence is the row that predicts its next token.
@@ -365,7 +371,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record()
-        logits = self._forward(inputs, sampling, feed)
+        scores = select_prompt_rows(plan, seqs, inputs.query_start_loc, self._put, self.prompt_scores)
+        logits = self._forward(inputs, sampling, feed, scores)
         mark("forward")
         self.sequences.computed(seqs, num_tokens)
         if logits is None:
@@ -428,7 +435,8 @@ class ModelRunner:
             if step.previous_ended is not None:
                 idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
         self.sequences.received(step.samplers, new_tokens)
-        return StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s)
+        prompt_logprobs = take_prompt_scores(self.prompt_scores, step.step_id)
+        return StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s, prompt_logprobs)
 
 
 def _batch_indices(plan: StepPlan) -> list[int]:

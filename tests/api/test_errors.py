@@ -38,7 +38,7 @@ BAD_COMPLETIONS: list[tuple[str, Any]] = [
     ("nonzero presence_penalty", {"prompt": "abc", "presence_penalty": 0.5}),
     ("nonzero frequency_penalty", {"prompt": "abc", "frequency_penalty": 1}),
     ("best_of other than n", {"prompt": "abc", "best_of": 3}),
-    ("echo", {"prompt": "abc", "echo": True}),
+    ("echo not a boolean", {"prompt": "abc", "echo": "yes"}),
     ("logprobs too large", {"prompt": "abc", "logprobs": 50}),
     ("logprobs as a bool", {"prompt": "abc", "logprobs": True}),
     ("logit_bias", {"prompt": "abc", "logit_bias": {"5": 10}}),
