@@ -97,3 +97,25 @@ def test_greedy_matches_transformers_generate_through_continuous_batching(phi3_9
     )  # fmt: skip
     for i, want in enumerate(expected):
         assert ours[(i, 0)] == want, f"prompt {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA, TRITON_INTERPRET unset")
+@pytest.mark.parametrize("piecewise_graphs", [False, True])
+def test_gpu_greedy_with_cuda_graphs_matches_transformers(phi3_96, piecewise_graphs: bool) -> None:
+    """Heads of 96 through the decode CUDA graphs and (piecewise) the mixed-step graphs, float32."""
+    model_dir, hf = phi3_96
+    rng = random.Random(7)
+    prompts = [_random_prompt(rng, n, 300) for n in (25, 31, 40, 57, 9, 70)]
+    expected = transformers_generate(hf, prompts, 12)
+    config = WorkerConfig(
+        model=str(model_dir), device="cuda", dtype="float32", block_size=16, num_kv_blocks=64,
+        max_num_seqs=4, piecewise_graphs=piecewise_graphs,
+    )  # fmt: skip
+    runner = ModelRunner(config, attention_backend="triton")
+    ours, _ = _run_engine(
+        runner, prompts, SamplingParams(max_tokens=12, temperature=0.0), max_num_seqs=4,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )  # fmt: skip
+    for i, want in enumerate(expected):
+        assert ours[(i, 0)] == want, f"prompt {i}"
