@@ -60,8 +60,25 @@ PREFILL_CONFIG_FP8 = AttentionConfig(block_m=128, tile_n=64, num_warps=4, num_st
 PREFILL_CONFIG_FP8_SMALL_HEADS = AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=2)
 
 
+MAX_HEAD_DIM = 256
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' tile width for `head_dim`: its next power of 2, at least 16 (`tl.dot`'s smallest inner
+    dimension). Raises ValueError for a head size the kernels do not take: not a multiple of 8 (rows then
+    break the 16-byte alignment of half-precision vector loads) or above MAX_HEAD_DIM (the tiles would not
+    fit in registers and shared memory with the configurations below)."""
+    if head_dim <= 0 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head size {head_dim} is not supported by the Triton attention kernels: "
+            f"a multiple of 8 up to {MAX_HEAD_DIM} is"
+        )
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def decode_config(head_dim: int, fp8: bool, split: bool = False) -> AttentionConfig:
-    """The tiles of the decode path for this head size and cache dtype, split-KV or not."""
+    """The tiles of the decode path for this head size (the padded one: `padded_head_dim`) and cache dtype,
+    split-KV or not."""
     if fp8 and head_dim > 64:
         return DECODE_CONFIG_FP8
     if split:
@@ -70,7 +87,7 @@ def decode_config(head_dim: int, fp8: bool, split: bool = False) -> AttentionCon
 
 
 def prefill_config(head_dim: int, fp8: bool = False) -> AttentionConfig:
-    """The tiles of the prefill / mixed path for this head size and cache dtype."""
+    """The tiles of the prefill / mixed path for this (padded) head size and cache dtype."""
     if fp8:
         return PREFILL_CONFIG_FP8_SMALL_HEADS if head_dim <= 64 else PREFILL_CONFIG_FP8
     return PREFILL_CONFIG_SMALL_HEADS if head_dim <= 64 else PREFILL_CONFIG

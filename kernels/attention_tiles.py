@@ -9,6 +9,11 @@ Two features of a layer are compile-time flags whose code is absent when off (th
 query sees only the keys above its position minus `window`; the caller starts the tile loops at the
 window's first tile, so tiles wholly outside it are never read) and SOFTCAP (scores soft-capped: the
 launcher folds 1 / softcap into `qk_scale` and passes `softcap_log2` = softcap * log2(e)).
+
+Head sizes that are not a power of 2 (Phi-3's 96, 80, 112, ...) are computed on tiles of HEAD_PAD columns, the
+next power of 2 (what `tl.arange` takes): the columns from HEAD_DIM on load as zeros (they add nothing to
+q.k) and are never stored. The cache keeps rows of exactly HEAD_DIM values. With HEAD_PAD == HEAD_DIM the
+column masks are absent from the code (`load_rows`, `store_rows`), so power-of-2 head sizes compile as before.
 """
 
 from __future__ import annotations
@@ -18,9 +23,40 @@ import triton.language as tl
 
 
 @triton.jit
+def load_rows(
+    ptrs, rows_ok, MASK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    EVICT: tl.constexpr,  # eviction_policy of the load ("" or "evict_first")
+):  # fmt: skip
+    """[R, HEAD_PAD] values at `ptrs` (rows of HEAD_DIM values, their pointers padded to HEAD_PAD columns):
+    zero in the pad columns and, with MASK_ROWS, in the rows where `rows_ok` [R] is false. Without padding the
+    column mask is not generated at all."""
+    if HEAD_PAD == HEAD_DIM:
+        if MASK_ROWS:
+            x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0, eviction_policy=EVICT)
+        else:
+            x = tl.load(ptrs, eviction_policy=EVICT)
+    else:
+        cols_ok = (tl.arange(0, HEAD_PAD) < HEAD_DIM)[None, :]
+        if MASK_ROWS:
+            x = tl.load(ptrs, mask=rows_ok[:, None] & cols_ok, other=0.0, eviction_policy=EVICT)
+        else:
+            x = tl.load(ptrs, mask=cols_ok, other=0.0, eviction_policy=EVICT)
+    return x
+
+
+@triton.jit
+def store_rows(ptrs, x, rows_ok, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Stores the rows of `x` [R, HEAD_PAD] where `rows_ok` [R], their first HEAD_DIM columns only."""
+    if HEAD_PAD == HEAD_DIM:
+        tl.store(ptrs, x, mask=rows_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=rows_ok[:, None] & (tl.arange(0, HEAD_PAD) < HEAD_DIM)[None, :])
+
+
+@triton.jit
 def _softmax_step(acc, l_i, m_i, s, v, IEEE_DOT: tl.constexpr):
     """One tile of online softmax: scores s [BLOCK_M, TILE_N] (log2 units, -inf where masked) and values v
-    [TILE_N, HEAD_DIM] into the running (acc, l, m)."""
+    [TILE_N, HEAD_PAD] into the running (acc, l, m)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing visible yet keeps m = -inf; shift by 0 so that exp2 gives 0, never NaN.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -52,19 +88,20 @@ def _scores(q, k, qk_scale, softcap_log2, IEEE_DOT: tl.constexpr, SOFTCAP: tl.co
 
 @triton.jit
 def _kv_offsets(
-    block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr
+    block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr
 ):
-    """[TILE_N, HEAD_DIM] element offsets of one KV head's K (or V) at context positions `pos`."""
+    """[TILE_N, HEAD_PAD] element offsets of one KV head's K (or V) at context positions `pos` (the pad
+    columns' offsets run into the next head: `load_rows` masks them)."""
     row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-    return row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    return row[:, None] + tl.arange(0, HEAD_PAD)[None, :]
 
 
 @triton.jit
 def attend_tiles(
-    acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
+    acc,  # [BLOCK_M, HEAD_PAD] fp32 running output (unnormalized)
     l_i,  # [BLOCK_M] fp32 running sum of exponentials
     m_i,  # [BLOCK_M] fp32 running max score, log2 units
-    q,  # [BLOCK_M, HEAD_DIM] the program's query rows
+    q,  # [BLOCK_M, HEAD_PAD] the program's query rows
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
     v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
     table_ptr,  # [max_blocks] int32, this sequence's block table row
@@ -78,6 +115,7 @@ def attend_tiles(
     stride_ct,
     stride_ch,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of 2 of HEAD_DIM: the tiles' columns
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,  # False only for tiles wholly inside every row's causal (and sliding) window
@@ -95,13 +133,9 @@ def attend_tiles(
             block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0)
         else:
             block = tl.load(table_ptr + pos // BLOCK_SIZE)
-        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
-        if MASKED:
-            k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0)
-        else:
-            k = tl.load(k_cache_ptr + kv_offs)
-            v = tl.load(v_cache_ptr + kv_offs)
+        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_PAD, BLOCK_SIZE)
+        k = load_rows(k_cache_ptr + kv_offs, in_ctx, MASKED, HEAD_DIM, HEAD_PAD, "")
+        v = load_rows(v_cache_ptr + kv_offs, in_ctx, MASKED, HEAD_DIM, HEAD_PAD, "")
         k, v = k.to(q.dtype), v.to(q.dtype)  # FP8 caches: the scales are folded into qk_scale and the output
         s = _scores(q, k, qk_scale, softcap_log2, IEEE_DOT, SOFTCAP)  # [BLOCK_M, TILE_N]
         if MASKED:
@@ -149,10 +183,10 @@ def _in_window(pos, seq_len, kv_lo, SLIDING: tl.constexpr):
 
 @triton.jit
 def attend_decode_tile(
-    acc,  # [BLOCK_M, HEAD_DIM] fp32 running output (unnormalized)
+    acc,  # [BLOCK_M, HEAD_PAD] fp32 running output (unnormalized)
     l_i,  # [BLOCK_M] fp32 running sum of exponentials
     m_i,  # [BLOCK_M] fp32 running max score, log2 units
-    q,  # [BLOCK_M, HEAD_DIM] the query heads of one KV group, one token
+    q,  # [BLOCK_M, HEAD_PAD] the query heads of one KV group, one token
     k_cache_ptr,
     v_cache_ptr,
     table_ptr,  # [max_blocks] int32, this sequence's block table row
@@ -166,6 +200,7 @@ def attend_decode_tile(
     stride_ct,
     stride_ch,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of 2 of HEAD_DIM: the tiles' columns
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     SPECULATIVE: tl.constexpr,  # load without waiting for seq_len: indices clamped in bounds, V zeroed after
@@ -181,14 +216,14 @@ def attend_decode_tile(
     in_ctx = _in_window(pos, seq_len, kv_lo, SLIDING)
     if SPECULATIVE:
         block = _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE)
-        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
-        v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
+        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_PAD, BLOCK_SIZE)
+        k = load_rows(k_cache_ptr + kv_offs, in_ctx, False, HEAD_DIM, HEAD_PAD, "evict_first")
+        v = load_rows(v_cache_ptr + kv_offs, in_ctx, False, HEAD_DIM, HEAD_PAD, "evict_first")
     else:
         block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_ctx, other=0)
-        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
-        v = tl.load(v_cache_ptr + kv_offs, mask=in_ctx[:, None], other=0.0, eviction_policy="evict_first")
+        kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_PAD, BLOCK_SIZE)
+        k = load_rows(k_cache_ptr + kv_offs, in_ctx, True, HEAD_DIM, HEAD_PAD, "evict_first")
+        v = load_rows(v_cache_ptr + kv_offs, in_ctx, True, HEAD_DIM, HEAD_PAD, "evict_first")
     return _decode_tile_math(
         acc, l_i, m_i, q, k, v, in_ctx, qk_scale, softcap_log2, IEEE_DOT, SPECULATIVE, SOFTCAP
     )
@@ -215,6 +250,7 @@ def attend_decode_tiles_prefetched(
     stride_ct,
     stride_ch,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of 2 of HEAD_DIM: the tiles' columns
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     IEEE_DOT: tl.constexpr,
@@ -229,23 +265,19 @@ def attend_decode_tiles_prefetched(
     offs_n = tl.arange(0, TILE_N)
     pos = first_tile * TILE_N + offs_n
     block = _speculative_block_ids(table_ptr, pos, max_blocks, num_blocks, BLOCK_SIZE)
-    kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE)
-    k = tl.load(k_cache_ptr + kv_offs, eviction_policy="evict_first")
-    v = tl.load(v_cache_ptr + kv_offs, eviction_policy="evict_first")
+    kv_offs = _kv_offsets(block, pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_PAD, BLOCK_SIZE)
+    k = load_rows(k_cache_ptr + kv_offs, pos, False, HEAD_DIM, HEAD_PAD, "evict_first")
+    v = load_rows(v_cache_ptr + kv_offs, pos, False, HEAD_DIM, HEAD_PAD, "evict_first")
     next_block = _speculative_block_ids(table_ptr, pos + step * TILE_N, max_blocks, num_blocks, BLOCK_SIZE)
     for t in range(first_tile, num_tiles, step):
         pos = t * TILE_N + offs_n
         next_pos = pos + step * TILE_N
         next_in_ctx = next_pos < seq_len
         kv_offs = _kv_offsets(
-            next_block, next_pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE
+            next_block, next_pos, kv_head, stride_cb, stride_ct, stride_ch, HEAD_PAD, BLOCK_SIZE
         )
-        next_k = tl.load(
-            k_cache_ptr + kv_offs, mask=next_in_ctx[:, None], other=0.0, eviction_policy="evict_first"
-        )
-        next_v = tl.load(
-            v_cache_ptr + kv_offs, mask=next_in_ctx[:, None], other=0.0, eviction_policy="evict_first"
-        )
+        next_k = load_rows(k_cache_ptr + kv_offs, next_in_ctx, True, HEAD_DIM, HEAD_PAD, "evict_first")
+        next_v = load_rows(v_cache_ptr + kv_offs, next_in_ctx, True, HEAD_DIM, HEAD_PAD, "evict_first")
         after_pos = next_pos + step * TILE_N
         next_block = tl.load(table_ptr + after_pos // BLOCK_SIZE, mask=after_pos < seq_len, other=0)
         in_ctx = _in_window(pos, seq_len, kv_lo, SLIDING)
@@ -272,25 +304,30 @@ def combine_group(
     SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,  # splits merged per step, a power of 2
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of 2 of HEAD_DIM
 ):
     """Merges the SPLITS partial results of one token's GROUP query heads and writes the output. The loads
     bypass L1 (.cg): the other splits wrote them from other multiprocessors during this launch."""
     offs_g = tl.arange(0, GROUP_PAD)
     offs_c = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     g_ok = offs_g < GROUP
     head_row = row.to(tl.int64) * num_heads + first_head + offs_g  # [GROUP_PAD]
     m_run = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_run = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
     for c in tl.static_range(0, SPLITS, CHUNK):
         s_ok = g_ok[:, None] & (c + offs_c[None, :] < SPLITS)  # [GROUP_PAD, CHUNK]
         part = head_row[:, None] * SPLITS + c + offs_c[None, :]
         m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
         l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+        if HEAD_PAD == HEAD_DIM:
+            a_ok = s_ok[:, :, None]
+        else:
+            a_ok = s_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :]
         a = tl.load(
             part_acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-            mask=s_ok[:, :, None], other=0.0, cache_modifier=".cg",
+            mask=a_ok, other=0.0, cache_modifier=".cg",
         )  # fmt: skip
         m_new = tl.maximum(m_run, tl.max(m, 1))
         # Empty splits (and padding) have m = -inf and weigh 0; shift by 0 while every one so far is empty.
@@ -302,4 +339,4 @@ def combine_group(
         m_run = m_new
     out = acc / l_run[:, None]
     out_offs = row.to(tl.int64) * stride_ot + (first_head + offs_g)[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    store_rows(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), g_ok, HEAD_DIM, HEAD_PAD)

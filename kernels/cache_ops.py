@@ -4,7 +4,8 @@ Layout per layer as in `kernels.reference`: K and V pools indexed `[num_blocks, 
 written through their strides (the worker's blocks are head-major in memory).
 
 - `write_kv`: one Triton launch stores K and V of every token through the slot mapping (the reference
-  needs two index_put launches); into an FP8 cache it stores each value times the reciprocal of the pool's
+  needs two index_put launches), at any head size (rows padded to a power of 2 in registers, masked, never
+  in the cache); into an FP8 cache it stores each value times the reciprocal of the pool's
   per-tensor scale, saturated, rounded to nearest (`kernels.reference.quantize`).
 - `copy_blocks`: one Triton launch copies src -> dst block pairs in every layer's K and V, over the worker's
   all-layer pool `[L, 2, num_blocks, Hkv, block_size, D]` (worker/kv_cache.py; any layout within a block),
@@ -65,6 +66,7 @@ def _write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,  # next power of 2 of NUM_KV_HEADS
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of 2 of HEAD_DIM (tl.arange's length); pad columns masked
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,  # the caches are float8 e4m3: scale and saturate
 ):
@@ -73,10 +75,13 @@ def _write_kv_kernel(
     if slot < 0:
         return
     offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_h < NUM_KV_HEADS)[:, None]
+    offs_d = tl.arange(0, HEAD_PAD)
+    if HEAD_PAD == HEAD_DIM:  # no column mask in the code of power-of-2 head sizes
+        mask = (offs_h < NUM_KV_HEADS)[:, None]
+    else:
+        mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-    dst_offs = dst + offs_h[:, None] * stride_ch + offs_d[None, :]  # [HEADS_PAD, HEAD_DIM]
+    dst_offs = dst + offs_h[:, None] * stride_ch + offs_d[None, :]  # [HEADS_PAD, HEAD_PAD]
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if FP8:
@@ -101,13 +106,13 @@ def write_kv(
         return
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
-    assert head_dim & (head_dim - 1) == 0, "head size must be a power of 2"
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], FP8=is_fp8(k_cache), num_warps=4,
+        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], FP8=is_fp8(k_cache),
+        num_warps=4,
     )  # fmt: skip
 
 

@@ -18,6 +18,11 @@ Per layer, a sliding window (SLIDING: a query at position p sees the keys p - wi
 soft-capping (SOFTCAP) are compile-time features, absent from the code of layers without them. A sliding
 layer's programs start their tile loops at the window's first tile: the blocks before it are never read.
 
+Any head size that is a multiple of 8 up to 256 (Phi-3-mini's 96, 80, 112, ...): the kernels compute on tiles
+padded to the next power of 2 (`padded_head_dim`), with the pad columns masked on every load and store, so
+the cache keeps exactly head_dim values per token; the tiles and split counts are those of the padded size.
+At a power of 2 the masks are not in the compiled code.
+
 The tiles and split counts come from `kernels/attention_config.py`; the jitted helpers the kernel calls (tile
 loops, the in-launch combine) from `kernels/attention_tiles.py`.
 """
@@ -33,6 +38,7 @@ from kernels.attention_config import (
     AttentionConfig,
     choose_num_splits,
     decode_config,
+    padded_head_dim,
     prefill_config,
 )
 from kernels.attention_tiles import (
@@ -40,6 +46,8 @@ from kernels.attention_tiles import (
     attend_decode_tiles_prefetched,
     attend_tiles,
     combine_group,
+    load_rows,
+    store_rows,
 )
 from kernels.reference import is_fp8
 
@@ -77,6 +85,7 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of 2 of HEAD_DIM: the tiles' columns (kernels/attention_tiles.py)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * GROUP <= BLOCK_M
@@ -131,24 +140,21 @@ def _paged_attention_kernel(
     ctx_start = seq_len - q_len  # context position of the chunk's first token
 
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     tok = q_block * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] token index within the chunk
     head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head
     row_ok = (tok < q_len) & (offs_m < BLOCK_Q * GROUP)
     q_pos = ctx_start + tok
     q_row = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        query_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q_ptrs = query_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = load_rows(q_ptrs, row_ok, True, HEAD_DIM, HEAD_PAD, "")  # pad columns 0: q.k exact
     if DOTS_FP16:
         q = q.to(tl.float16)  # K and V follow the query's dtype
 
     first_pos = ctx_start + q_block * BLOCK_Q  # smallest query position among the rows
     kv_len = ctx_start + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # the last row sees this many tokens
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -171,19 +177,19 @@ def _paged_attention_kernel(
             acc, l_i, m_i = attend_decode_tiles_prefetched(
                 acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, first_tile, step, num_tiles, kv_head,
                 kv_len, qk_scale, max_blocks, num_blocks, stride_cb, stride_ct, stride_ch,
-                HEAD_DIM, BLOCK_SIZE, TILE_N, IEEE_DOT, kv_lo, softcap_log2, SLIDING, SOFTCAP,
+                HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, IEEE_DOT, kv_lo, softcap_log2, SLIDING, SOFTCAP,
             )  # fmt: skip
         else:
             acc, l_i, m_i = attend_decode_tile(
                 acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, first_tile, kv_head, kv_len, qk_scale,
-                max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE, TILE_N, True,
-                IEEE_DOT, kv_lo, softcap_log2, SLIDING, SOFTCAP,
+                max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
+                TILE_N, True, IEEE_DOT, kv_lo, softcap_log2, SLIDING, SOFTCAP,
             )  # fmt: skip
             for t in range(first_tile + step, num_tiles, step):
                 acc, l_i, m_i = attend_decode_tile(
                     acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, t, kv_head, kv_len, qk_scale,
-                    max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, BLOCK_SIZE, TILE_N,
-                    False, IEEE_DOT, kv_lo, softcap_log2, SLIDING, SOFTCAP,
+                    max_blocks, num_blocks, stride_cb, stride_ct, stride_ch, HEAD_DIM, HEAD_PAD, BLOCK_SIZE,
+                    TILE_N, False, IEEE_DOT, kv_lo, softcap_log2, SLIDING, SOFTCAP,
                 )  # fmt: skip
     else:
         if SLIDING:  # the first tile holding a key in the first row's window (clamped: // of a negative)
@@ -206,26 +212,27 @@ def _paged_attention_kernel(
             )
             acc, l_i, m_i = attend_tiles(
                 acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
-                tile_lo, full_lo, stride_cb, stride_ct, stride_ch,
-                HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT, window, softcap_log2, SLIDING, SOFTCAP,
+                tile_lo, full_lo, stride_cb, stride_ct, stride_ch, HEAD_DIM, HEAD_PAD,
+                BLOCK_SIZE, TILE_N, True, IEEE_DOT, window, softcap_log2, SLIDING, SOFTCAP,
             )  # fmt: skip
         else:
             full_lo = tile_lo
         acc, l_i, m_i = attend_tiles(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
             full_lo, full_hi, stride_cb, stride_ct, stride_ch,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, False, IEEE_DOT, window, softcap_log2, False, SOFTCAP,
+            HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, False, IEEE_DOT, window, softcap_log2, False, SOFTCAP,
         )  # fmt: skip
         acc, l_i, m_i = attend_tiles(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, q_pos, kv_len, qk_scale,
             full_hi, tile_hi, stride_cb, stride_ct, stride_ch,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, True, IEEE_DOT, window, softcap_log2, SLIDING, SOFTCAP,
+            HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, True, IEEE_DOT, window, softcap_log2, SLIDING, SOFTCAP,
         )  # fmt: skip
 
     acc = acc * v_scale
     if SPLIT_KV:
         part = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M]
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        part_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+        store_rows(part_ptrs, acc, row_ok, HEAD_DIM, HEAD_PAD)
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
         if FUSED_SPLITS > 0:
@@ -240,12 +247,12 @@ def _paged_attention_kernel(
                 tl.store(counter, 0)
                 combine_group(
                     out_ptr, part_acc_ptr, part_ml_ptr, seq, kv_head * GROUP, num_heads, stride_ot, stride_oh,
-                    GROUP, GROUP_PAD, FUSED_SPLITS, COMBINE_CHUNK, HEAD_DIM,
+                    GROUP, GROUP_PAD, FUSED_SPLITS, COMBINE_CHUNK, HEAD_DIM, HEAD_PAD,
                 )  # fmt: skip
     else:
         out = acc / l_i[:, None]
         out_offs = q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        store_rows(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), row_ok, HEAD_DIM, HEAD_PAD)
 
 
 @triton.jit
@@ -258,22 +265,26 @@ def _combine_splits_kernel(
     stride_oh,
     SPLITS_PAD: tl.constexpr,  # next power of 2 of num_splits
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of 2 of HEAD_DIM
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * tl.num_programs(1) + h) * num_splits
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     ok = offs_s < num_splits
     m = tl.load(part_ml_ptr + (base + offs_s) * 2, mask=ok, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + (base + offs_s) * 2 + 1, mask=ok, other=0.0)
-    acc = tl.load(
-        part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0
-    )
+    part_ptrs = part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]  # [SPLITS_PAD, HEAD_PAD]
+    acc = load_rows(part_ptrs, ok, True, HEAD_DIM, HEAD_PAD, "")
     # Split 0 always holds tokens, so m_max is finite; empty splits (m = -inf) get weight 0.
     w = tl.exp2(m - tl.max(m, 0))
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    out_ptrs = out_ptr + t * stride_ot + h * stride_oh + offs_d
+    if HEAD_PAD == HEAD_DIM:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -329,7 +340,7 @@ def paged_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head size must be a power of 2 >= 16"
+    head_pad = padded_head_dim(head_dim)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and query.stride(-1) == 1
     assert block_tables.stride(-1) == 1
     assert k_cache.dtype == v_cache.dtype
@@ -354,14 +365,14 @@ def paged_attention(
     if decode_only:
         if num_splits is None:
             read_len = min(max_seq_len, sliding_window) if sliding_window > 0 else max_seq_len
-            num_splits = choose_num_splits(query.device, num_seqs, num_kv_heads, read_len, head_dim)
-        cfg = config or decode_config(head_dim, is_fp8(k_cache), split=num_splits > 1)
+            num_splits = choose_num_splits(query.device, num_seqs, num_kv_heads, read_len, head_pad)
+        cfg = config or decode_config(head_pad, is_fp8(k_cache), split=num_splits > 1)
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         block_q = 1
         num_q_programs = num_seqs
         first_program = 0
     else:
-        cfg = config or prefill_config(head_dim, is_fp8(k_cache))
+        cfg = config or prefill_config(head_pad, is_fp8(k_cache))
         # Short chunks (a mixed batch of decodes and small chunks) get fewer, mostly useful rows.
         block_m = max(16, min(cfg.block_m, triton.next_power_of_2(max_query_len * group)))
         block_m = max(block_m, triton.next_power_of_2(group))
@@ -382,7 +393,7 @@ def paged_attention(
     counters = _split_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens  # else unused
     group_pad = triton.next_power_of_2(group)
     # Splits merged per step by the last split: about 8k fp32 partial-output elements in registers at a time.
-    combine_chunk = max(2, min(triton.next_power_of_2(num_splits), 8192 // (group_pad * head_dim)))
+    combine_chunk = max(2, min(triton.next_power_of_2(num_splits), 8192 // (group_pad * head_pad)))
     # From first_seq on (rows of the query and output stay absolute, through query_start_loc).
     tables, lens, starts = block_tables[first_seq:], seq_lens[first_seq:], query_start_loc[first_seq:]
     grid = (num_q_programs, num_kv_heads, num_splits)
@@ -394,7 +405,8 @@ def paged_attention(
         k_cache.shape[0],
         first_program, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_Q=block_q,
         TILE_N=cfg.tile_n, SPLIT_KV=num_splits > 1, DECODE_ONLY=decode_only,
         IEEE_DOT=query.dtype == torch.float32,
         DOTS_FP16=FP8_DOTS_IN_FP16 and is_fp8(k_cache) and query.dtype != torch.float32,
@@ -408,7 +420,7 @@ def paged_attention(
         _combine_splits_kernel[(num_tokens - first_seq, num_heads)](
             out[first_seq:], part_acc[first_seq:], part_ml[first_seq:], num_splits,
             out.stride(0), out.stride(1),
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             num_warps=4,
         )  # fmt: skip
     return out

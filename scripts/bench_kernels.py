@@ -38,8 +38,10 @@ from kernels.attention_config import (  # noqa: E402
     SplitCombine,
     choose_num_splits,
     decode_config,
+    padded_head_dim,
     prefill_config,
 )
+from kernels.attention_tiles import load_rows  # noqa: E402
 from kernels.reference import is_fp8, kv_pool  # noqa: E402
 from kernels.triton_attention import paged_attention  # noqa: E402
 from scripts._bench import git_commit, write_json  # noqa: E402
@@ -394,7 +396,13 @@ def main() -> None:
         help="with --decode-only: flex_attention over a paged cache at four shapes, after the decode table",
     )
     ap.add_argument("--no-extras", action="store_true", help="with --decode-only: skip the splits and probes")
-    ap.add_argument("--head-dim", type=int, default=HEAD_DIM, help="64: the Llama-3.2-1B shape's heads")
+    ap.add_argument(
+        "--head-dim",
+        type=int,
+        default=HEAD_DIM,
+        help="64: the Llama-3.2-1B shape's heads; 96: Phi-3-mini's (padded to 128 in registers); any "
+        "multiple of 8 up to 256",
+    )
     ap.add_argument(
         "--kv-layout",
         choices=["head", "token"],
@@ -506,20 +514,21 @@ def _noop_kernel(x_ptr):  # [1]
 @triton.jit
 def _paged_read_kernel(
     k_ptr, v_ptr, table_ptr, out_ptr, num_tiles, num_splits, stride_cb, stride_ct, stride_ch,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
 ):  # fmt: skip
     """Reads one sequence's K and V of one KV head through its block table, tiles dealt round-robin to the
-    splits as the decode kernel deals them, and only sums them: the attention's bytes, none of its math."""
+    splits as the decode kernel deals them, and only sums them: the attention's bytes, none of its math
+    (rows padded to HEAD_PAD columns in registers, masked, as the attention kernel reads them)."""
     split, head = tl.program_id(0), tl.program_id(1)
-    offs_n, offs_d = tl.arange(0, TILE_N), tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([TILE_N, HEAD_DIM], tl.float32)
+    offs_n, offs_d = tl.arange(0, TILE_N), tl.arange(0, HEAD_PAD)
+    acc = tl.zeros([TILE_N, HEAD_PAD], tl.float32)
     for t in range(split, num_tiles, num_splits):
         pos = t * TILE_N + offs_n
         block = tl.load(table_ptr + pos // BLOCK_SIZE).to(tl.int64)
         row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head * stride_ch
         offs = row[:, None] + offs_d[None, :]
-        k = tl.load(k_ptr + offs, eviction_policy="evict_first")
-        v = tl.load(v_ptr + offs, eviction_policy="evict_first")
+        k = load_rows(k_ptr + offs, pos, False, HEAD_DIM, HEAD_PAD, "evict_first")
+        v = load_rows(v_ptr + offs, pos, False, HEAD_DIM, HEAD_PAD, "evict_first")
         acc += k.to(tl.float32) + v.to(tl.float32)
     tl.store(out_ptr + split * tl.num_programs(1) + head, tl.sum(acc))
 
@@ -537,7 +546,8 @@ def bench_paged_read(ctx: int, device: torch.device, num_splits: int, num_warps:
         return lambda: _paged_read_kernel[(num_splits, NUM_KV_HEADS)](
             k_cache, v_cache, tables[i], out, ctx // tile, num_splits,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, TILE_N=tile, num_warps=num_warps,
+            HEAD_DIM=HEAD_DIM, HEAD_PAD=padded_head_dim(HEAD_DIM), BLOCK_SIZE=BLOCK_SIZE, TILE_N=tile,
+            num_warps=num_warps,
         )  # fmt: skip
 
     return time_per_call([call(i) for i in range(num_sets)], device) * 1e6

@@ -20,7 +20,8 @@ NUM_BLOCKS = 48
 
 def make_runner(model_dir: Path, num_kv_blocks: int = NUM_BLOCKS, **config_kw) -> ModelRunner:
     config = dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks)
-    return ModelRunner(WorkerConfig(model=str(model_dir), **{**config, **config_kw}))
+    cfg = WorkerConfig(model=str(model_dir), **{**config, **config_kw})
+    return ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend)  # attention_backend= is obeyed
 
 
 class Driver:

@@ -56,6 +56,12 @@ class AttentionBackend(ABC):
         """Window and soft-cap are the layer's constants (not in `meta`, which is per step): a CUDA graph
         replays each layer with its own."""
 
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raises ValueError, naming the size and what is supported, if this backend cannot attend over heads
+        of `head_dim` values: called when a model is built, so that the worker refuses at start. The
+        default takes any size."""
+        return None
+
 
 class TorchReferenceBackend(AttentionBackend):
     """The PyTorch reference in kernels/reference.py: any device, correctness first."""
@@ -103,6 +109,11 @@ class TritonBackend(AttentionBackend):
 
         self._write_kv = cache_ops.write_kv
         self._paged_attention = triton_attention.paged_attention
+
+    def check_head_dim(self, head_dim: int) -> None:
+        from kernels.attention_config import padded_head_dim
+
+        padded_head_dim(head_dim)  # a multiple of 8 up to 256 (padded in registers, never in the cache)
 
     def forward(
         self,

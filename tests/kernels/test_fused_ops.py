@@ -58,13 +58,23 @@ def test_rms_norm_over_head_dim_of_a_strided_view(device: torch.device) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 32), (6, 3, 64), (2, 1, 16), (2, 1, 24)]
-)
+    ("num_heads", "num_kv_heads", "head_dim", "rotary_dim"),
+    [
+        (4, 2, 32, 32), (6, 3, 64, 64), (2, 1, 16, 16), (2, 1, 24, 24),
+        (4, 2, 96, 96), (2, 1, 80, 80),  # Phi-3-mini's heads; 80: halves of 40, padded to 64
+        (4, 2, 128, 96), (2, 1, 96, 40),  # partial rotary (Phi-4-mini: 0.75 of 128): the rest untouched
+    ],
+)  # fmt: skip
 def test_rope_rotates_query_and_key_views_in_place(
-    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
 ) -> None:
     num_tokens, max_len = 9, 50
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
@@ -73,18 +83,24 @@ def test_rope_rotates_query_and_key_views_in_place(
     qkv = _rand(num_tokens, q_size + 2 * kv_size, dtype=dtype, device=device, seed=head_dim) * 2
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q, k = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
-    want_q, want_k = reference_ops.rope(positions, q.clone(), k.clone(), cos, sin)
-    v_before = v.clone()
+    # The rotated part of each head as worker/models/rotary.py hands it over: a view, rows head_dim apart.
+    q_rot, k_rot = q[..., :rotary_dim], k[..., :rotary_dim]
+    want_q, want_k = reference_ops.rope(positions, q_rot.clone(), k_rot.clone(), cos, sin)
+    before = qkv.clone()
 
-    out_q, out_k = fused_ops.rope_(positions, q, k, cos, sin)
+    out_q, out_k = fused_ops.rope_(positions, q_rot, k_rot, cos, sin)
 
-    assert out_q is q and out_k is k
+    assert out_q is q_rot and out_k is k_rot
     # In half precision every product and sum is rounded as PyTorch rounds it: the same bits. In float32 the
     # GPU's compiler fuses a product and the sum into one FMA, rounded once.
     exact = dict(rtol=0, atol=0) if dtype != torch.float32 else TOL[dtype]
-    torch.testing.assert_close(q, want_q, **exact)
-    torch.testing.assert_close(k, want_k, **exact)
-    assert torch.equal(v, v_before)  # the rest of the QKV buffer is untouched
+    torch.testing.assert_close(q_rot, want_q, **exact)
+    torch.testing.assert_close(k_rot, want_k, **exact)
+    # The rest of the QKV buffer (v, the heads' dimensions past the rotary ones) is untouched.
+    untouched = torch.ones_like(qkv, dtype=torch.bool)
+    untouched[:, :q_size].view(num_tokens, num_heads, head_dim)[..., :rotary_dim] = False
+    untouched[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)[..., :rotary_dim] = False
+    assert torch.equal(qkv[untouched], before[untouched])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -52,6 +52,23 @@ def test_triton_backend_matches_reference_backend(device: torch.device, kind: st
     _check_backend(make_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, device=device, seed=4))
 
 
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_triton_backend_matches_reference_backend_at_head_sizes(device: torch.device, head_dim: int) -> None:
+    # The slot write and attention at a head size padded in registers (96) beside a power of 2.
+    seq_lens, q_lens = [5, 40, 1, 30, 17], [1, 1, 1, 20, 17]
+    _check_backend(make_paged_batch(seq_lens, q_lens, 8, 2, head_dim, 16, device=device, seed=head_dim))
+
+
+def test_backends_say_which_head_sizes_they_take() -> None:
+    triton_backend = get_attention_backend("triton")
+    for head_dim in (8, 64, 80, 96, 112, 128, 160, 256):
+        triton_backend.check_head_dim(head_dim)
+    for head_dim in (100, 12, 264):
+        with pytest.raises(ValueError, match=f"head size {head_dim} is not supported by the Triton"):
+            triton_backend.check_head_dim(head_dim)
+    TorchReferenceBackend().check_head_dim(100)  # the reference takes any
+
+
 @gpu
 @pytest.mark.parametrize("kind", ["decode", "mixed", "decodes-first"])
 def test_gpu_triton_backend_full_shapes(kind: str) -> None:

@@ -24,11 +24,12 @@ def _caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device,
     ("num_kv_heads", "dtype"), [(2, torch.float32), (3, torch.float16), (8, torch.float32)]
 )
 @pytest.mark.parametrize("layout", ["head", "token"])
+@pytest.mark.parametrize("head_dim", [64, 96])  # 96: rows padded to 128 in registers, never in the cache
 def test_write_kv_matches_reference(
-    device: torch.device, block_size: int, num_kv_heads: int, dtype: torch.dtype, layout: str
+    device: torch.device, block_size: int, num_kv_heads: int, dtype: torch.dtype, layout: str, head_dim: int
 ) -> None:
     gen = torch.Generator().manual_seed(block_size + num_kv_heads)
-    num_blocks, head_dim, num_tokens = 9, 64, 2 * block_size + 5
+    num_blocks, num_tokens = 9, 2 * block_size + 5
     pool_gen = torch.Generator().manual_seed(1)
 
     def make(shape: tuple[int, ...]) -> torch.Tensor:
@@ -70,9 +71,14 @@ def _pool_copy_reference(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tenso
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_copy_blocks_copies_every_layer_and_nothing_else(device: torch.device, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_copy_blocks_copies_every_layer_and_nothing_else(
+    device: torch.device, dtype: torch.dtype, head_dim: int
+) -> None:
     gen = torch.Generator(device=device).manual_seed(3)
-    pool = torch.randn(3, 2, 10, 16, 2, 64, generator=gen, device=device).to(dtype)  # [L, 2, blocks, ...]
+    pool = torch.randn(3, 2, 10, 16, 2, head_dim, generator=gen, device=device).to(
+        dtype
+    )  # [L, 2, blocks, ...]
     src = torch.tensor([1, 4, 1], device=device)  # a block copied twice, as after two forks
     dst = torch.tensor([7, 2, 9], device=device)
     expected = _pool_copy_reference(pool, src, dst)
@@ -83,11 +89,12 @@ def test_copy_blocks_copies_every_layer_and_nothing_else(device: torch.device, d
 
 
 @gpu
-def test_gpu_write_kv_and_copy_blocks_full_shapes() -> None:
+@pytest.mark.parametrize("head_dim", [128, 96])
+def test_gpu_write_kv_and_copy_blocks_full_shapes(head_dim: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(6)
-    pool = torch.randn(4, 2, 2000, 16, 8, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    pool = torch.randn(4, 2, 2000, 16, 8, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
     k_cache, v_cache = pool[1, 0], pool[1, 1]
-    key = torch.randn(3000, 8, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    key = torch.randn(3000, 8, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
     slots = torch.randperm(2000 * 16, device="cuda")[:3000]
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     reference.write_kv(key, -key, k_ref, v_ref, slots)

@@ -45,12 +45,13 @@ def _check(batch: PagedBatch, k_scale: float, v_scale: float, **kwargs) -> torch
     return out
 
 
-def test_write_kv_fp8_rounds_and_saturates_as_the_cast_does(device: torch.device) -> None:
+@pytest.mark.parametrize("dim", [32, 40])  # 40: rows padded to 64 in registers, masked
+def test_write_kv_fp8_rounds_and_saturates_as_the_cast_does(device: torch.device, dim: int) -> None:
     # Values across e4m3's range at two scales: subnormals, ties, values that round up into the next power
     # of 2, values past 448 (saturated), tiny negatives (-0.0). Stored bytes must equal PyTorch's cast of
     # the clamped quotient, bit for bit; negative slots are skipped.
     gen = torch.Generator().manual_seed(0)
-    num_blocks, block_size, heads, dim = 6, 16, 3, 32
+    num_blocks, block_size, heads = 6, 16, 3
     for k_scale, v_scale, magnitude in [(0.37, 0.05, 3.0), (1.0, 1.0, 0.004), (2.0, 0.5, 300.0)]:
         qkv = torch.randn(40, 2 * heads + 1, dim, generator=gen) * magnitude
         special = torch.tensor([1.0625, 1.1875, 2**-10 * 3, 447.9, 464.0, 5000.0, -15.5, 127.3, -1e-6])
@@ -75,7 +76,7 @@ def test_write_kv_fp8_rounds_and_saturates_as_the_cast_does(device: torch.device
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 # Head size 128: FP8 tiles of 128 tokens; 64 with splits: the register prefetch.
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_decode_over_an_fp8_cache(device: torch.device, num_splits: int, head_dim: int) -> None:
     seq_lens = [1, 17, 64, 33, 150, 300]
     batch = make_paged_batch(
@@ -114,14 +115,15 @@ def test_decode_fp8_ignores_nan_bytes_outside_the_contexts(device: torch.device)
     assert torch.equal(clean, poisoned)
 
 
-@pytest.mark.parametrize("num_decode_seqs", [0, 2])
+@pytest.mark.parametrize(("num_decode_seqs", "head_dim"), [(0, 64), (2, 64), (2, 80)])
 @pytest.mark.parametrize("config", [SMALL_TILES, None], ids=["small-tiles", "fp8-defaults"])
 def test_prefill_and_mixed_over_an_fp8_cache(
-    device: torch.device, num_decode_seqs: int, config: AttentionConfig | None
+    device: torch.device, num_decode_seqs: int, head_dim: int, config: AttentionConfig | None
 ) -> None:
-    # None: the FP8 prefill tiles (prefill_config(64, fp8=True): 128 query rows x 64 tokens).
+    # None: the FP8 prefill tiles (prefill_config(64, fp8=True): 128 query rows x 64 tokens; at 80, those of
+    # 128).
     seq_lens, q_lens = [40, 3, 37, 32, 70], [1, 1, 37, 5, 33]
-    batch = make_paged_batch(seq_lens, q_lens, 8, 2, 64, 16, device=device, seed=7 + num_decode_seqs)
+    batch = make_paged_batch(seq_lens, q_lens, 8, 2, head_dim, 16, device=device, seed=7 + num_decode_seqs)
     _check(_as_fp8(batch, 0.1, 0.04), 0.1, 0.04, config=config, num_decode_seqs=num_decode_seqs)
 
 
@@ -139,7 +141,7 @@ def test_half_precision_queries_over_an_fp8_cache_multiply_in_fp16(
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_gpu_fp8_cache_full_shapes(head_dim: int) -> None:
     # bf16 queries over an FP8 cache: long decodes (the automatic split), then a prefill and a mixed batch.
     decode = make_paged_batch([8192 + 5, 1, 700, 2000], [1] * 4, 32, 8, head_dim, 16, torch.bfloat16, "cuda")

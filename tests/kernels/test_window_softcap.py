@@ -80,15 +80,19 @@ def test_reference_window_and_softcap_follow_their_definitions() -> None:
         torch.testing.assert_close(out[t], torch.softmax(s, -1) @ v[keys])
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(0, 5.0), (20, 0.0), (37, 3.0), (1000, 0.0)])
+# Head size 32, and 96 (Phi-3-mini: every layer windowed) and 80, padded in registers.
+@pytest.mark.parametrize(
+    ("window", "softcap", "head_dim"),
+    [(0, 5.0, 32), (20, 0.0, 32), (37, 3.0, 32), (1000, 0.0, 32), (20, 0.0, 96), (37, 3.0, 80)],
+)
 @pytest.mark.parametrize(
     ("num_splits", "config"), [(1, SMALL_TILES), (3, PREFETCH_TILES), (2, SEPARATE_COMBINE)]
 )
 def test_decode_window_and_softcap_match_reference(
-    device: torch.device, window: int, softcap: float, num_splits: int, config: AttentionConfig
+    device: torch.device, window: int, softcap: float, head_dim: int, num_splits: int, config: AttentionConfig
 ) -> None:
     batch = make_paged_batch(
-        DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), 4, 2, 32, 16, device=device, seed=window
+        DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), 4, 2, head_dim, 16, device=device, seed=window
     )
     _run_and_check(batch, window, softcap, config, num_splits=num_splits)
 
@@ -99,43 +103,56 @@ def test_decode_split_count_follows_the_window(device: torch.device) -> None:
     _run_and_check(batch, 24, 0.0, PREFETCH_TILES)
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(0, 4.0), (7, 0.0), (33, 2.0), (500, 0.0)])
+@pytest.mark.parametrize(
+    ("window", "softcap", "head_dim"),
+    [(0, 4.0, 32), (7, 0.0, 32), (33, 2.0, 32), (500, 0.0, 32), (33, 0.0, 96), (7, 2.0, 112)],
+)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_and_mixed_window_and_softcap_match_reference(
-    device: torch.device, window: int, softcap: float, block_size: int
+    device: torch.device, window: int, softcap: float, head_dim: int, block_size: int
 ) -> None:
     batch = make_paged_batch(
-        MIXED_SEQ_LENS, MIXED_Q_LENS, 4, 2, 32, block_size, device=device, seed=window + block_size,
+        MIXED_SEQ_LENS, MIXED_Q_LENS, 4, 2, head_dim, block_size, device=device, seed=window + block_size,
     )  # fmt: skip
     _run_and_check(batch, window, softcap, SMALL_TILES, num_decode_seqs=2)
     _run_and_check(batch, window, softcap, SMALL_TILES)  # the decodes in the unified path too
 
 
-@pytest.mark.parametrize("window", [9, 40])
-def test_prefill_split_kv_window_matches_reference(device: torch.device, window: int) -> None:
-    batch = make_paged_batch([100, 70], [60, 70], 4, 2, 32, 16, device=device, seed=window)
+@pytest.mark.parametrize(("window", "head_dim"), [(9, 32), (40, 32), (40, 96)])
+def test_prefill_split_kv_window_matches_reference(device: torch.device, window: int, head_dim: int) -> None:
+    batch = make_paged_batch([100, 70], [60, 70], 4, 2, head_dim, 16, device=device, seed=window)
     _run_and_check(batch, window, 3.0, SMALL_TILES, num_splits=3)
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_gemma2_shapes_window_and_softcap(dtype: torch.dtype) -> None:
-    """Gemma-2-9B's attention (16 query heads over 8 KV heads of 256, window 4096, cap 50) at full
-    contexts on CUDA: decodes past the window, a long prefill chunk and a mixed batch, default tiles."""
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "window", "softcap"),
+    [(16, 8, 256, 4096, 50.0), (32, 32, 96, 2047, 0.0)],
+    ids=["gemma-2-9b", "phi-3-mini"],
+)
+def test_gpu_gemma2_shapes_window_and_softcap(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, window: int, softcap: float
+) -> None:
+    """Gemma-2-9B's attention (16 query heads over 8 KV heads of 256, window 4096, cap 50) and Phi-3-mini's
+    (32 heads of 96, window 2047 on every layer) at full contexts on CUDA: decodes past the window, a long
+    prefill chunk and a mixed batch, default tiles."""
     device = torch.device("cuda")
     for seq_lens, q_lens, decodes in (
         ([5000, 4097, 300, 8000], [1, 1, 1, 1], 0),
         ([6000, 4500], [1500, 4500], 0),
         ([5000, 9000, 2000], [1, 1, 700], 2),
     ):
-        batch = make_paged_batch(seq_lens, q_lens, 16, 8, 256, 16, dtype=dtype, device=device, seed=1)
+        batch = make_paged_batch(
+            seq_lens, q_lens, num_heads, num_kv_heads, head_dim, 16, dtype=dtype, device=device, seed=1
+        )
         args = batch.attention_args()
         ref = reference.paged_attention(
             **{**args, **{n: args[n].float() for n in ("query", "k_cache", "v_cache")}},
-            sliding_window=4096, softcap=50.0,
+            sliding_window=window, softcap=softcap,
         )  # fmt: skip
         out = paged_attention(
             **args, max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-            num_decode_seqs=decodes, sliding_window=4096, softcap=50.0,
+            num_decode_seqs=decodes, sliding_window=window, softcap=softcap,
         )  # fmt: skip
         assert_close_per_sequence(out, ref, batch.query_start_loc, dtype)

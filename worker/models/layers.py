@@ -106,6 +106,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        backend.check_head_dim(config.head_dim)
         self.backend = backend
         self.sliding_window = sliding_window
         self.softcap = softcap
