@@ -1,10 +1,12 @@
 """The checkpoint's sampling defaults: what its `generation_config.json` says a request that leaves a field
 out should sample with, as vLLM's `--generation-config auto` reads it (ApiConfig.generation_config).
 
-As vLLM, only the values that differ from transformers' own GenerationConfig defaults count (its
-`to_diff_dict()`: a file that restates transformers' top_k of 50 sets nothing), and only temperature, top_p,
-top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens, a cap on every request's). `do_sample`
-is not read, as in vLLM. A value outside the range a request may ask for is logged and left out.
+As vLLM, the values are those transformers' `GenerationConfig.from_pretrained(...).to_diff_dict()` reports
+(with transformers 5, whose defaults are all None, every value the file sets), and only temperature, top_p,
+top_k, min_p, repetition_penalty and max_new_tokens (the max_tokens of a chat request that has none; a
+completion's is 16 either way, as in vLLM, where max_new_tokens caps requests only when given by
+--override-generation-config). `do_sample` is not read, as in vLLM. A value outside the range a request
+may ask for is logged at startup and left out.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class GenerationDefaults:
     top_k: int | None = None  # 0 or -1: off
     min_p: float | None = None
     repetition_penalty: float | None = None
-    max_tokens: int | None = None  # generation_config's max_new_tokens: the most any request generates
+    max_tokens: int | None = None  # generation_config's max_new_tokens: a chat request's default
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

@@ -27,7 +27,7 @@ from api.model import ServedModel
 from api.sampling_fields import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     PROCESSOR_FIELDS,
-    max_tokens_cap,
+    default_max_tokens,
     min_tokens,
     processor_fields,
     sampling_defaults,
@@ -94,9 +94,9 @@ def _too_long(what: str, num_tokens: int | None, model: ServedModel) -> ApiError
 
 
 def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int = 0) -> int:
-    """The request's max_tokens; when it has none, `default` (if > 0) or as much as fits; under the
-    checkpoint's generation_config max_new_tokens either way (api/sampling_fields.py)."""
-    return max_tokens_cap(model, _requested_tokens(requested, prompt, model, default))
+    """The request's max_tokens; when it has none, `default` (if > 0), else the checkpoint's
+    generation_config max_new_tokens (api/sampling_fields.py), cut to what fits, else as much as fits."""
+    return _requested_tokens(requested, prompt, model, default or default_max_tokens(model))
 
 
 def _requested_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int) -> int:

@@ -73,10 +73,10 @@ def sampling_defaults(model: ServedModel, beam: bool = False) -> tuple[float, fl
     )
 
 
-def max_tokens_cap(model: ServedModel, max_tokens: int) -> int:
-    """`max_tokens` under the checkpoint's max_new_tokens, which caps every request's, as in vLLM."""
-    cap = defaults_of(model).max_tokens
-    return max_tokens if cap is None else min(max_tokens, cap)
+def default_max_tokens(model: ServedModel) -> int:
+    """The checkpoint's max_new_tokens (0: none): a chat request's max_tokens when it has none, as in vLLM
+    (a completion's default is OpenAI's 16, which vLLM's request sets before any default applies)."""
+    return defaults_of(model).max_tokens or 0
 
 
 def min_tokens(f: Fields, max_tokens: int) -> int:

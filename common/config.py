@@ -73,7 +73,7 @@ class ApiConfig:
     # With a Hugging Face repo id as --model: the branch, tag or commit (empty: main)
     revision: str = ""
     # auto: the checkpoint's generation_config.json gives the defaults of temperature, top_p, top_k, min_p,
-    # repetition_penalty and max_tokens (its max_new_tokens) that a request leaves out, as vLLM's; none: ours
+    # repetition_penalty and chat max_tokens (max_new_tokens) that a request leaves out, as vLLM's; none: ours
     generation_config: GenerationConfigMode = "auto"
 
     def __post_init__(self) -> None:
