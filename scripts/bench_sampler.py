@@ -67,6 +67,7 @@ class _Seq:
 
     def __init__(self, params: SamplingParams, token_ids: list[int], prompt_len: int) -> None:
         self.params, self.token_ids, self.prompt_len, self.pending = params, token_ids, prompt_len, 0
+        self.processed = params.processed
 
 
 def processor_step(

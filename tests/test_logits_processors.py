@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -30,7 +30,10 @@ class Seq:
     prompt_len: int
     pending: int = 0
     seed: int = 0
-    extra: list[int] = field(default_factory=list)
+
+    @property
+    def processed(self) -> bool:
+        return self.params.processed
 
 
 def reference(logits: torch.Tensor, seq: Seq) -> torch.Tensor:

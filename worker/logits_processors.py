@@ -40,6 +40,7 @@ class TrackedSeq(Protocol):
     token_ids: list[int]
     prompt_len: int  # token_ids[:prompt_len] is the prompt
     pending: int  # tokens sampled and not yet in token_ids
+    processed: bool  # params.processed (a column read every step: the property costs ~1 us a row)
 
 
 class TokenHistory:
@@ -166,6 +167,8 @@ class _Lists:
     word_len: np.ndarray  # [W] their prefixes' lengths
     word_last: np.ndarray  # [W] their last tokens
     stop_ids: np.ndarray  # [E] stop_token_ids and (unless ignore_eos) EOS in the vocabulary: min_tokens
+    penalized: bool  # params.penalized: the sequence has a TokenHistory slot
+    penalties: tuple[float, float, float]  # presence, frequency, repetition
 
     @classmethod
     def of(cls, p: SamplingParams, eos: tuple[int, ...], vocab_size: int) -> _Lists:
@@ -184,6 +187,8 @@ class _Lists:
             np.array([len(w) - 1 for w in words], dtype=np.int64),
             np.array([w[-1] for w in words], dtype=np.int64),
             np.array(sorted(t for t in stops if t < vocab_size), dtype=np.int64),
+            p.penalized,
+            (p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
         )
 
 
@@ -229,12 +234,11 @@ class LogitsProcessors:
     def prepare(self, seqs: list[TrackedSeq], position: np.ndarray) -> ProcessorTensors | None:
         """The step's processors for `seqs` (one per logits row), whose next tokens are at `position`
         (len(token_ids) + pending); None when none asks for any."""
-        params = [s.params for s in seqs]
-        active = np.flatnonzero(np.fromiter((p.processed for p in params), bool, len(params)))
+        active = np.flatnonzero(np.fromiter((s.processed for s in seqs), bool, len(seqs)))
         if not len(active):
             return None
         act = [seqs[i] for i in active]
-        act_params = [params[i] for i in active]
+        act_params = [s.params for s in act]
         n = len(act)
         num_generated = np.asarray(position)[active] - np.fromiter((s.prompt_len for s in act), np.int64, n)
         lists = self._lists_of(act_params)
@@ -254,7 +258,7 @@ class LogitsProcessors:
         ints["ban_rows"] = active[np.repeat(ban_rows, [len(b) for b in ban_lists])]
         ints["ban_ids"] = _cat(ban_lists)
 
-        penalized = np.flatnonzero(np.fromiter((p.penalized for p in act_params), bool, n))
+        penalized = np.flatnonzero(np.fromiter((x.penalized for x in lists), bool, n))
         slots = self.history.slots([act[j] for j in penalized]) if len(penalized) else penalized
         slot_of = dict(zip(penalized.tolist(), slots.tolist(), strict=True))
         word_rows, word_slots, word_prefix, word_last = [], [], [], []
@@ -271,8 +275,7 @@ class LogitsProcessors:
         ints["bias_ids"] = _cat([x.bias_ids for x in lists])
         floats["bias_values"] = _cat([x.bias_values for x in lists], np.float32)
 
-        penalties = [(p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in act_params]
-        values = np.array(penalties, dtype=np.float32).reshape(n, 3)
+        values = np.array([x.penalties for x in lists], dtype=np.float32).reshape(n, 3)
         with_penalty = np.flatnonzero((values[:, 0] != 0) | (values[:, 1] != 0) | (values[:, 2] != 1))
         ints["penalty_rows"] = active[with_penalty]
         ints["penalty_slots"] = np.array([slot_of[j] for j in with_penalty.tolist()], dtype=np.int64)
