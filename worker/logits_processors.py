@@ -121,7 +121,7 @@ class TokenHistory:
         for j, out in enumerate(outputs):
             last = out[-TAIL:]
             tail[j, TAIL - len(last) :] = last
-        packed = torch.from_numpy(
+        packed = _to_device(
             np.concatenate(
                 [
                     slots,
@@ -131,8 +131,9 @@ class TokenHistory:
                     *outputs,
                     tail.reshape(-1),
                 ]
-            )
-        ).to(self.device)
+            ),
+            self.device,
+        )
         n, num_prompt = len(slots), sum(len(p) for p in prompts)
         num_out = sum(len(o) for o in outputs)
         dev_slots, rest = packed[:n], packed[n:]
@@ -315,12 +316,16 @@ def _cat(arrays: list[np.ndarray], dtype: type = np.int64) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
 
 
-def _split(columns: dict[str, np.ndarray], dtype: type, device: torch.device) -> dict[str, torch.Tensor]:
-    packed = torch.from_numpy(np.concatenate([np.asarray(c, dtype=dtype) for c in columns.values()]))
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One copy to the device that does not wait for the work queued before it (pinned, non-blocking)."""
+    host = torch.from_numpy(array)
     if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _split(columns: dict[str, np.ndarray], dtype: type, device: torch.device) -> dict[str, torch.Tensor]:
+    packed = _to_device(np.concatenate([np.asarray(c, dtype=dtype) for c in columns.values()]), device)
     out, start = {}, 0
     for name, column in columns.items():
         out[name] = packed[start : start + len(column)]
@@ -332,7 +337,7 @@ def apply_processors(logits: torch.Tensor, pt: ProcessorTensors) -> torch.Tensor
     """The processed logits ([R, V] float32, a new tensor: `logits` stays raw for the logprobs)."""
     out = logits.float() if logits.dtype != torch.float32 else logits.clone()
     vocab = out.shape[-1]
-    neg_inf = torch.tensor(float("-inf"), device=out.device)
+    neg_inf = torch.full((), float("-inf"), device=out.device)  # a fill on the device, not a host copy
     if len(pt.allowed_rows):
         blocked = torch.ones((len(pt.allowed_rows), vocab), dtype=torch.bool, device=out.device)
         blocked[pt.allowed_index, pt.allowed_ids] = False
