@@ -267,3 +267,12 @@ def test_out_of_range_values_are_refused_by_validate() -> None:
     assert SamplingParams(logit_bias=((5, 1.0),)).vocab_problem(5) is not None
     assert SamplingParams(bad_words=((1, 70),)).vocab_problem(64) is not None
     assert SamplingParams(allowed_token_ids=(1, 63)).vocab_problem(64) is None
+
+
+def test_min_tokens_has_no_work_once_reached() -> None:
+    processors = LogitsProcessors(VOCAB, EOS, "cpu")
+    seq = Seq(SamplingParams(min_tokens=2, stop_token_ids=(9, 1000)), [1, 2, 3], 2)  # one generated
+    pt = processors.prepare([seq], np.array([3]))
+    assert pt is not None and sorted(pt.ban_ids.tolist()) == [2, 9]  # EOS and the stop id in the vocabulary
+    seq.token_ids.append(4)
+    assert processors.prepare([seq], np.array([4])) is None

@@ -222,6 +222,18 @@ class ProcessorTensors:
     record_slots: torch.Tensor  # [H]
 
 
+# The columns that name rows: when all are empty, no processor has work in the step.
+_ROW_COLUMNS = (
+    "allowed_rows",
+    "ban_rows",
+    "word_rows",
+    "bias_rows",
+    "penalty_rows",
+    "min_p_rows",
+    "record_rows",
+)
+
+
 class LogitsProcessors:
     """Builds each step's `ProcessorTensors` (the runner holds one, for the life of the worker)."""
 
@@ -289,6 +301,8 @@ class LogitsProcessors:
         floats["min_p_shift"] = (temperature[cut] * np.log(min_p[cut])).astype(np.float32)
 
         ints["record_rows"], ints["record_slots"] = active[penalized], slots
+        if not any(len(ints[k]) for k in _ROW_COLUMNS):  # e.g. min_tokens reached: nothing to do this step
+            return None
         return self._to_device(ints, floats)
 
     def _lists_of(self, params: list[SamplingParams]) -> list[_Lists]:
