@@ -423,7 +423,7 @@ def _logprobs(
     tokens: torch.Tensor,  # [R] int64
     tensors: SamplingTensors,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # [L], [L, K] ids, [L, K] values
-    """Logprobs under the raw distribution: before temperature, top-k and top-p."""
+    """Logprobs under the raw distribution: before the logits processors, temperature, top-k and top-p."""
     rows = tensors.logprob_rows
     if len(rows) == tensors.num_rows:  # then the rows in order
         picked, chosen_tokens = logits, tokens
