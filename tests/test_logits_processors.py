@@ -276,3 +276,36 @@ def test_min_tokens_has_no_work_once_reached() -> None:
     assert pt is not None and sorted(pt.ban_ids.tolist()) == [2, 9]  # EOS and the stop id in the vocabulary
     seq.token_ids.append(4)
     assert processors.prepare([seq], np.array([4])) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_processors_match_the_reference_and_never_wait_for_the_device() -> None:
+    """The same rules on the GPU, with a 128k vocabulary's worth of columns, and no host synchronization
+    from building the columns to the draw (the runner queues the sampler behind a forward in flight)."""
+    rng = random.Random(2)
+    device = torch.device("cuda")
+    seqs = [random_seq(rng) for _ in range(64)]
+    for seq in seqs:
+        seq.params = SamplingParams(
+            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, min_p=0.05, top_p=0.9,
+            min_tokens=3, logit_bias=((5, 2.0),), bad_words=((4, 5), (6,)), max_tokens=64,
+        )  # fmt: skip
+    processors = LogitsProcessors(VOCAB, EOS, device)
+    position = np.array([len(s.token_ids) for s in seqs])
+    processors.prepare(seqs, position)  # fills the histories (one pinned copy)
+    logits = torch.randn(len(seqs), VOCAB, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pt = processors.prepare(seqs, position)
+        assert pt is not None
+        processed = apply_processors(logits, pt)
+        seed = np.arange(len(seqs), dtype=np.uint64)
+        tensors = SamplingTensors.from_params([s.params for s in seqs], seed, position, device, pt)
+        out = sample_tensors(logits, tensors)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out.start_copy().wait()
+    for j, seq in enumerate(seqs):
+        assert_rows_match(processed[j].cpu(), reference(logits[j].cpu(), seq))

@@ -142,7 +142,9 @@ class TokenHistory:
         out_slots, out_ids, dev_tail = rest[:num_out], rest[num_out : 2 * num_out], rest[2 * num_out :]
         self.counts.index_fill_(0, dev_slots, 0)
         self.in_prompt.index_fill_(0, dev_slots, False)
-        self.in_prompt[prompt_slots, prompt_ids] = True
+        self.in_prompt.index_put_(
+            (prompt_slots, prompt_ids), torch.ones((), dtype=torch.bool, device=self.device)
+        )
         ones = torch.ones(num_out, dtype=torch.int32, device=self.device)
         self.counts.index_put_((out_slots, out_ids), ones, accumulate=True)
         self.tail.index_copy_(0, dev_slots, dev_tail.view(n, TAIL))
@@ -354,7 +356,9 @@ def apply_processors(logits: torch.Tensor, pt: ProcessorTensors) -> torch.Tensor
     neg_inf = torch.full((), float("-inf"), device=out.device)  # a fill on the device, not a host copy
     if len(pt.allowed_rows):
         blocked = torch.ones((len(pt.allowed_rows), vocab), dtype=torch.bool, device=out.device)
-        blocked[pt.allowed_index, pt.allowed_ids] = False
+        blocked.index_put_(
+            (pt.allowed_index, pt.allowed_ids), torch.zeros((), dtype=torch.bool, device=out.device)
+        )
         rows = out.index_select(0, pt.allowed_rows).masked_fill_(blocked, float("-inf"))
         out.index_copy_(0, pt.allowed_rows, rows)
     if len(pt.word_rows) and pt.history is not None:
