@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import ApiError, unavailable
+from api.generation_config import GenerationDefaults, load_generation_defaults
 from client import AsyncEngineClient
 from client.detokenizer import TokenStrings
 from common.config import ApiConfig
@@ -38,6 +39,8 @@ class ServedModel:
     token_strings: TokenStrings  # per-token text and bytes for logprobs
     longest_token_chars: int = 64  # characters of the vocabulary's longest token (its piece, as stored)
     scheduling_policy: str = "fcfs"  # the scheduler's: under fcfs a request's priority would change nothing
+    # what a request that leaves a sampling field out gets (api/generation_config.py)
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
     @property
     def max_prompt_chars(self) -> int:
@@ -204,6 +207,9 @@ class ModelState:
             token_strings=tokenizer.token_strings,
             longest_token_chars=tokenizer.longest_token_chars,
             scheduling_policy=info.scheduling_policy,
+            generation_defaults=await asyncio.to_thread(
+                load_generation_defaults, tokenizer.root, self._config.generation_config
+            ),
         )
         log.info("model_ready", model=model.name, root=model.root, max_model_len=model.max_model_len)
         return model

@@ -24,6 +24,14 @@ from api.fields import (
     is_int,
 )
 from api.model import ServedModel
+from api.sampling_fields import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    PROCESSOR_FIELDS,
+    default_max_tokens,
+    min_tokens,
+    processor_fields,
+    sampling_defaults,
+)
 from api.scheduling import parse_priority
 from api.scoring import SCORING_FIELDS, OutputOptions, parse_output_options
 from common.messages import SamplingParams
@@ -44,6 +52,7 @@ SAMPLING_FIELDS = frozenset(
     {"model", "n", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream"}
     | {"stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
     | {"min_tokens", "min_p", "max_tokens"}
+    | PROCESSOR_FIELDS
 )
 # How the scheduler treats the request rather than what it generates (vLLM's extensions of the same names).
 SCHEDULING_FIELDS = frozenset({"priority", "cache_salt"})
@@ -87,7 +96,13 @@ def _too_long(what: str, num_tokens: int | None, model: ServedModel) -> ApiError
     )
 
 
-def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel) -> int:
+def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int = 0) -> int:
+    """The request's max_tokens; when it has none, `default` (if > 0), else the checkpoint's
+    generation_config max_new_tokens (api/sampling_fields.py), cut to what fits, else as much as fits."""
+    return _requested_tokens(requested, prompt, model, default or default_max_tokens(model))
+
+
+def _requested_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int) -> int:
     room = model.max_model_len - len(prompt)
     if room < 1:
         raise _too_long("prompt", len(prompt), model)
@@ -100,6 +115,8 @@ def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel) ->
         )
     if requested is not None:
         return requested
+    if default > 0:
+        return min(default, room)
     # By default, as much as fits: in the context, and (for one sequence) in the KV pool.
     pool_room = model.kv_capacity_tokens - len(prompt)
     return min(room, pool_room) if pool_room > 0 else room
@@ -122,17 +139,14 @@ def _generation_request(
     model: ServedModel,
     beam_width: int = 0,
     echo: bool = False,
+    default_max_tokens: int = 0,  # when max_tokens is left out (0: as much as fits)
 ) -> GenerationRequest:
-    for name in ("presence_penalty", "frequency_penalty", "min_p"):
-        f.neutral(name, 0)
-    f.neutral("repetition_penalty", 1)
-    f.neutral("min_tokens", 0)
-    f.neutral("logit_bias", {})
-    top_k = f.integer("top_k", 0, lo=-1)
+    temperature, top_p, top_k = sampling_defaults(model, beam=bool(beam_width))  # generation_config's
+    top_k = f.integer("top_k", top_k, lo=-1)
     sampling: dict[str, Any] = dict(
         n=f.integer("n", 1, lo=1, hi=MAX_N),  # type: ignore[arg-type]
-        temperature=f.number("temperature", 0.0 if beam_width else 1.0, 0.0, 100.0),
-        top_p=f.number("top_p", 1.0, 0.0, 1.0),
+        temperature=f.number("temperature", temperature, 0.0, 100.0),
+        top_p=f.number("top_p", top_p, 0.0, 1.0),
         top_k=max(top_k or 0, 0),  # -1 means off, as in vLLM
         seed=f.integer("seed", None, lo=-(2**63), hi=2**64 - 1),
         stop_token_ids=f.token_ids("stop_token_ids", model.vocab_size),
@@ -143,6 +157,7 @@ def _generation_request(
         length_penalty=(
             f.number("length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY) if beam_width else 1.0
         ),
+        **processor_fields(f, model, beam=bool(beam_width)),
     )
     stream = f.boolean("stream")
     outputs, output_fields = parse_output_options(f, num_logprobs, max_tokens, stream, echo)
@@ -151,7 +166,8 @@ def _generation_request(
     problem = SamplingParams(**sampling).validate()
     if problem is not None:
         raise invalid(problem)
-    params = [SamplingParams(**sampling, max_tokens=_max_tokens(max_tokens, p, model)) for p in prompts]
+    lengths = [_max_tokens(max_tokens, p, model, default_max_tokens) for p in prompts]
+    params = [SamplingParams(**sampling, max_tokens=n, min_tokens=min_tokens(f, n)) for n in lengths]
     if stream and beam_width:
         raise invalid("beam search results are complete only at the end: 'stream' is not supported", "stream")
     options = f.body.get("stream_options")
@@ -215,7 +231,10 @@ def parse_completion(body: Any, model: ServedModel, max_seqs: int) -> Generation
     num_logprobs = f.integer("logprobs", None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
     max_tokens = f.integer("max_tokens", None, lo=0 if echo else 1, hi=2**63)  # 0 with echo: the prompt alone
     prompts = _completion_prompts(body.get("prompt"), model, max(n, beam_width), max_seqs)  # type: ignore[type-var]
-    return _generation_request(f, prompts, max_tokens, num_logprobs, model, beam_width, echo)
+    return _generation_request(
+        f, prompts, max_tokens, num_logprobs, model, beam_width, echo=echo,
+        default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
+    )  # fmt: skip
 
 
 def _message_content(message: dict[str, Any], i: int) -> str:

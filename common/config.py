@@ -40,6 +40,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 Quantization = Literal["", "fp8"]
+GenerationConfigMode = Literal["auto", "none"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,12 @@ class ApiConfig:
     log_level: str = "info"  # debug, info, warning or error: the least severe events logged
     # With a Hugging Face repo id as --model: the branch, tag or commit (empty: main)
     revision: str = ""
+    # auto: the checkpoint's generation_config.json gives the defaults of temperature, top_p, top_k, min_p,
+    # repetition_penalty and chat max_tokens (max_new_tokens) that a request leaves out, as vLLM's; none: ours
+    generation_config: GenerationConfigMode = "auto"
+
+    def __post_init__(self) -> None:
+        check_choices(self)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,18 @@ from common.wire_types import (
 
 MAX_GRAMMAR_CHARS = 1 << 18  # a JSON schema's text, a regex or a grammar
 MAX_CHOICES = 1024
+# Bounds of the logits processors' parameters (worker/logits_processors.py): each entry costs the sampler a
+# little work every step, so a request's lists are bounded well above what clients send.
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_BAD_WORDS = 128  # bad_words token sequences (the api tokenizes each word up to two ways)
+MAX_BAD_WORD_TOKENS = 32  # tokens in one bad word
+MAX_ALLOWED_TOKEN_IDS = 1 << 16
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| and repetition_penalty, as OpenAI's and vLLM's
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias|, as OpenAI's
+
+Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+BiasValue = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]
+BadWord = Annotated[tuple[TokenId, ...], Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -68,6 +80,21 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # OpenAI's: subtracted from a token's logit once if it was generated (presence) or per time (frequency)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # vLLM's: a token of the prompt or the output has its logit divided by this if positive, else multiplied
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_PENALTY)] = 1.0
+    # tokens less likely than min_p x the most likely one (after temperature) are dropped; 0: off
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    # EOS and stop_token_ids cannot be drawn before this many tokens are generated (<= max_tokens)
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_INT32)] = 0
+    # (token id, bias) pairs, each token at most once: the bias is added to that token's logit
+    logit_bias: Annotated[tuple[tuple[TokenId, BiasValue], ...], Meta(max_length=MAX_LOGIT_BIAS)] = ()
+    # token sequences never generated: a word's last token is banned where the output ends with the rest
+    bad_words: Annotated[tuple[BadWord, ...], Meta(max_length=MAX_BAD_WORDS)] = ()
+    # non-empty: every other token is masked out
+    allowed_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_ALLOWED_TOKEN_IDS)] = ()
 
     MAX_LOGPROBS: ClassVar[int] = 20
     MAX_BEAM_WIDTH: ClassVar[int] = 16
@@ -75,6 +102,30 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
     @property
     def beam(self) -> bool:  # beam search: a beam reports candidates, the scheduler chooses its tokens
         return self.beam_width > 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler needs this sequence's token history (penalties, multi-token bad words)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or any(len(w) > 1 for w in self.bad_words)
+        )
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor (worker/logits_processors.py) applies to this sequence's logits."""
+        return bool(
+            self.min_p
+            or self.min_tokens
+            or self.logit_bias
+            or self.bad_words
+            or self.allowed_token_ids
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def num_logprobs(self) -> int:
@@ -127,7 +178,53 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
                 return "logprobs are not available with beam search"
             if self.prompt_logprobs is not None:
                 return "prompt_logprobs are not available with beam search"
+        return self._processors_problem()
+
+    def _processors_problem(self) -> str | None:
+        """Why the logits processors' parameters are unusable, or None."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                return f"{name} must be between -{MAX_PENALTY} and {MAX_PENALTY}, got {getattr(self, name)}"
+        if not 0.0 < self.repetition_penalty <= MAX_PENALTY:
+            return f"repetition_penalty must be in (0, {MAX_PENALTY}], got {self.repetition_penalty}"
+        if not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be between 0 and 1, got {self.min_p}"
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            return f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            return f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}"
+        if any(not 0 <= t <= MAX_INT32 for t, _ in self.logit_bias):
+            return f"logit_bias token ids must be between 0 and {MAX_INT32}"
+        if any(not -MAX_LOGIT_BIAS_VALUE <= b <= MAX_LOGIT_BIAS_VALUE for _, b in self.logit_bias):
+            return f"logit_bias values must be between -{MAX_LOGIT_BIAS_VALUE} and {MAX_LOGIT_BIAS_VALUE}"
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            return "logit_bias names a token more than once"
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            return f"at most {MAX_BAD_WORDS} bad word token sequences, got {len(self.bad_words)}"
+        if any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
+            return f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens"
+        if any(not 0 <= t <= MAX_INT32 for w in self.bad_words for t in w):
+            return f"bad word token ids must be between 0 and {MAX_INT32}"
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            return f"at most {MAX_ALLOWED_TOKEN_IDS} allowed_token_ids, got {len(self.allowed_token_ids)}"
+        if any(not 0 <= t <= MAX_INT32 for t in self.allowed_token_ids):
+            return f"allowed_token_ids must be between 0 and {MAX_INT32}"
+        if self.beam_width and self.processed:
+            # A beam's candidates are the raw distribution's best tokens: a processor would change nothing.
+            return "penalties, min_p, min_tokens, logit_bias, bad_words and allowed_token_ids need sampling"
         return None
+
+    def vocab_problem(self, vocab_size: int) -> str | None:
+        """Why a token id of these parameters lies outside the model's vocabulary [0, vocab_size), or None
+        (the scheduler checks it: the sampler indexes the logits by these ids; stop_token_ids outside it are
+        harmless, never drawn, and the sampler skips them)."""
+        ids = (
+            *(t for t, _ in self.logit_bias),
+            *(t for w in self.bad_words for t in w),
+            *self.allowed_token_ids,
+        )
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        return None if bad is None else f"token id {bad} is outside the vocabulary [0, {vocab_size})"
 
 
 def _encodes(text: str) -> bool:

@@ -113,6 +113,9 @@ def check_request(settings: SchedulerSettings, msg: SubmitRequest) -> str | None
     if not all(type(t) is int and 0 <= t < vocab for t in prompt):
         bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
         return f"token id {bad!r} is outside the vocabulary [0, {vocab})"
+    problem = msg.params.vocab_problem(vocab)
+    if problem is not None:
+        return problem
     total = len(prompt) + msg.params.max_tokens
     if total > settings.max_model_len:
         return (

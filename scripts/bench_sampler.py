@@ -5,6 +5,11 @@
 `sample()` is the compatibility entry (rows built into tensors, drawn, copied back, unpacked); `prepared`
 times `sample_tensors(...).start_copy().wait()` with the SamplingTensors built beforehand, as the model
 runner can do before its forward pass. Both include the wait for the device and the one copy of the results.
+
+The second table is the per-step cost of the logits processors (worker/logits_processors.py) at batch sizes
+up to --batch: a top-p=0.9 step as the model runner does it (columns from the sequences, the draw, the copy
+back) against the same step with presence, frequency and repetition penalties and min_p on every sequence,
+and with 16 logit_bias entries besides; each sequence has a 512-token prompt and 512 generated tokens.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.messages import SamplingParams  # noqa: E402
 from scripts._bench import format_table, run_record, time_repeats, write_json  # noqa: E402
+from worker.logits_processors import LogitsProcessors  # noqa: E402
 from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors  # noqa: E402
 
 
@@ -45,6 +52,67 @@ CASES: dict[str, Callable[[random.Random], SamplingRow]] = {
         rng.choice([-1, -1, 5]),
     ),
 }
+
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, min_p=0.05)
+PROCESSOR_CASES: dict[str, dict] = {
+    "top_p=0.9": {},
+    "+penalties+min_p": PENALTIES,
+    "+penalties+min_p+logit_bias": {**PENALTIES, "logit_bias": tuple((t * 37, 1.5) for t in range(16))},
+}
+
+
+class _Seq:
+    """What the processors read of a worker sequence."""
+
+    def __init__(self, params: SamplingParams, token_ids: list[int], prompt_len: int) -> None:
+        self.params, self.token_ids, self.prompt_len, self.pending = params, token_ids, prompt_len, 0
+        self.processed = params.processed
+
+
+def processor_step(
+    logits: torch.Tensor, seqs: list[_Seq], processors: LogitsProcessors, device: torch.device
+) -> None:
+    """One step's sampling as the model runner does it: columns, processors, draw, copy back."""
+    n = len(seqs)
+    position = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
+    tensors = SamplingTensors.from_params(
+        [s.params for s in seqs],
+        seed=np.arange(n, dtype=np.uint64),
+        position=position,
+        device=device,
+        processors=processors.prepare(seqs, position),
+    )
+    sample_tensors(logits, tensors).start_copy().wait()
+
+
+def processor_results(args: argparse.Namespace, logits: torch.Tensor, device: torch.device) -> list[dict]:
+    results = []
+    batches = [b for b in (1, 16, 64, 256) if b < args.batch] + [args.batch]
+    for batch in batches:
+        plain_ms = 0.0
+        for name, fields in PROCESSOR_CASES.items():
+            rng = random.Random(0)
+            params = SamplingParams(temperature=0.8, top_p=0.9, **fields)
+            seqs = [_Seq(params, [rng.randrange(args.vocab) for _ in range(1024)], 512) for _ in range(batch)]
+            processors = LogitsProcessors(args.vocab, (0,), device)
+            rows = logits[:batch]
+            processor_step(rows, seqs, processors, device)  # fills the token histories once
+            step = lambda rows=rows, seqs=seqs, processors=processors: processor_step(  # noqa: E731
+                rows, seqs, processors, device
+            )
+            ms = median_seconds(step, args.iters, device) * 1e3
+            position = np.full(batch, 1024, dtype=np.int64)
+            prepare = lambda seqs=seqs, processors=processors, position=position: processors.prepare(  # noqa: E731
+                seqs, position
+            )
+            host_ms = median_seconds(prepare, args.iters, device) * 1e3
+            plain_ms = plain_ms or ms
+            overhead = 100 * (ms / plain_ms - 1)
+            results.append(
+                {"batch": batch, "case": name, "step_ms": ms, "prepare_ms": host_ms, "overhead_pct": overhead}
+            )
+    return results
 
 
 def median_seconds(fn: Callable[[], object], iters: int, device: torch.device) -> float:
@@ -79,8 +147,21 @@ def main() -> None:
         results.append({"case": name, "sample_ms": plain * 1e3, "prepared_ms": prepared * 1e3})
     cells = [[r["case"], f"{r['sample_ms']:.3f}", f"{r['prepared_ms']:.3f}"] for r in results]
     print(format_table(["case", "sample() ms", "prepared ms"], cells))
+    processors = processor_results(args, logits, device)
+    cells = [
+        [
+            str(r["batch"]),
+            r["case"],
+            f"{r['step_ms']:.3f}",
+            f"{r['overhead_pct']:+.1f}%",
+            f"{r['prepare_ms']:.3f}",
+        ]
+        for r in processors
+    ]
+    print(format_table(["batch", "logits processors", "step ms", "vs top_p", "host prepare ms"], cells))
     report = {"batch": args.batch, "vocab": args.vocab, "dtype": str(dtype), "device": str(device)}
-    write_json(args.out, {**report, "results": results, "record": run_record(__file__)})
+    record = run_record(__file__)
+    write_json(args.out, {**report, "results": results, "processors": processors, "record": record})
 
 
 if __name__ == "__main__":

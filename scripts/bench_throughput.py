@@ -40,6 +40,11 @@ KV rows of docs/benchmarks.md (Llama-3.2-1B shape at /tmp/m1b; same tokens, then
         --max-model-len 2048 --runs paged --repeats 2 \
         --compare kv_cache_dtype=auto,num_kv_blocks=8192 kv_cache_dtype=fp8,num_kv_blocks=16384
 
+The logits processors' cost (issue 22: penalties + top-p + min_p on every request within 5% of plain):
+
+    python3 scripts/bench_throughput.py --model /tmp/m1b --device cuda --num-requests 1000 \
+        --max-model-len 2048 --runs paged --repeats 2 --compare sampling=plain sampling=penalties
+
 FP8 weights against bf16 (Llama-3-8B shape at /tmp/m8b, quantized at load; docs/models.md "Quantized
 checkpoints"), same KV pool on both sides:
 
@@ -107,11 +112,25 @@ COMPARE_KEYS: dict[str, Callable[[str], object]] = {
     "max_num_batched_tokens": int,
     "max_model_len": int,
     "tree": Path,  # another checkout (e.g. `git worktree add /tmp/base COMMIT`) whose processes run
+    "sampling": str,  # a name of SAMPLING
+}
+# What every request of the workload samples with (`--sampling`), besides its length, ignore_eos and seed:
+# the default (temperature 1, the whole vocabulary), top-p alone, or the logits processors with top-p.
+SAMPLING: dict[str, dict[str, float]] = {
+    "plain": {},
+    "top_p": {"top_p": 0.9},
+    "penalties": {
+        "top_p": 0.9,
+        "min_p": 0.05,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.1,
+    },
 }
 PEERS = ("hf-static", "hf-continuous")
 # The settings the JSON's "workload" records.
 WORKLOAD_KEYS = """num_requests min_prompt_len max_prompt_len min_output_len max_output_len seed num_kv_blocks
-max_num_seqs max_num_batched_tokens device""".split()
+max_num_seqs max_num_batched_tokens device sampling""".split()
 _NEEDS_PSUTIL = "hf-continuous on the CPU needs psutil: transformers checks the free memory through it"
 
 
@@ -149,6 +168,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
+    )
+    p.add_argument(
+        "--sampling",
+        default="plain",
+        choices=tuple(SAMPLING),
+        help="what every request samples with: plain (temperature 1), top_p (0.9), or penalties (presence, "
+        "frequency and repetition penalties, min_p 0.05 and top_p 0.9)",
     )
     p.add_argument("--runs", default=None, help=f"comma-separated runs, one after another: {','.join(RUNS)}")
     p.add_argument(
@@ -268,7 +294,9 @@ async def run_engine(
         start = time.perf_counter()
         handles = []
         for i, req in enumerate(workload):
-            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, seed=args.seed + i)
+            params = SamplingParams(
+                max_tokens=req.output_len, ignore_eos=True, seed=args.seed + i, **SAMPLING[args.sampling]
+            )
             handles.append(await client.submit_one(req.prompt_token_ids, params))
         results = list(await asyncio.gather(*(h.result() for h in handles)))
         wall_s = time.perf_counter() - start

@@ -122,7 +122,10 @@ def valid_values(t: msgspec.inspect.Type) -> st.SearchStrategy[Any]:
     if isinstance(t, mi.UnionType):
         return st.one_of(*[valid_values(u) for u in t.types])
     if isinstance(t, (mi.ListType, mi.VarTupleType)):
-        items = st.lists(valid_values(t.item_type), max_size=min(t.max_length or SMALL, SMALL))
+        low = t.min_length or 0
+        items = st.lists(
+            valid_values(t.item_type), min_size=low, max_size=max(low, min(t.max_length or SMALL, SMALL))
+        )
         return items if isinstance(t, mi.ListType) else items.map(tuple)
     if isinstance(t, mi.TupleType):
         return st.tuples(*[valid_values(u) for u in t.item_types])

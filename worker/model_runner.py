@@ -31,6 +31,7 @@ from worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from worker.inputs import HostInputs, build_inputs, host_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
 from worker.loader import load_model_config, load_weights
+from worker.logits_processors import LogitsProcessors
 from worker.model_config import resolve_max_model_len
 from worker.models.registry import build_model
 from worker.parallel import ParallelContext
@@ -63,14 +64,18 @@ class LaunchedStep:
         return self.rows[seq_id]
 
 
-def _sampling_tensors(samplers: list[SeqState], device: torch.device) -> SamplingTensors:
+def _sampling_tensors(
+    samplers: list[SeqState], device: torch.device, processors: LogitsProcessors | None = None
+) -> SamplingTensors:
     """The sampler's parameters of `samplers`, a column at a time (no object per row: it runs every step)."""
     n = len(samplers)
+    position = np.fromiter((len(s.token_ids) + s.pending for s in samplers), np.int64, n)
     return SamplingTensors.from_params(
         [s.params for s in samplers],
         seed=np.fromiter((s.seed & MASK64 for s in samplers), np.uint64, n),
-        position=np.fromiter((len(s.token_ids) + s.pending for s in samplers), np.int64, n),
+        position=position,
         device=device,
+        processors=processors.prepare(samplers, position) if processors is not None else None,
     )
 
 
@@ -169,6 +174,8 @@ class ModelRunner:
         # With `trace_launches`: the host clock (perf_counter) at each phase of the last launch, by name
         self.trace_launches = False
         self.launch_marks: dict[str, float] = {}
+        eos = tuple(self.model_config.eos_token_ids)  # min_tokens bans them (with the stop ids)
+        self.logits_processors = LogitsProcessors(self.model_config.vocab_size, eos, self.device)
 
     @torch.inference_mode()
     def _profile_peak_memory(self, cfg: WorkerConfig) -> int:
@@ -398,7 +405,7 @@ class ModelRunner:
             seq_ids += [fork.child_seq_id for fork in plan.forks]
             samplers += self.sequences.fork(plan)
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
-        sampling_tensors = _sampling_tensors(samplers, self.device)
+        sampling_tensors = _sampling_tensors(samplers, self.device, self.logits_processors)
         mark("sampling_params")
         out = sample_tensors(logits, sampling_tensors)
         copy = out.start_copy()

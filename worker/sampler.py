@@ -19,13 +19,14 @@ through has a shape that depends on its own parameters, not on its batch-mates':
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 import torch
 
 from common.messages import SamplingParams, TokenLogprobs
+from worker.logits_processors import ProcessorTensors, apply_processors, record_sampled
 
 MASK64 = (1 << 64) - 1  # a seed's low 64 bits: what its draws depend on
 _MIN_TOP_K_WIDTH = 64  # narrower candidate sets save nothing on a GPU, and 64 columns reduce like wider ones
@@ -124,6 +125,7 @@ class SamplingTensors:
     logprob_rows: torch.Tensor  # [L] int64: the rows that asked for logprobs
     logprob_rows_host: np.ndarray  # [L] the same, on the host
     num_logprobs: np.ndarray  # [L] how many top logprobs each of them asked for
+    processors: ProcessorTensors | None = None  # penalties, min_p, ... (worker/logits_processors.py)
 
     @property
     def all_greedy(self) -> bool:  # then sampling is one argmax
@@ -149,11 +151,12 @@ class SamplingTensors:
         seed: np.ndarray,  # [R] uint64, or int64 holding the same bits
         position: np.ndarray,  # [R] index of the token being sampled
         device: torch.device | str,
+        processors: ProcessorTensors | None = None,  # LogitsProcessors.prepare of the same rows
     ) -> SamplingTensors:
         """The rows' parameters as columns (one pass per field, no object per row: it runs every step).
         A new sampling parameter is read here from SamplingParams and applied in `sample_tensors`."""
         n = len(params)
-        return cls.from_arrays(
+        tensors = cls.from_arrays(
             temperature=np.fromiter((p.temperature for p in params), np.float64, n),
             top_k=np.fromiter((p.top_k for p in params), np.int64, n),
             top_p=np.fromiter((p.top_p for p in params), np.float64, n),
@@ -162,6 +165,7 @@ class SamplingTensors:
             num_logprobs=np.fromiter((p.num_logprobs for p in params), np.int64, n),
             device=device,
         )
+        return tensors if processors is None else replace(tensors, processors=processors)
 
     @classmethod
     def from_arrays(
@@ -307,6 +311,9 @@ def sample_tensors(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOut
     """Draws every row of `logits` ([R, V], any float dtype) on its device without waiting for it: an argmax
     for the greedy rows, then each draw group on its own rows, written over the argmax."""
     num_rows = tensors.num_rows
+    raw = logits  # logprobs are the raw distribution's
+    if tensors.processors is not None:
+        logits = apply_processors(logits, tensors.processors)
     if tensors.any_greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -329,10 +336,12 @@ def sample_tensors(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOut
             tokens = drawn
         else:
             tokens.index_copy_(0, rows, drawn)
+    if tensors.processors is not None:
+        record_sampled(tokens, tensors.processors)
 
     chosen = top_ids = top_logprobs = None
     if len(tensors.logprob_rows_host):
-        chosen, top_ids, top_logprobs = _logprobs(logits, tokens, tensors)
+        chosen, top_ids, top_logprobs = _logprobs(raw, tokens, tensors)
     return SamplerOutput(
         tokens, chosen, top_ids, top_logprobs, tensors.logprob_rows_host, tensors.num_logprobs
     )
@@ -414,7 +423,7 @@ def _logprobs(
     tokens: torch.Tensor,  # [R] int64
     tensors: SamplingTensors,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # [L], [L, K] ids, [L, K] values
-    """Logprobs under the raw distribution: before temperature, top-k and top-p."""
+    """Logprobs under the raw distribution: before the logits processors, temperature, top-k and top-p."""
     rows = tensors.logprob_rows
     if len(rows) == tensors.num_rows:  # then the rows in order
         picked, chosen_tokens = logits, tokens

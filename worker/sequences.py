@@ -96,6 +96,7 @@ class SeqState:
     beam: bool = False  # report candidates, append nothing: the scheduler chooses the beam's tokens
     pending: int = 0  # tokens sampled by a launched step that has not finished: not in token_ids yet
     prompt_len: int = 0  # token_ids[:prompt_len] is the prompt, the rest was generated
+    processed: bool = False  # params.processed, kept for the step's host work (worker/logits_processors.py)
 
     @classmethod
     def from_new(cls, s: NewSequence, row: int) -> SeqState:
@@ -108,6 +109,7 @@ class SeqState:
             row,
             s.params.beam,
             prompt_len=len(s.token_ids) - s.num_output_tokens,
+            processed=s.params.processed,
         )
 
 

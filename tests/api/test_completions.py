@@ -38,16 +38,25 @@ def test_completion_returns_the_decoded_text_and_usage(server: ApiServer, tokeni
     }
 
 
-def test_max_tokens_defaults_to_the_rest_of_the_context(server: ApiServer) -> None:
+def test_max_tokens_defaults_to_16_as_openai_and_vllm(server: ApiServer) -> None:
     body = server.post("/v1/completions", {"prompt": list(range(1, 11))}).json()
-    assert server.fake.submits()[-1].params.max_tokens == 256 - 10
-    assert body["usage"]["completion_tokens"] == 246 and body["choices"][0]["finish_reason"] == "length"
+    assert server.fake.submits()[-1].params.max_tokens == 16
+    assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length"
 
 
-def test_default_max_tokens_also_fits_the_kv_pool(make_server: Any) -> None:
+def test_default_max_tokens_is_cut_to_the_rest_of_the_context(server: ApiServer) -> None:
+    body = server.post("/v1/completions", {"prompt": list(range(1, 251))}).json()
+    assert server.fake.submits()[-1].params.max_tokens == 256 - 250
+    assert body["usage"]["completion_tokens"] == 6
+
+
+def test_chat_max_tokens_defaults_to_what_fits_the_kv_pool(make_server: Any) -> None:
     server = make_server(num_kv_blocks=4)  # 64 tokens of KV, less than the 256-token context
-    body = server.post("/v1/completions", {"prompt": list(range(1, 11))}).json()
-    assert server.fake.submits()[-1].params.max_tokens == 54 and body["usage"]["completion_tokens"] == 54
+    messages = [{"role": "user", "content": "hi"}]
+    body = server.post("/v1/chat/completions", {"messages": messages}).json()
+    submitted = server.fake.submits()[-1]
+    assert submitted.params.max_tokens == 64 - len(submitted.prompt_token_ids)
+    assert body["usage"]["completion_tokens"] == submitted.params.max_tokens
 
 
 def test_stream_is_framed_as_sse_and_adds_up_to_the_full_text(server: ApiServer) -> None:

@@ -263,3 +263,34 @@ def test_a_priority_under_the_default_fcfs_policy_is_refused(server):
         status == 400 and body["error"]["message"] == "Got priority 1 but Priority scheduling is not enabled."
     )
     assert post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 2, "priority": 0})[0] == 200
+
+
+def test_logits_processors_change_what_is_sampled(server):
+    """Through the official client: allowed_token_ids and a +100 logit_bias on the same token draw only it,
+    penalties change a greedy output, and an out-of-range penalty is a 400."""
+
+    async def run():
+        client = _client(server)
+        model = (await client.models.list()).data[0].id
+        common = dict(model=model, prompt=[5, 6, 7, 8], max_tokens=8, temperature=1.0, seed=3)
+        only = await client.completions.create(
+            **common, extra_body={"allowed_token_ids": [100], "ignore_eos": True}
+        )
+        biased = await client.completions.create(
+            **common, logit_bias={"100": 100}, extra_body={"ignore_eos": True}
+        )
+        plain = await client.completions.create(**common, extra_body={"ignore_eos": True})
+        assert only.choices[0].text == biased.choices[0].text != plain.choices[0].text
+        assert only.usage.completion_tokens == biased.usage.completion_tokens == 8
+        greedy = dict(model=model, prompt="The quick brown fox", max_tokens=16, temperature=0)
+        base = await client.completions.create(**greedy, extra_body={"ignore_eos": True})
+        penalized = await client.completions.create(
+            **greedy, frequency_penalty=2.0, presence_penalty=2.0, extra_body={"ignore_eos": True}
+        )
+        assert base.choices[0].text != penalized.choices[0].text
+        with pytest.raises(BadRequestError):
+            await client.completions.create(**greedy, presence_penalty=3.0)
+        await client.close()
+
+    asyncio.run(run())
+    server.wait_until_idle()
