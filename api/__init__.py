@@ -12,7 +12,7 @@ sampling_fields.py  penalties, min_p, min_tokens, logit_bias, bad_words, allowed
                   of what a request leaves out (generation_config.py: the checkpoint's generation_config.json)
 generation.py     one HTTP request's scheduler requests merged into one stream of choices; usage
 openai_format.py  response bodies and stream chunks, logprobs in both OpenAI shapes
-scoring.py        what a response shows of its prompts: echo, vLLM's prompt_logprobs, return_tokens_as_token_ids
+scoring.py        what a response shows of its prompt: echo, prompt_logprobs, return_tokens_as_token_ids
                   and the text options (include_stop_str_in_output, skip_special_tokens, ...)
 model.py          the tokenizer, loaded from --model at start; the served model's name and limits, learnt
                   from the scheduler once a worker is ready (503 while it serves another checkpoint)
