@@ -35,6 +35,18 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     choices: Annotated[
         tuple[Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)], ...], Meta(max_length=MAX_CHOICES)
     ] = ()
+    # JSON kinds: any whitespace between tokens (False: none, vLLM's disable_any_whitespace)
+    any_whitespace: bool = True
+
+    def validate(self) -> str | None:
+        """Why this constraint is unusable (the grammar itself is checked by the api, with xgrammar)."""
+        if self.kind in ("json_schema", "regex", "grammar") and not self.spec:
+            return f"a {self.kind} constraint needs its {self.kind.replace('_', ' ')}"
+        if self.kind == "choice" and not self.choices:
+            return "a choice constraint needs at least one choice"
+        if sum(len(c) for c in self.choices) > MAX_GRAMMAR_CHARS:
+            return f"the choices must total at most {MAX_GRAMMAR_CHARS} characters"
+        return None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
@@ -115,7 +127,20 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
                 return "temperature must be 0 with beam search"
             if self.logprobs is not None:
                 return "logprobs are not available with beam search"
+        if self.structured is not None:
+            return _structured_problem(self)
         return None
+
+
+def _structured_problem(params: SamplingParams) -> str | None:
+    """Structured output's rules: the sequence ends when its grammar is complete (EOS is then the only
+    token allowed), so it cannot ignore EOS; beam search keeps no grammar state per beam."""
+    assert params.structured is not None
+    if params.beam_width:
+        return "structured output is not available with beam search"
+    if params.ignore_eos:
+        return "ignore_eos cannot be combined with structured output: the output ends with its grammar"
+    return params.structured.validate()
 
 
 def _encodes(text: str) -> bool:

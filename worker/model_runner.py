@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from worker.parallel import ParallelContext
 from worker.plan_check import PlanLimits
 from worker.sampler import MASK64, SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
 from worker.sequences import BlockTableArray, SeqState, Sequences
+from worker.structured import StructuredOutputs, step_tokens
 
 
 @dataclass
@@ -139,6 +140,7 @@ class ModelRunner:
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             )
         )
+        self.structured = StructuredOutputs(cfg.model, self.vocab_size, self.eos_token_ids)
         self.graphs: DecodeGraphs | None = None
         # The torch reference reads lengths on the host (a sync a graph cannot hold): it runs eagerly.
         if self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_safe:
@@ -215,6 +217,7 @@ class ModelRunner:
             self.graphs = None
             self.mixed_graphs = None
             gc.collect()
+        self.structured.close()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -249,6 +252,7 @@ class ModelRunner:
         while self.in_flight:
             self.finish()
         self.sequences.clear()
+        self.structured.reset()
         self._last_ended = None
         self.last_step_gpu_s = 0.0
         self.num_tokens_fed = 0
@@ -352,6 +356,7 @@ class ModelRunner:
         mark = self._mark_launch
         mark("start")
         seqs = self.sequences.apply(plan, self.kv)
+        self.structured.on_plan(plan)
         num_tokens = plan.num_scheduled_tokens
         if not seqs:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
@@ -392,6 +397,9 @@ class ModelRunner:
             samplers += self.sequences.fork(plan)
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
         sampling_tensors = _sampling_tensors(samplers, self.device)
+        in_flight = lambda: step_tokens(self.in_flight[-1])  # noqa: E731 (tokens pending in the step before)
+        bitmask = self.structured.bitmask(seq_ids, samplers, in_flight, self.device)
+        sampling_tensors = replace(sampling_tensors, token_bitmask=bitmask) if bitmask else sampling_tensors
         mark("sampling_params")
         out = sample_tensors(logits, sampling_tensors)
         copy = out.start_copy()
