@@ -86,12 +86,14 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1, 4000) for _ in range(rng.randint(1, 30))] for _ in range(n)]
 
 
-def _schema_params(seed: int, num: int, n: int = 1) -> tuple[list[dict], list[SamplingParams]]:
+def _schema_params(
+    seed: int, num: int, n: int = 1, max_tokens: int = MAX_TOKENS
+) -> tuple[list[dict], list[SamplingParams]]:
     rng = random.Random(seed)
     schemas = [random_schema(rng) for _ in range(num)]
     params = [
         SamplingParams(
-            n=n, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed * 1000 + i,
+            n=n, max_tokens=max_tokens, temperature=1.0, seed=seed * 1000 + i,
             # any_whitespace lets a random model emit hundreds of whitespace tokens: see the matcher test
             structured=StructuredOutput("json_schema", json.dumps(s), any_whitespace=False),
         )
@@ -119,10 +121,10 @@ def test_random_schemas_give_valid_json(tiny_model_dir, pipelined):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_valid_under_preemption_and_forks(tiny_model_dir, mode):
-    """A pool of 40 blocks of 4 tokens for 8 requests x 2 samples: sequences are preempted (recomputed or
-    swapped) mid-document, and their grammars' states rebuilt or kept, and each fork its own matcher."""
-    runner = _runner(tiny_model_dir, 40)
-    schemas, params = _schema_params(seed=3, num=8, n=2)
+    """A pool of 66 blocks of 4 tokens for 8 requests x 2 samples: sequences are preempted (recomputed or
+    swapped) mid-document, their grammars' states rebuilt or kept, and each fork has its own matcher."""
+    runner = _runner(tiny_model_dir, 66)
+    schemas, params = _schema_params(seed=3, num=8, n=2, max_tokens=100)
     outputs, scheduler = _run(
         runner, _prompts(8, 1), params, pipelined=True, max_num_seqs=16, max_num_batched_tokens=64,
         preemption_mode=mode,
@@ -165,6 +167,7 @@ def test_free_and_constrained_rows_share_a_batch(tiny_model_dir):
     )
     prompts = _prompts(2, 3)
     alone, _ = _run(runner, prompts[:1], [free], max_num_seqs=8, max_num_batched_tokens=64)
+    runner.reset()  # a new scheduler's sequence ids start over
     both, _ = _run(runner, prompts, [free, constrained], max_num_seqs=8, max_num_batched_tokens=64)
     assert both[(0, 0)] == alone[(0, 0)]
     assert re.fullmatch("[a-f]{3,5}", _texts(runner, {(1, 0): both[(1, 0)]}, tiny_model_dir)[(1, 0)])
