@@ -24,6 +24,7 @@ from api.fields import (
     is_int,
 )
 from api.model import ServedModel
+from api.structured_fields import STRUCTURED_FIELDS, parse_structured
 from common.messages import SamplingParams
 
 # Accepted and dropped: they change nothing about the output.
@@ -46,9 +47,9 @@ SAMPLING_FIELDS = frozenset(
 # How the scheduler treats the request rather than what it generates (vLLM's extensions of the same names).
 SCHEDULING_FIELDS = frozenset({"priority", "cache_salt"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"}
+COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"} | STRUCTURED_FIELDS
 CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion_tokens", "logprobs"}
-CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"}
+CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"} | STRUCTURED_FIELDS
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -140,6 +141,7 @@ def _generation_request(
             f.number("length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY) if beam_width else 1.0
         ),
     )
+    sampling["structured"] = parse_structured(f.body)
     problem = SamplingParams(**sampling).validate()
     if problem is not None:
         raise invalid(problem)
@@ -263,9 +265,6 @@ def render_chat(messages: Any, model: ServedModel) -> list[int]:
 def parse_chat(body: Any, model: ServedModel, max_seqs: int) -> GenerationRequest:
     """A /v1/chat/completions body."""
     f = check_fields(body, CHAT_FIELDS)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise invalid("only the 'text' response_format is supported", "response_format")
     if body.get("tools"):
         raise invalid("tools are not supported", "tools")
     f.neutral("tool_choice", "none", "auto")
