@@ -133,13 +133,11 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
 
 
 def _structured_problem(params: SamplingParams) -> str | None:
-    """Structured output's rules: the sequence ends when its grammar is complete (EOS is then the only
-    token allowed), so it cannot ignore EOS; beam search keeps no grammar state per beam."""
+    """Structured output's rules: beam search keeps no grammar state per beam. (With ignore_eos, the tokens
+    after the grammar completes are EOS tokens, the only ones it allows then.)"""
     assert params.structured is not None
     if params.beam_width:
         return "structured output is not available with beam search"
-    if params.ignore_eos:
-        return "ignore_eos cannot be combined with structured output: the output ends with its grammar"
     return params.structured.validate()
 
 

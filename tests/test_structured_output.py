@@ -184,6 +184,21 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_sequence(tiny_model_dir):
     assert len(outputs[(1, 0)]) == 8
 
 
+def test_with_ignore_eos_the_completed_grammar_allows_only_eos(tiny_model_dir):
+    """The benchmarks' exact output lengths: past the grammar's end the sequence draws EOS until max_tokens."""
+    runner = _runner(tiny_model_dir, 400)
+    structured = StructuredOutput("regex", "[a-f]{2}")
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=2, ignore_eos=True, structured=structured)
+    outputs, _ = _run(
+        runner, _prompts(1, 5), [params], pipelined=True, max_num_seqs=8, max_num_batched_tokens=64
+    )
+    tokens = outputs[(0, 0)]
+    end = next(i for i, t in enumerate(tokens) if t in runner.eos_token_ids)
+    assert len(tokens) == 30 and all(t in runner.eos_token_ids for t in tokens[end:])
+    text = AutoTokenizer.from_pretrained(tiny_model_dir).decode(tokens[:end])
+    assert re.fullmatch("[a-f]{2}", text)
+
+
 def test_apply_token_bitmask_masks_exactly_the_forbidden_tokens():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 70, generator=gen)

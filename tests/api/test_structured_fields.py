@@ -108,7 +108,6 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("schema too deep", {"guided_json": _deep_schema(MAX_SCHEMA_DEPTH + 1)}, "guided_json"),
     ("schema too large", {"guided_json": {"enum": ["x" * MAX_GRAMMAR_CHARS]}}, "guided_json"),
     ("regex too large", {"guided_regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "guided_regex"),
-    ("with ignore_eos", {"guided_regex": "a+", "ignore_eos": True}, None),
 ]  # fmt: skip
 
 
