@@ -22,7 +22,7 @@ from scheduler.settings import SchedulerSettings
 from tests.structured_schemas import random_schema
 from worker.model_runner import ModelRunner
 from worker.sequences import SeqState
-from worker.structured import TokenBitmask, apply_token_bitmask
+from worker.structured import TokenBitmask, _unpack, apply_token_bitmask
 
 MAX_TOKENS = 400  # a random model at temperature 1 finishes these documents far sooner
 
@@ -185,7 +185,7 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_sequence(tiny_model_dir):
 
 
 def test_with_ignore_eos_the_completed_grammar_allows_only_eos(tiny_model_dir):
-    """The benchmarks' exact output lengths: past the grammar's end the sequence draws EOS until max_tokens."""
+    """Exact output lengths for the benchmarks: past the grammar's end, EOS until max_tokens."""
     runner = _runner(tiny_model_dir, 400)
     structured = StructuredOutput("regex", "[a-f]{2}")
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=2, ignore_eos=True, structured=structured)
@@ -211,6 +211,11 @@ def test_apply_token_bitmask_masks_exactly_the_forbidden_tokens():
     expected[3] = expected[3].masked_fill(~allowed[0], float("-inf"))
     expected[1] = expected[1].masked_fill(~allowed[1], float("-inf"))
     assert torch.equal(apply_token_bitmask(logits.clone(), bitmask), expected)
+    assert torch.equal(_unpack(bitmask.bitmask, 70).bool(), allowed)  # the torch fallback's unpacking
+    whole = TokenBitmask(torch.arange(2), bitmask.bitmask)  # every row constrained: masked in place
+    assert torch.equal(
+        apply_token_bitmask(logits[:2].clone(), whole)[1], expected[1].masked_fill(~allowed[1], float("-inf"))
+    )
 
 
 def test_any_whitespace_accepts_pretty_printed_json(tiny_model_dir):

@@ -220,11 +220,20 @@ def _to_device(rows: np.ndarray, mask: torch.Tensor, device: torch.device) -> To
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask | None) -> torch.Tensor:
-    """`logits` ([R, V]) with the tokens each constrained row's grammar forbids at -inf, in place."""
+    """`logits` ([R, V]) with the tokens each constrained row's grammar forbids at -inf, in place: xgrammar's
+    kernel (CUDA, or its CPU loop) on the constrained rows, gathered when they are not the whole batch."""
     if bitmask is None:
         return logits
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = (bitmask.bitmask[:, :, None] >> shifts).bitwise_and_(1).view(len(bitmask.rows), -1)[:, :vocab]
-    rows = logits.index_select(0, bitmask.rows).masked_fill_(allowed == 0, float("-inf"))
-    return logits.index_copy_(0, bitmask.rows, rows)
+    whole = len(bitmask.rows) == logits.shape[0]  # then the rows are 0..R-1 in order (the runner's)
+    rows = logits if whole else logits.index_select(0, bitmask.rows)
+    try:
+        xgr.apply_token_bitmask_inplace(rows, bitmask.bitmask, vocab_size=logits.shape[-1])
+    except (RuntimeError, ImportError):  # no kernel for this device or dtype: the same in torch ops
+        rows.masked_fill_(_unpack(bitmask.bitmask, logits.shape[-1]) == 0, float("-inf"))
+    return logits if whole else logits.index_copy_(0, bitmask.rows, rows)
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:  # [n, W] int32 -> [n, V] uint8 of 0/1
+    data = bitmask.contiguous().view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
+    shifts = torch.arange(8, device=data.device, dtype=torch.uint8)
+    return ((data[:, :, None] >> shifts) & 1).view(len(data), -1)[:, :vocab]
