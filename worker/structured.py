@@ -37,8 +37,8 @@ from worker.sequences import SeqState
 
 log = logging.getLogger(__name__)
 
-MAX_CACHED_GRAMMARS = 256  # compiled grammars kept for reuse (live matchers hold their own)
-COMPILE_TIMEOUT_S = 60.0  # how long a sequence that must sample waits for its grammar
+MAX_CACHED_GRAMMARS = 64  # compiled grammars kept for reuse (a 128k vocabulary's can be megabytes each)
+COMPILE_TIMEOUT_S = 20.0  # how long a sequence that must sample waits for its grammar (the step waits too)
 
 
 @dataclass
