@@ -267,6 +267,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     # The GPU's idle time from the end of the worker's previous step to this step's start, on the GPU's
     # own clock (0 for the first step, and off CUDA)
     gpu_idle_before_s: Seconds = 0.0
+    # sequences of seq_ids whose output constraint failed in the worker (their token is EOS): fail the request
+    failed_seq_ids: SeqIds = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, array_like=True):

@@ -62,6 +62,7 @@ def _run(runner: ModelRunner, prompts, params_list, pipelined: bool = False, **s
             last = not plan.scheduled_seq_ids
             done = [runner.finish() for _ in range(len(runner.in_flight) - (0 if last else 1))]
         for step in done:
+            assert scheduler.check_output(step) is None
             for _, out in scheduler.update(step):
                 outputs.setdefault((int(out.request_id[1:]), out.index), []).extend(out.token_ids)
     else:
@@ -174,13 +175,16 @@ def test_free_and_constrained_rows_share_a_batch(tiny_model_dir):
 
 
 def test_a_grammar_that_fails_to_compile_ends_only_its_sequence(tiny_model_dir):
-    """Past the api's check (a plan built in-process): the sequence whose grammar xgrammar refuses is ended
-    by its EOS at once; the worker and its batch-mate go on."""
+    """Past the api's check (a plan built in-process): the request whose grammar xgrammar refuses fails with
+    an error (its sequence drew EOS, the only token its mask allowed, which is not sent); the worker and
+    its batch-mate go on."""
     runner = _runner(tiny_model_dir, 400)
     bad = SamplingParams(max_tokens=50, temperature=1.0, structured=StructuredOutput("regex", "[a-"))
     good = SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
-    outputs, _ = _run(runner, _prompts(2, 4), [bad, good], max_num_seqs=8, max_num_batched_tokens=64)
-    assert outputs[(0, 0)] in ([t] for t in runner.eos_token_ids)
+    outputs, scheduler = _run(runner, _prompts(2, 4), [bad, good], max_num_seqs=8, max_num_batched_tokens=64)
+    assert (0, 0) not in outputs
+    ((_, error),) = scheduler.take_errors()
+    assert error.request_id == "r0" and "constraint" in error.message
     assert len(outputs[(1, 0)]) == 8
 
 
@@ -232,7 +236,7 @@ def test_any_whitespace_accepts_pretty_printed_json(tiny_model_dir):
             structured=StructuredOutput("json_schema", schema, any_whitespace=any_whitespace)
         )
         seq = SeqState(list(range(3)) + tokens, 0, params, 0, -1, 0, prompt_len=3)
-        bitmask = runner.structured.bitmask([7], [seq], dict, torch.device("cpu"))
+        bitmask = runner.structured.bitmask(0, [7], [seq], dict, torch.device("cpu"))
         state = runner.structured.matchers.pop(7)
         assert (state.matcher is not None) == any_whitespace  # a token outside the grammar ends the matcher
         if any_whitespace:

@@ -398,7 +398,7 @@ class ModelRunner:
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
         sampling_tensors = _sampling_tensors(samplers, self.device)
         in_flight = lambda: step_tokens(self.in_flight[-1])  # noqa: E731 (tokens pending in the step before)
-        bitmask = self.structured.bitmask(seq_ids, samplers, in_flight, self.device)
+        bitmask = self.structured.bitmask(plan.step_id, seq_ids, samplers, in_flight, self.device)
         sampling_tensors = replace(sampling_tensors, token_bitmask=bitmask) if bitmask else sampling_tensors
         mark("sampling_params")
         out = sample_tensors(logits, sampling_tensors)
@@ -436,7 +436,9 @@ class ModelRunner:
             if step.previous_ended is not None:
                 idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
         self.sequences.received(step.samplers, new_tokens)
-        return StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s)
+        out = StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s)
+        out.failed_seq_ids = self.structured.take_failed(step.step_id)  # their constraint failed
+        return out
 
 
 def _batch_indices(plan: StepPlan) -> list[int]:

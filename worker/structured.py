@@ -71,6 +71,8 @@ class StructuredOutputs:
         self._compiled: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self.matchers: dict[int, _Matcher] = {}
+        self._failed: dict[int, list[int]] = {}  # by step id: the seq ids whose constraint failed
+        self._step_id = 0  # the step whose bitmask is being made
 
     def _make_compiler(self, model_dir: str) -> xgr.GrammarCompiler:
         from transformers import AutoTokenizer
@@ -105,6 +107,7 @@ class StructuredOutputs:
 
     def reset(self) -> None:
         self.matchers.clear()
+        self._failed.clear()
 
     def _matcher(self, seq_id: int, seq: SeqState) -> _Matcher:
         state = self.matchers.get(seq_id)
@@ -118,12 +121,14 @@ class StructuredOutputs:
         except (GrammarError, FutureTimeout, Exception) as e:  # a grammar, or the checkpoint's tokenizer
             log.error("structured output for sequence %d fails: %s", seq_id, e or "compile timed out")
             self._compiled.pop(seq.params.structured, None)
+            self._failed.setdefault(self._step_id, []).append(seq_id)
             state = _Matcher(None)
         self.matchers[seq_id] = state
         return state
 
     def bitmask(
         self,
+        step_id: int,
         seq_ids: list[int],
         samplers: list[SeqState],
         pending_tokens: Any,  # () -> {seq_id: token} of the step in flight, called only when needed
@@ -134,6 +139,7 @@ class StructuredOutputs:
         rows = [j for j, s in enumerate(samplers) if s.params.structured is not None]
         if not rows:
             return None
+        self._step_id = step_id
         pending: dict[int, int] | None = None
         for j in rows:
             seq, seq_id = samplers[j], seq_ids[j]
@@ -173,6 +179,11 @@ class StructuredOutputs:
             json_rows = [i for i, j in enumerate(rows) if _json_kind(samplers[j], bool(ws))]
             if json_rows:
                 mask[json_rows] &= words
+
+    def take_failed(self, step_id: int) -> list[int]:
+        """The sequences of step `step_id` whose constraint failed (their mask allowed only the stop tokens):
+        the step's output reports them, and the scheduler ends their requests with an error."""
+        return self._failed.pop(step_id, [])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
