@@ -8,6 +8,7 @@ handlers.py       /v1/completions and /v1/chat/completions: one JSON body or ser
 request_body.py   the body as strict JSON: no NaN/Infinity, no lone surrogates, no RecursionError
 protocol.py       request bodies -> prompts (token ids) and SamplingParams; what is refused and why
 fields.py         typed, bounded access to a body's fields, and the bounds themselves
+structured_fields.py  response_format / structured_outputs / guided_* -> StructuredOutput, checked by xgrammar
 generation.py     one HTTP request's scheduler requests merged into one stream of choices; usage
 openai_format.py  response bodies and stream chunks, logprobs in both OpenAI shapes
 model.py          the tokenizer, loaded from --model at start; the served model's name and limits, learnt
