@@ -10,6 +10,7 @@ protocol.py       request bodies -> prompts (token ids) and SamplingParams; what
 fields.py         typed, bounded access to a body's fields, and the bounds themselves
 sampling_fields.py  penalties, min_p, min_tokens, logit_bias, bad_words, allowed_token_ids; the defaults
                   of what a request leaves out (generation_config.py: the checkpoint's generation_config.json)
+structured_fields.py  response_format / structured_outputs / guided_* -> StructuredOutput, checked by xgrammar
 generation.py     one HTTP request's scheduler requests merged into one stream of choices; usage
 openai_format.py  response bodies and stream chunks, logprobs in both OpenAI shapes
 scoring.py        what a response shows of its prompt: echo, prompt_logprobs, return_tokens_as_token_ids

@@ -34,6 +34,7 @@ from api.sampling_fields import (
 )
 from api.scheduling import parse_priority
 from api.scoring import SCORING_FIELDS, OutputOptions, parse_output_options
+from api.structured_fields import STRUCTURED_FIELDS, parse_structured
 from common.messages import SamplingParams
 
 # Accepted and dropped: they change nothing about the output.
@@ -57,9 +58,11 @@ SAMPLING_FIELDS = frozenset(
 # How the scheduler treats the request rather than what it generates (vLLM's extensions of the same names).
 SCHEDULING_FIELDS = frozenset({"priority", "cache_salt"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"} | SCORING_FIELDS
+COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"} | SCORING_FIELDS | STRUCTURED_FIELDS
 CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion_tokens", "logprobs"}
-CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"} | SCORING_FIELDS
+CHAT_FIELDS |= (
+    {"top_logprobs", "response_format", "tools", "tool_choice"} | SCORING_FIELDS | STRUCTURED_FIELDS
+)
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -163,6 +166,7 @@ def _generation_request(
     outputs, output_fields = parse_output_options(f, num_logprobs, max_tokens, stream, echo)
     sampling.update(output_fields)
     max_tokens = 1 if outputs.echo_only else max_tokens  # echo with max_tokens 0: one token, not shown
+    sampling["structured"] = parse_structured(f.body)
     problem = SamplingParams(**sampling).validate()
     if problem is not None:
         raise invalid(problem)
@@ -291,9 +295,6 @@ def render_chat(messages: Any, model: ServedModel) -> list[int]:
 def parse_chat(body: Any, model: ServedModel, max_seqs: int) -> GenerationRequest:
     """A /v1/chat/completions body."""
     f = check_fields(body, CHAT_FIELDS)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise invalid("only the 'text' response_format is supported", "response_format")
     if body.get("tools"):
         raise invalid("tools are not supported", "tools")
     f.neutral("tool_choice", "none", "auto")

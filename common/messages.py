@@ -288,6 +288,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: Annotated[list[tuple[SeqId, PromptLogprobs]], Meta(max_length=MAX_PLAN_ITEMS)] = (
         msgspec.field(default_factory=list)
     )
+    # sequences of seq_ids whose output constraint failed in the worker (their token is EOS): fail the request
+    failed_seq_ids: SeqIds = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, array_like=True):

@@ -47,6 +47,18 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     choices: Annotated[
         tuple[Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)], ...], Meta(max_length=MAX_CHOICES)
     ] = ()
+    # JSON kinds: any whitespace between tokens (False: none, vLLM's disable_any_whitespace)
+    any_whitespace: bool = True
+
+    def validate(self) -> str | None:
+        """Why this constraint is unusable (the grammar itself is checked by the api, with xgrammar)."""
+        if self.kind in ("json_schema", "regex", "grammar") and not self.spec:
+            return f"a {self.kind} constraint needs its {self.kind.replace('_', ' ')}"
+        if self.kind == "choice" and not self.choices:
+            return "a choice constraint needs at least one choice"
+        if sum(len(c) for c in self.choices) > MAX_GRAMMAR_CHARS:
+            return f"the choices must total at most {MAX_GRAMMAR_CHARS} characters"
+        return None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
@@ -178,6 +190,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
                 return "logprobs are not available with beam search"
             if self.prompt_logprobs is not None:
                 return "prompt_logprobs are not available with beam search"
+        if self.structured is not None:
+            return _structured_problem(self)
         return self._processors_problem()
 
     def _processors_problem(self) -> str | None:
@@ -225,6 +239,15 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
         )
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         return None if bad is None else f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+
+
+def _structured_problem(params: SamplingParams) -> str | None:
+    """Structured output's rules: beam search keeps no grammar state per beam. (With ignore_eos, the tokens
+    after the grammar completes are EOS tokens, the only ones it allows then.)"""
+    assert params.structured is not None
+    if params.beam_width:
+        return "structured output is not available with beam search"
+    return params.structured.validate()
 
 
 def _encodes(text: str) -> bool:

@@ -48,6 +48,8 @@ def check_step_output(
         return f"the sequences differ from those that sample in step {step.step_id}: missing {missing}, " + (
             f"unexpected {unexpected}"
         )
+    if not isinstance(step.failed_seq_ids, list) or not set(step.failed_seq_ids) <= got:
+        return "failed_seq_ids must be a list of sequences that sampled in the step"
     for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
         if not _token_ok(token, vocab_size):
             return f"seq {seq_id}: token id {token!r} is outside the vocabulary [0, {vocab_size})"

@@ -393,6 +393,8 @@ class Scheduler:
         any_finished = False
         generated = 0
         live = self._seqs.get  # (bound once: the loop runs once per sampled token)
+        for seq in filter(None, map(live, step.failed_seq_ids)):  # first: their EOS must not end them
+            self._faults.fail_request(seq.request, "the worker could not apply the output constraint")
         for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
             seq = live(seq_id)
             if seq is None:

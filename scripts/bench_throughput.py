@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 
 from client import AsyncEngineClient, RequestResult  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
+from common.sampling_params import StructuredOutput  # noqa: E402
 from scripts._bench import (  # noqa: E402
     BenchRequest,
     Bracketed,
@@ -111,6 +112,7 @@ COMPARE_KEYS: dict[str, Callable[[str], object]] = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "max_model_len": int,
+    "json_schema": str,  # a JSON schema file every request's output must follow ("" none)
     "tree": Path,  # another checkout (e.g. `git worktree add /tmp/base COMMIT`) whose processes run
     "sampling": str,  # a name of SAMPLING
 }
@@ -158,6 +160,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-cache-dtype",
         default="auto",
         help="every engine run's KV pools: auto (the model's dtype) or fp8 (float8 e4m3, half the bytes)",
+    )
+    p.add_argument(
+        "--json-schema",
+        default="",
+        help="a JSON schema file: every request's output follows it (structured output; ignore_eos keeps "
+        "the lengths, the tokens past the document's end being EOS). Compare with plain: "
+        "--compare json_schema= json_schema=FILE",
     )
     p.add_argument(
         "--quantization",
@@ -286,6 +295,9 @@ async def run_engine(
         step_trace=str(log_dir / "steps.jsonl") if args.step_trace else None,
     )
     session = engine_session(model_dir, log_dir, args.ready_timeout, root=root, **settings)
+    structured = None
+    if args.json_schema:
+        structured = StructuredOutput("json_schema", Path(args.json_schema).read_text())
     async with session as (_, client, info):
         await _warm_up(client, args, info.vocab_size)
         before = await read_metrics(client)
@@ -295,7 +307,11 @@ async def run_engine(
         handles = []
         for i, req in enumerate(workload):
             params = SamplingParams(
-                max_tokens=req.output_len, ignore_eos=True, seed=args.seed + i, **SAMPLING[args.sampling]
+                max_tokens=req.output_len,
+                ignore_eos=True,
+                seed=args.seed + i,
+                structured=structured,
+                **SAMPLING[args.sampling],
             )
             handles.append(await client.submit_one(req.prompt_token_ids, params))
         results = list(await asyncio.gather(*(h.result() for h in handles)))
@@ -320,6 +336,7 @@ async def run_engine(
         "piecewise_graphs": piecewise_graphs,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "json_schema": args.json_schema or None,
         "num_kv_blocks": info.num_kv_blocks,
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,

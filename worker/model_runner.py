@@ -19,26 +19,28 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from common.config import WorkerConfig
-from common.messages import SamplingParams, StepOutput, StepPlan
+from common.messages import StepOutput, StepPlan
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.cuda_graphs import DecodeGraphs, MixedGraphs
-from worker.inputs import HostInputs, build_inputs, host_inputs
+from worker.inputs import HostInputs, host_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
 from worker.loader import load_model_config, load_weights
 from worker.logits_processors import LogitsProcessors
+from worker.memory_profile import profile_peak_memory
 from worker.model_config import resolve_max_model_len
 from worker.models.registry import build_model
 from worker.parallel import ParallelContext
 from worker.plan_check import PlanLimits
 from worker.prompt_logprobs import PromptScores, score_prompts, select_prompt_rows, take_prompt_scores
-from worker.sampler import MASK64, SamplerCopy, SamplingRow, SamplingTensors, sample, sample_tensors
+from worker.sampler import MASK64, SamplerCopy, SamplingTensors, sample_tensors
 from worker.sequences import BlockTableArray, SeqState, Sequences
+from worker.structured import StructuredOutputs, step_tokens
 
 
 @dataclass
@@ -123,7 +125,7 @@ class ModelRunner:
         self.profile_peak_bytes: int | None = None
         self.graph_bytes: int | None = None
         if self.device.type == "cuda" and cfg.num_kv_blocks <= 0:
-            self.profile_peak_bytes = self._profile_peak_memory(cfg)
+            self.profile_peak_bytes = profile_peak_memory(self, cfg)
             budget = cuda_kv_budget(self.device, cfg.gpu_memory_utilization, self.profile_peak_bytes)
         num_blocks = determine_num_kv_blocks(
             cfg, self.shard_config, self.max_model_len, self.device, self.kv_dtype, budget
@@ -145,12 +147,12 @@ class ModelRunner:
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             )
         )
+        self.structured = StructuredOutputs(cfg.model, self.vocab_size, self.eos_token_ids)
         self.graphs: DecodeGraphs | None = None
         # The torch reference reads lengths on the host (a sync a graph cannot hold): it runs eagerly.
         if self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_safe:
-            free_before = torch.cuda.mem_get_info(self.device)[
-                0
-            ]  # graph pools live outside the allocator's view
+            # graph pools live outside the allocator's view
+            free_before = torch.cuda.mem_get_info(self.device)[0]
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv.layers,
@@ -177,45 +179,6 @@ class ModelRunner:
         eos = tuple(self.model_config.eos_token_ids)  # min_tokens bans them (with the stop ids)
         self.logits_processors = LogitsProcessors(self.model_config.vocab_size, eos, self.device)
 
-    @torch.inference_mode()
-    def _profile_peak_memory(self, cfg: WorkerConfig) -> int:
-        """Peak bytes of torch's allocator over the weights and one eager forward of the largest step the
-        budgets allow (max_num_batched_tokens tokens over max_num_seqs prompts, every prompt sampling), with a
-        KV pool just large enough for it, whose own size is left out."""
-        num_tokens = max(1, min(cfg.max_num_batched_tokens, self.max_model_len * cfg.max_num_seqs))
-        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
-        lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
-        lens[: num_tokens % num_seqs] += 1
-        blocks_per_seq = -(-int(lens.max()) // self.block_size)
-        pool = KVPools(
-            self.shard_config, num_seqs * blocks_per_seq, 0, self.block_size, self.kv_dtype, self.device
-        )
-        tables = BlockTableArray(blocks_per_seq, initial_rows=num_seqs)
-        for b in range(num_seqs):
-            tables.add(list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)))
-        inputs = build_inputs(
-            tables,
-            np.arange(num_seqs),
-            np.zeros(num_seqs, dtype=np.int64),
-            lens,
-            np.zeros(num_tokens, dtype=np.int64),
-            self.block_size,
-        )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        token_ids, positions, meta = self._to_device(inputs)
-        hidden = self.model(token_ids, positions, meta, pool.layers)
-        logits = self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
-        # top-p sorts: the costliest path
-        rows = [SamplingRow(SamplingParams(top_p=0.9, logprobs=5), b, 0) for b in range(num_seqs)]
-        sample(logits, rows)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        pool_bytes = pool.device_pool.numel() * pool.device_pool.element_size()
-        del pool, hidden, logits
-        torch.cuda.empty_cache()
-        return peak - pool_bytes
-
     def close(self) -> None:
         """Releases the CUDA graphs. Before a tensor-parallel group is destroyed this is required: NCCL
         does not destroy a communicator that a live graph captured (destroy_process_group hangs)."""
@@ -224,6 +187,7 @@ class ModelRunner:
             self.graphs = None
             self.mixed_graphs = None
             gc.collect()
+        self.structured.close()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -259,6 +223,7 @@ class ModelRunner:
             self.finish()
         self.sequences.clear()
         self.prompt_scores.clear()  # a step that failed between its selection and its end
+        self.structured.reset()
         self._last_ended = None
         self.last_step_gpu_s = 0.0
         self.num_tokens_fed = 0
@@ -365,6 +330,7 @@ class ModelRunner:
         mark = self._mark_launch
         mark("start")
         seqs = self.sequences.apply(plan, self.kv)
+        self.structured.on_plan(plan)
         num_tokens = plan.num_scheduled_tokens
         if not seqs:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
@@ -406,6 +372,9 @@ class ModelRunner:
             samplers += self.sequences.fork(plan)
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
         sampling_tensors = _sampling_tensors(samplers, self.device, self.logits_processors)
+        in_flight = lambda: step_tokens(self.in_flight[-1])  # noqa: E731 (tokens pending in the step before)
+        bitmask = self.structured.bitmask(plan.step_id, seq_ids, samplers, in_flight, self.device)
+        sampling_tensors = replace(sampling_tensors, token_bitmask=bitmask) if bitmask else sampling_tensors
         mark("sampling_params")
         out = sample_tensors(logits, sampling_tensors)
         copy = out.start_copy()
@@ -443,7 +412,9 @@ class ModelRunner:
                 idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
         self.sequences.received(step.samplers, new_tokens)
         prompt_logprobs = take_prompt_scores(self.prompt_scores, step.step_id)
-        return StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s, prompt_logprobs)
+        out = StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s, prompt_logprobs)
+        out.failed_seq_ids = self.structured.take_failed(step.step_id)  # their constraint failed
+        return out
 
 
 def _batch_indices(plan: StepPlan) -> list[int]:

@@ -27,6 +27,7 @@ import torch
 
 from common.messages import SamplingParams, TokenLogprobs
 from worker.logits_processors import ProcessorTensors, apply_processors, record_sampled
+from worker.structured import TokenBitmask, apply_token_bitmask
 
 MASK64 = (1 << 64) - 1  # a seed's low 64 bits: what its draws depend on
 _MIN_TOP_K_WIDTH = 64  # narrower candidate sets save nothing on a GPU, and 64 columns reduce like wider ones
@@ -126,6 +127,7 @@ class SamplingTensors:
     logprob_rows_host: np.ndarray  # [L] the same, on the host
     num_logprobs: np.ndarray  # [L] how many top logprobs each of them asked for
     processors: ProcessorTensors | None = None  # penalties, min_p, ... (worker/logits_processors.py)
+    token_bitmask: TokenBitmask | None = None  # structured output: what each constrained row may draw
 
     @property
     def all_greedy(self) -> bool:  # then sampling is one argmax
@@ -310,6 +312,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
 def sample_tensors(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
     """Draws every row of `logits` ([R, V], any float dtype) on its device without waiting for it: an argmax
     for the greedy rows, then each draw group on its own rows, written over the argmax."""
+    logits = apply_token_bitmask(logits, tensors.token_bitmask)  # first: what follows sees allowed tokens
     num_rows = tensors.num_rows
     raw = logits  # logprobs are the raw distribution's
     if tensors.processors is not None:

@@ -65,7 +65,7 @@ BAD_CHATS: list[tuple[str, Any]] = [
     ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
     ("top_logprobs without logprobs", {"messages": USER, "top_logprobs": 2}),
     ("tools", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}),
-    ("json response_format", {"messages": USER, "response_format": {"type": "json_object"}}),
+    ("structural_tag response_format", {"messages": USER, "response_format": {"type": "structural_tag"}}),
     ("max_completion_tokens as a string", {"messages": USER, "max_completion_tokens": "5"}),
     ("priority as a string", {"messages": USER, "priority": "1"}),
     ("cache_salt as a list", {"messages": USER, "cache_salt": ["a"]}),

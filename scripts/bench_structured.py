@@ -1,0 +1,245 @@
+"""Per-step host cost of structured output with xgrammar and llguidance: filling the next-token bitmasks of a
+batch of constrained sequences and advancing their matchers by one token, plus each grammar's compile time.
+
+    python scripts/bench_structured.py [--batches 1,32,256] [--steps 32] [--vocab 128000] [--out s.json]
+
+Two tokenizers: the tiny test checkpoint's (scripts/make_model.py, 4096 tokens) and a byte-level BPE trained
+here on synthetic text (random words over a mixed alphabet, plus the Python standard library's modules) to
+`--vocab` tokens, cached under `--tokenizer-dir`. The tokens each step accepts are drawn at random among
+those the mask allows (that draw is not timed), so the matchers walk through real, growing JSON documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts._bench import format_table, run_record, write_json  # noqa: E402
+
+SCHEMAS: dict[str, dict[str, Any] | None] = {
+    "json_object": None,  # any JSON object
+    "flat": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+        "required": ["name", "age", "ok"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+            "kind": {"enum": ["alpha", "beta", "gamma"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+        },
+        "required": ["id", "kind", "point", "code"],
+        "additionalProperties": False,
+    },
+}
+
+
+def build_large_tokenizer(directory: Path, vocab_size: int) -> Path:
+    """A byte-level BPE of about `vocab_size` tokens as a transformers fast tokenizer, trained once."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if (directory / "tokenizer.json").exists():
+        return directory
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-éàüßøçñ"
+    words = ["".join(rng.choices(alphabet, k=rng.randint(2, 12))) for _ in range(400_000)]
+
+    def corpus():
+        for _ in range(200):
+            yield " ".join(rng.choices(words, k=20_000))
+        for path in sorted(Path(__import__("sysconfig").get_paths()["stdlib"]).glob("*.py")):
+            yield path.read_text(errors="replace")
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1])
+    fast.save_pretrained(directory)
+    return directory
+
+
+def _allowed_token(bitmask_row: np.ndarray, vocab_size: int, rng: np.random.Generator, stop: int) -> int:
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab_size]
+    allowed = np.flatnonzero(bits)
+    if len(allowed) > 1:
+        allowed = allowed[allowed != stop]
+    return int(rng.choice(allowed)) if len(allowed) else stop
+
+
+class XGrammarEngine:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, eos: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=[eos])
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self.batch = xgr.BatchGrammarMatcher()
+        self.vocab_size = vocab_size
+
+    def compile(self, schema: dict | None) -> Any:
+        if schema is None:
+            return self.compiler.compile_builtin_json_grammar()
+        return self.compiler.compile_json_schema(json.dumps(schema))
+
+    def matchers(self, compiled: Any, n: int) -> list[Any]:
+        return [self.xgr.GrammarMatcher(compiled) for _ in range(n)]
+
+    def bitmask(self, n: int) -> torch.Tensor:
+        return self.xgr.allocate_token_bitmask(n, self.vocab_size)
+
+    def fill(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
+
+    def accept(self, matchers: list[Any], tokens: list[int]) -> None:
+        self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+
+    @staticmethod
+    def done(matcher: Any) -> bool:
+        return matcher.is_terminated()
+
+
+class LLGuidanceEngine:
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int, eos: int) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self.ll = llguidance
+        self.llt = llguidance.torch
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.executor = llguidance.LLExecutor()
+        self.vocab_size = vocab_size
+
+    def compile(self, schema: dict | None) -> Any:
+        grammar = self.ll.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema if schema is not None else {"type": "object"})
+        )
+        matcher = self.ll.LLMatcher(self.tokenizer, grammar)  # the lexer is built here
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return grammar
+
+    def matchers(self, compiled: Any, n: int) -> list[Any]:
+        return [self.ll.LLMatcher(self.tokenizer, compiled) for _ in range(n)]
+
+    def bitmask(self, n: int) -> torch.Tensor:
+        return self.llt.allocate_token_bitmask(n, self.vocab_size)
+
+    def fill(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
+        self.llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+
+    def accept(self, matchers: list[Any], tokens: list[int]) -> None:
+        for m, t in zip(matchers, tokens, strict=True):
+            m.consume_token(t)
+
+    @staticmethod
+    def done(matcher: Any) -> bool:
+        return matcher.is_stopped() or matcher.is_error()
+
+
+def bench_steps(engine: Any, compiled: Any, batch: int, steps: int, eos: int) -> tuple[float, float]:
+    """Median seconds of one batched mask fill and of one batched advance, over `steps` steps."""
+    rng = np.random.default_rng(0)
+    matchers = engine.matchers(compiled, batch)
+    bitmask = engine.bitmask(batch)
+    fills, accepts = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.fill(matchers, bitmask)
+        fills.append(time.perf_counter() - t0)
+        masks = bitmask.numpy()
+        tokens = [_allowed_token(masks[i], engine.vocab_size, rng, eos) for i in range(batch)]
+        t0 = time.perf_counter()
+        engine.accept(matchers, tokens)
+        accepts.append(time.perf_counter() - t0)
+        for i, m in enumerate(matchers):  # a finished document starts over
+            if engine.done(m) or tokens[i] == eos:
+                matchers[i] = engine.matchers(compiled, 1)[0]
+    return float(np.median(fills)), float(np.median(accepts))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,32,256")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=128000, help="the large tokenizer's target vocabulary")
+    p.add_argument("--tokenizer-dir", default="/tmp/pagedserve-bench-tokenizer-128k")
+    p.add_argument("--engines", default="xgrammar,llguidance")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    from scripts.make_model import make_model
+
+    tokenizers: dict[str, Any] = {}
+    tiny = make_model(Path("/tmp/pagedserve-bench-tiny-llama"), preset="tiny", seed=0)
+    tokenizers["tiny"] = AutoTokenizer.from_pretrained(tiny)
+    started = time.perf_counter()
+    large = build_large_tokenizer(Path(args.tokenizer_dir) / str(args.vocab), args.vocab)
+    print(f"large tokenizer ready in {time.perf_counter() - started:.1f} s", flush=True)
+    tokenizers["large"] = AutoTokenizer.from_pretrained(large)
+    engines: dict[str, Callable[..., Any]] = {"xgrammar": XGrammarEngine, "llguidance": LLGuidanceEngine}
+    batches = [int(b) for b in args.batches.split(",")]
+    rows: list[dict[str, Any]] = []
+    for tok_name, tok in tokenizers.items():
+        vocab_size = len(tok)
+        eos = tok.eos_token_id
+        for engine_name in args.engines.split(","):
+            t0 = time.perf_counter()
+            engine = engines[engine_name](tok, vocab_size, eos)
+            setup_s = time.perf_counter() - t0
+            for schema_name, schema in SCHEMAS.items():
+                t0 = time.perf_counter()
+                compiled = engine.compile(schema)
+                compile_s = time.perf_counter() - t0
+                for batch in batches:
+                    fill_s, accept_s = bench_steps(engine, compiled, batch, args.steps, eos)
+                    row = dict(
+                        tokenizer=tok_name, vocab=vocab_size, engine=engine_name, schema=schema_name,
+                        batch=batch, setup_ms=setup_s * 1e3, compile_ms=compile_s * 1e3,
+                        fill_ms=fill_s * 1e3, accept_ms=accept_s * 1e3,
+                    )  # fmt: skip
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    columns = ["tokenizer", "vocab", "engine", "schema", "batch", "setup_ms", "compile_ms", "fill_ms"]
+    columns.append("accept_ms")
+    cells = [[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in columns] for r in rows]
+    print(format_table(columns, cells))
+    write_json(args.out, {"runs": rows, "record": run_record(__file__)})
+
+
+if __name__ == "__main__":
+    main()

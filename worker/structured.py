@@ -1,0 +1,250 @@
+"""Structured output in the worker: one xgrammar matcher per constrained sequence, the next-token bitmasks of
+a step's sampling rows, and their application to the logits in the sampler.
+
+The matchers live here, not in the scheduler, because the scheduler plans step N+1 before step N's tokens
+are back and the worker appends the sampled tokens itself. A matcher is not advanced when a step's tokens
+reach the host (that is on the path to the scheduler's next plan) but when the sequence next samples: the
+bitmask of step N+1 is filled on the host while the GPU runs step N+1's forward pass, after feeding each
+matcher the tokens its sequence gained since (`num_fed` counts them). The same catch-up rebuilds the state
+of a sequence recomputed after preemption (a fresh matcher replays its generated tokens, SeqState.prompt_len
+says where they start), of a fork child or a clone (it replays its parent's output), and of a swapped-in
+sequence (its SeqState, and so its matcher, stayed). Every tensor-parallel rank holds the same sequences,
+samples the same tokens and so fills the same masks.
+
+Grammars compile in a thread pool, started when the NewSequence arrives, cached by their StructuredOutput.
+A grammar that fails to compile (or does not finish within `compile_timeout_s` when the sequence must
+sample) leaves its sequence with only the stop tokens allowed: that sequence ends at once, the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from common.grammars import GrammarError, compile_grammar
+from common.messages import StepPlan
+from common.sampling_params import StructuredOutput
+from worker.sequences import SeqState
+
+log = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 64  # compiled grammars kept for reuse (a 128k vocabulary's can be megabytes each)
+COMPILE_TIMEOUT_S = 20.0  # how long a sequence that must sample waits for its grammar (the step waits too)
+
+
+@dataclass
+class _Matcher:
+    matcher: xgr.GrammarMatcher | None  # None: the grammar failed; only the stop tokens are allowed
+    num_fed: int = 0  # generated tokens accepted so far
+
+
+@dataclass(frozen=True)
+class TokenBitmask:
+    """The constrained rows of one step and their allowed tokens, on the sampler's device."""
+
+    rows: torch.Tensor  # [n] int64: logits rows (the step's sampling order)
+    bitmask: torch.Tensor  # [n, ceil(V / 32)] int32: bit t % 32 of word t // 32 allows token t
+
+
+class StructuredOutputs:
+    """The grammar compiler and the matchers of the worker's constrained sequences, by seq id."""
+
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.compile_timeout_s = COMPILE_TIMEOUT_S
+        self._json_words: dict[int, torch.Tensor] = {}  # by any_whitespace: set with the compiler
+        threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        # The tokenizer's vocabulary is read once, in the background: a worker that never sees a
+        # constrained request never waits for it.
+        self._compiler: Future[xgr.GrammarCompiler] = self._pool.submit(self._make_compiler, model_dir)
+        self._compiled: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self.matchers: dict[int, _Matcher] = {}
+        self._failed: dict[int, list[int]] = {}  # by step id: the seq ids whose constraint failed
+        self._step_id = 0  # the step whose bitmask is being made
+
+    def _make_compiler(self, model_dir: str) -> xgr.GrammarCompiler:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # The logits' width, which can exceed the tokenizer's: the ids past it are never allowed.
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+        )
+        self._json_words = {ws: _json_safe_words(info.decoded_vocab, self.vocab_size, ws) for ws in (0, 1)}
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def _compile(self, structured: StructuredOutput) -> Future[xgr.CompiledGrammar]:
+        future = self._compiled.get(structured)
+        if future is None:
+            future = self._pool.submit(lambda: compile_grammar(self._compiler.result(), structured))
+            self._compiled[structured] = future
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(structured)
+        return future
+
+    def on_plan(self, plan: StepPlan) -> None:
+        """A plan was applied: start compiling the new sequences' grammars, forget the freed sequences'."""
+        for seq_id in plan.freed_seq_ids:
+            self.matchers.pop(seq_id, None)
+        for new in plan.new_seqs:
+            self.matchers.pop(new.seq_id, None)  # recomputed after preemption: a fresh matcher replays
+            if new.params.structured is not None:
+                self._compile(new.params.structured)
+
+    def reset(self) -> None:
+        self.matchers.clear()
+        self._failed.clear()
+
+    def _matcher(self, seq_id: int, seq: SeqState) -> _Matcher:
+        state = self.matchers.get(seq_id)
+        if state is not None:
+            return state
+        assert seq.params.structured is not None
+        stop = sorted({*self.eos_token_ids, *seq.params.stop_token_ids})
+        try:
+            compiled = self._compile(seq.params.structured).result(timeout=self.compile_timeout_s)
+            state = _Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
+        except (GrammarError, FutureTimeout, Exception) as e:  # a grammar, or the checkpoint's tokenizer
+            log.error("structured output for sequence %d fails: %s", seq_id, e or "compile timed out")
+            self._compiled.pop(seq.params.structured, None)
+            self._failed.setdefault(self._step_id, []).append(seq_id)
+            state = _Matcher(None)
+        self.matchers[seq_id] = state
+        return state
+
+    def bitmask(
+        self,
+        step_id: int,
+        seq_ids: list[int],
+        samplers: list[SeqState],
+        pending_tokens: Any,  # () -> {seq_id: token} of the step in flight, called only when needed
+        device: torch.device,
+    ) -> TokenBitmask | None:
+        """The bitmask of the constrained rows among `samplers` (the step's sampling rows), each matcher
+        first fed the tokens its sequence gained since it last sampled; None when no row is constrained."""
+        rows = [j for j, s in enumerate(samplers) if s.params.structured is not None]
+        if not rows:
+            return None
+        self._step_id = step_id
+        pending: dict[int, int] | None = None
+        for j in rows:
+            seq, seq_id = samplers[j], seq_ids[j]
+            state = self._matcher(seq_id, seq)
+            generated = seq.token_ids[seq.prompt_len + state.num_fed :]
+            if seq.pending:
+                pending = pending_tokens() if pending is None else pending
+                generated = [*generated, pending[seq_id]]
+            for token in generated:
+                # (past its stop token: the tokens a pipelined step drew after the end, which are dropped)
+                if state.matcher is None or state.matcher.is_terminated():
+                    pass
+                elif not state.matcher.accept_token(token):
+                    log.error("sequence %d: token %d breaks its grammar", seq_id, token)
+                    state.matcher = None
+                state.num_fed += 1
+        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
+        self._fill(rows, samplers, seq_ids, mask)
+        return _to_device(np.asarray(rows, dtype=np.int64), mask, device)
+
+    def _fill(
+        self, rows: list[int], samplers: list[SeqState], seq_ids: list[int], mask: torch.Tensor
+    ) -> None:
+        live, live_index = [], []
+        for i, j in enumerate(rows):
+            state = self.matchers[seq_ids[j]]
+            if state.matcher is None or state.matcher.is_terminated():
+                mask[i] = _stop_only(mask.shape[1], self.eos_token_ids, samplers[j].params.stop_token_ids)
+            else:
+                live.append(state.matcher)
+                live_index.append(i)
+        if live:
+            self._batch.batch_fill_next_token_bitmask(live, mask, live_index)
+        # xgrammar 0.2.8 lets a length-bounded JSON string hold raw control characters, which JSON forbids
+        # (`{"maxLength": 5}` compiles to [^"\\\r\n]{0,5}): such tokens are never allowed in JSON output.
+        for ws, words in self._json_words.items():
+            json_rows = [i for i, j in enumerate(rows) if _json_kind(samplers[j], bool(ws))]
+            if json_rows:
+                mask[json_rows] &= words
+
+    def take_failed(self, step_id: int) -> list[int]:
+        """The sequences of step `step_id` whose constraint failed (their mask allowed only the stop tokens):
+        the step's output reports them, and the scheduler ends their requests with an error."""
+        return self._failed.pop(step_id, [])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _json_kind(seq: SeqState, any_whitespace: bool) -> bool:
+    structured = seq.params.structured
+    assert structured is not None
+    return structured.kind in ("json_schema", "json_object") and structured.any_whitespace == any_whitespace
+
+
+def _json_safe_words(decoded_vocab: list[bytes], vocab_size: int, any_whitespace: bool) -> torch.Tensor:
+    """[ceil(V / 32)] int32 bitmask: the tokens without a byte JSON text never holds raw (0x00 to 0x1f;
+    tab, newline and carriage return are whitespace between values when `any_whitespace`)."""
+    allowed_controls = b"\t\n\r" if any_whitespace else b""
+    bad = bytes(c for c in range(32) if c not in allowed_controls)
+    safe = np.ones(-(-vocab_size // 32) * 32, dtype=np.uint8)
+    for token_id, piece in enumerate(decoded_vocab[:vocab_size]):
+        if piece.translate(None, bad) != piece:
+            safe[token_id] = 0
+    return torch.from_numpy(np.packbits(safe, bitorder="little").view(np.int32).copy())
+
+
+def step_tokens(step: Any) -> dict[int, int]:
+    """The tokens of a launched step (worker/model_runner.py LaunchedStep), by seq id; waits for them: the
+    pending tokens of the step launched behind it, which its grammars must accept before it samples."""
+    return dict(zip(step.seq_ids, step.copy.wait()[0], strict=True))
+
+
+def _stop_only(num_words: int, eos: list[int], stop: tuple[int, ...]) -> torch.Tensor:
+    words = np.zeros(num_words, dtype=np.uint32)
+    for t in {*eos, *stop}:
+        if t // 32 < num_words:
+            words[t // 32] |= np.uint32(1 << (t % 32))
+    return torch.from_numpy(words.view(np.int32))
+
+
+def _to_device(rows: np.ndarray, mask: torch.Tensor, device: torch.device) -> TokenBitmask:
+    """The rows and their masks in one host-to-device transfer (pinned on CUDA)."""
+    n = len(rows)
+    packed = torch.cat([torch.from_numpy(rows.astype(np.int32)), mask.flatten()])
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return TokenBitmask(packed[:n].long(), packed[n:].view(n, -1))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask | None) -> torch.Tensor:
+    """`logits` ([R, V]) with the tokens each constrained row's grammar forbids at -inf, in place: xgrammar's
+    kernel (CUDA, or its CPU loop) on the constrained rows, gathered when they are not the whole batch."""
+    if bitmask is None:
+        return logits
+    whole = len(bitmask.rows) == logits.shape[0]  # then the rows are 0..R-1 in order (the runner's)
+    rows = logits if whole else logits.index_select(0, bitmask.rows)
+    try:
+        xgr.apply_token_bitmask_inplace(rows, bitmask.bitmask, vocab_size=logits.shape[-1])
+    except (RuntimeError, ImportError):  # no kernel for this device or dtype: the same in torch ops
+        rows.masked_fill_(_unpack(bitmask.bitmask, logits.shape[-1]) == 0, float("-inf"))
+    return logits if whole else logits.index_copy_(0, bitmask.rows, rows)
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:  # [n, W] int32 -> [n, V] uint8 of 0/1
+    data = bitmask.contiguous().view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
+    shifts = torch.arange(8, device=data.device, dtype=torch.uint8)
+    return ((data[:, :, None] >> shifts) & 1).view(len(data), -1)[:, :vocab]
