@@ -14,6 +14,7 @@ from worker.kv_cache import KVPools
 from worker.sampler import SamplingRow, sample
 from worker.sequences import BlockTableArray
 
+
 @torch.inference_mode()
 def profile_peak_memory(runner: Any, cfg: WorkerConfig) -> int:  # a ModelRunner, before its KV pool exists
     """Peak bytes of torch's allocator over the weights and one eager forward of the largest step the
