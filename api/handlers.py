@@ -6,14 +6,16 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from aiohttp import web
 
+from api.chat_output import ParsedChatFormat
 from api.errors import ApiError, error_body, invalid, unavailable
 from api.generation import Generation
 from api.model import ServedModel
-from api.openai_format import ChatFormat, CompletionFormat, ResponseFormat
+from api.openai_format import CompletionFormat, ResponseFormat
 from api.protocol import GenerationRequest, parse_chat, parse_completion
 from api.request_body import parse_json
 from api.state import RECORD, STATE
@@ -53,12 +55,18 @@ def check_model(body: Any, model: ServedModel) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
+def needs_thread(body: Any) -> bool:
+    """A request's own chat template waits for a child process (api/chat_template.py): never on the loop."""
+    return isinstance(body, dict) and body.get("chat_template") is not None
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, parse_completion, CompletionFormat, "cmpl-")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, parse_chat, ChatFormat, "chatcmpl-")
+    parse = partial(parse_chat, config=request.app[STATE].config)
+    return await _serve(request, parse, ParsedChatFormat, "chatcmpl-")
 
 
 async def _serve(
@@ -75,7 +83,7 @@ async def _serve(
     model = await state.models.get()
     check_model(body, model)
     max_seqs = state.config.max_seqs_per_request
-    if len(raw) <= INLINE_PARSE_BYTES:
+    if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
         req = parse(body, model, max_seqs)
     else:
         loop = asyncio.get_running_loop()
@@ -108,6 +116,8 @@ async def _serve(
     fmt = format_cls(
         response_id, model, logprobs=req.num_logprobs is not None, include_usage_field=req.include_usage
     )
+    if isinstance(fmt, ParsedChatFormat):
+        fmt.chat_output = req.chat_output
     try:
         if req.stream:
             return await _stream(request, generation, fmt, req.include_usage, state.config)

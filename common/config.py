@@ -40,6 +40,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 Quantization = Literal["", "fp8"]
+ToolCallParserName = Literal["", "hermes", "llama3_json", "mistral"]  # api/tool_parsers
+ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]  # api/reasoning.py
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,20 @@ class ApiConfig:
     log_level: str = "info"  # debug, info, warning or error: the least severe events logged
     # With a Hugging Face repo id as --model: the branch, tag or commit (empty: main)
     revision: str = ""
+    # The chat template of every chat request: a file, or the template itself; empty: the tokenizer's
+    chat_template: str = ""
+    # Accept a request's own `chat_template` (untrusted jinja: rendered sandboxed, in a child process with
+    # a time and memory limit); refused (400) otherwise, as in vLLM
+    trust_request_chat_template: bool = False
+    # tool_choice "auto" (the default when a request has tools): the model decides, and --tool-call-parser
+    # reads its calls
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: ToolCallParserName = ""  # the model's tool-call format: hermes, llama3_json or mistral
+    # qwen3 or deepseek_r1: the output's <think>...</think> part is returned as `reasoning`
+    reasoning_parser: ReasoningParserName = ""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
 
 
 @dataclass(frozen=True)
