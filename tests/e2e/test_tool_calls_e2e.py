@@ -45,6 +45,7 @@ def stack(tiny_model_dir: Any, tmp_path_factory: Any) -> Iterator[Honcho]:
         enable_auto_tool_choice="true",
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
+        trust_request_chat_template="true",
     )
     try:
         stack.wait_healthy()
@@ -87,3 +88,26 @@ def test_tool_call_round_trip(stack: Honcho) -> None:
     final = client.chat.completions.create(messages=messages, tool_choice="none", **request)
     assert final.choices[0].finish_reason in ("stop", "length")
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_request_template_renders_in_the_sandboxed_child(stack: Honcho, tiny_model_dir: Any) -> None:
+    """Under the real api process (started by the supervisor), a request's own template is rendered by the
+    spawned child, and a runaway one is a 400 that leaves the api serving."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{{ suffix }}"
+    body = {
+        "messages": [{"role": "user", "content": "Hello"}],
+        "chat_template": template,
+        "chat_template_kwargs": {"suffix": "Answer:"},
+        "max_tokens": 1,
+    }
+    status, reply = stack.post(body, "/v1/chat/completions")
+    assert status == 200, reply
+    expected = tokenizer("user: Hello\nAnswer:", add_special_tokens=False)["input_ids"]
+    assert reply["usage"]["prompt_tokens"] == len(expected)
+    runaway = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    status, reply = stack.post({**body, "chat_template": runaway}, "/v1/chat/completions")
+    assert status == 400 and "longer than" in reply["error"]["message"]
+    assert stack.post(body, "/v1/chat/completions")[0] == 200
