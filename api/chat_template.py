@@ -12,6 +12,7 @@ either is a 400. The template's text is bounded (MAX_TEMPLATE_CHARS), and its ou
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -162,4 +163,5 @@ class SandboxRenderer:
                 self._pool = None
 
 
-SANDBOX = SandboxRenderer()
+SANDBOX = SandboxRenderer()  # started on the first request that brings its own template
+atexit.register(SANDBOX.close)  # before the interpreter tears down what the pool's finalizer needs
