@@ -56,6 +56,8 @@ CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion
 CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"}
 CHAT_FIELDS |= {"parallel_tool_calls", "chat_template", "chat_template_kwargs", "add_generation_prompt"}
 CHAT_FIELDS |= {"continue_final_message", "documents"}
+# Other constraints on the output (vLLM's names), which a forced tool_choice cannot be combined with
+OTHER_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,9 @@ def parse_chat(
     prompt = render_chat_request(body, model, config, tools)
     req = _generation_request(f, [prompt.token_ids], max_tokens, num_logprobs, model)
     structured = tools.structured()
+    constrained = response_format not in (None, {"type": "text"})
+    if structured is not None and (constrained or any(body.get(k) is not None for k in OTHER_CONSTRAINTS)):
+        raise invalid("a forced tool_choice holds the output to its own schema: drop the other constraint")
     if structured is not None:  # tool_choice required or a named function: the output is held to JSON
         params = [msgspec.structs.replace(p, structured=structured) for p in req.params]
         req = replace(req, params=params)

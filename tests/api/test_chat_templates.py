@@ -255,3 +255,19 @@ def test_auto_without_the_flags_is_vllms_400(server: ApiServer) -> None:
     assert reply.json()["error"]["message"] == (
         '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
     )
+
+
+def test_a_forced_call_is_not_taken_for_reasoning(qwen_server: ApiServer, qwen_tokenizer: Any) -> None:
+    """The prompt opens <think>, but a named function's output is JSON from its first token."""
+    script(qwen_server, qwen_tokenizer, '{"x": 1}')
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {
+        "messages": MESSAGES,
+        "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    }
+    reply = qwen_server.post("/v1/chat/completions", {**body, "max_tokens": 50})
+    qwen_server.fake.scripted = ()
+    message = reply.json()["choices"][0]["message"]
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "f", "arguments": '{"x": 1}'}]
+    assert "reasoning" not in message and message["content"] is None
