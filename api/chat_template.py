@@ -20,13 +20,14 @@ import threading
 from functools import lru_cache
 from typing import Any
 
-from api.errors import invalid
+from api.errors import invalid, unavailable
 from api.fields import show
 
 MAX_TEMPLATE_CHARS = 256 * 1024
 MAX_TEMPLATE_KWARGS = 64
 RENDER_TIMEOUT_S = 5.0  # a request's own template, rendered in the child process
 RENDER_MEMORY_BYTES = 1 << 30  # the child's address space beyond its imports
+STARTUP_TIMEOUT_S = 120.0  # the child's start: a fresh interpreter importing transformers' renderer
 # Names the renderer sets itself (or transformers' apply_chat_template takes), so not template kwargs.
 RESERVED_KWARGS = frozenset(
     {
@@ -114,6 +115,10 @@ def _limit_memory(budget: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (used + budget, used + budget))
 
 
+def _ready() -> bool:
+    return True
+
+
 def _render(template: str, messages: list[Any], options: dict[str, Any]) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -145,6 +150,12 @@ class SandboxRenderer:
             if self._pool is None:
                 context = multiprocessing.get_context("spawn")  # no copy of the api's threads and sockets
                 self._pool = context.Pool(1, _limit_memory, (self.memory_bytes,))
+                try:  # the child's start (imports) is not the template's time
+                    self._pool.apply_async(_ready).get(STARTUP_TIMEOUT_S)
+                except multiprocessing.TimeoutError:
+                    self._pool.terminate()
+                    self._pool = None
+                    raise unavailable("the chat template sandbox did not start") from None
             pending = self._pool.apply_async(_render, (template, messages, options))
             try:
                 return pending.get(self.timeout_s)
