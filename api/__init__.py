@@ -7,6 +7,12 @@ handlers.py       /v1/completions and /v1/chat/completions: one JSON body or ser
                   whose client stops reading is aborted (max_buffered_tokens, stream_write_timeout_s)
 request_body.py   the body as strict JSON: no NaN/Infinity, no lone surrogates, no RecursionError
 protocol.py       request bodies -> prompts (token ids) and SamplingParams; what is refused and why
+chat.py           chat messages (tool results, tool calls, reasoning), tools and documents -> the prompt
+chat_template.py  --chat-template, a request's own template (sandboxed child process), chat_template_kwargs
+tools.py          tools, tool_choice, parallel_tool_calls: the schema `required`/named are held to, the parser
+tool_parsers/     tool calls read out of a choice's text, whole or streamed (hermes, llama3_json, mistral)
+reasoning.py      <think>...</think> returned as `reasoning` (--reasoning-parser qwen3, deepseek_r1)
+chat_output.py    a chat choice read through those parsers: message, stream deltas, finish_reason
 fields.py         typed, bounded access to a body's fields, and the bounds themselves
 sampling_fields.py  penalties, min_p, min_tokens, logit_bias, bad_words, allowed_token_ids; the defaults
                   of what a request leaves out (generation_config.py: the checkpoint's generation_config.json)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from aiohttp import web
 
+from api.chat_output import ParsedChatFormat
 from api.errors import ApiError, error_body, invalid, unavailable
 from api.generation import Generation
 from api.model import ServedModel
-from api.openai_format import ChatFormat, CompletionFormat, ResponseFormat
+from api.openai_format import CompletionFormat, ResponseFormat
 from api.protocol import GenerationRequest, parse_chat, parse_completion
 from api.request_body import parse_json
 from api.request_id import request_id
@@ -54,12 +56,18 @@ def check_model(body: Any, model: ServedModel) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
+def needs_thread(body: Any) -> bool:
+    """A request's own chat template waits for a child process (api/chat_template.py): never on the loop."""
+    return isinstance(body, dict) and body.get("chat_template") is not None
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, parse_completion, CompletionFormat, "cmpl-")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, parse_chat, ChatFormat, "chatcmpl-")
+    parse = partial(parse_chat, config=request.app[STATE].config)
+    return await _serve(request, parse, ParsedChatFormat, "chatcmpl-")
 
 
 async def _serve(
@@ -76,7 +84,7 @@ async def _serve(
     model = await state.models.get()
     check_model(body, model)
     max_seqs = state.config.max_seqs_per_request
-    if len(raw) <= INLINE_PARSE_BYTES:
+    if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
         req = parse(body, model, max_seqs)
     else:
         loop = asyncio.get_running_loop()
@@ -114,6 +122,8 @@ async def _serve(
         include_usage_field=req.include_usage,
         echo=echo,
     )
+    if isinstance(fmt, ParsedChatFormat):
+        fmt.chat_output = req.chat_output
     try:
         if req.stream:
             return await _stream(request, generation, fmt, req.include_usage, state.config)

@@ -10,20 +10,24 @@ tokenizer thread (handlers.py), so nothing here blocks the event loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from api.errors import ApiError, invalid
+import msgspec
+
+from api.chat import render_chat_request
+from api.chat import too_long as _too_long
+from api.chat_output import ChatOutput
+from api.errors import invalid
 from api.fields import (
     MAX_CACHE_SALT_CHARS,
     MAX_LENGTH_PENALTY,
-    MAX_MESSAGES,
     MAX_N,
-    MAX_NAME_CHARS,
     Fields,
     is_int,
 )
 from api.model import ServedModel
+from api.reasoning import prompt_opens_reasoning
 from api.sampling_fields import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     PROCESSOR_FIELDS,
@@ -35,6 +39,8 @@ from api.sampling_fields import (
 from api.scheduling import parse_priority
 from api.scoring import SCORING_FIELDS, OutputOptions, parse_output_options
 from api.structured_fields import STRUCTURED_FIELDS, parse_structured
+from api.tools import parse_tools
+from common.config import ApiConfig
 from common.messages import SamplingParams
 
 # Accepted and dropped: they change nothing about the output.
@@ -44,7 +50,6 @@ IGNORED_FIELDS = frozenset(
         "metadata",
         "store",
         "service_tier",
-        "parallel_tool_calls",
         "prompt_cache_key",
         "safety_identifier",
     }
@@ -60,10 +65,11 @@ SCHEDULING_FIELDS = frozenset({"priority", "cache_salt"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"} | SCORING_FIELDS | STRUCTURED_FIELDS
 CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion_tokens", "logprobs"}
-CHAT_FIELDS |= (
-    {"top_logprobs", "response_format", "tools", "tool_choice"} | SCORING_FIELDS | STRUCTURED_FIELDS
-)
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"}
+CHAT_FIELDS |= {"parallel_tool_calls", "chat_template", "chat_template_kwargs", "add_generation_prompt"}
+CHAT_FIELDS |= {"continue_final_message", "documents"} | SCORING_FIELDS | STRUCTURED_FIELDS
+# Other constraints on the output (vLLM's names), which a forced tool_choice cannot be combined with
+OTHER_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class GenerationRequest:
     priority: int = 0  # under the scheduler's priority policy, lower runs first
     cache_salt: str = ""  # non-empty: prefix-cache entries shared only with requests of the same salt
     outputs: OutputOptions = OutputOptions()  # echo, prompt logprobs, token names (api/scoring.py)
+    chat_output: ChatOutput | None = None  # chat: how the choices are read (reasoning, tool calls)
 
 
 def check_fields(body: Any, allowed: frozenset[str]) -> Fields:
@@ -87,16 +94,6 @@ def check_fields(body: Any, allowed: frozenset[str]) -> Fields:
     if unknown:
         raise invalid(f"unsupported parameter(s): {', '.join(unknown)[:200]}", unknown[0][:100])
     return Fields(body)
-
-
-def _too_long(what: str, num_tokens: int | None, model: ServedModel) -> ApiError:
-    size = f"{num_tokens} tokens" if num_tokens is not None else f"over {model.max_prompt_chars} characters"
-    return invalid(
-        f"the {what} is {size}, and this model's maximum context length is "
-        f"{model.max_model_len} tokens (prompt and output)",
-        "prompt" if what == "prompt" else "messages",
-        "context_length_exceeded",
-    )
 
 
 def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int = 0) -> int:
@@ -241,63 +238,13 @@ def parse_completion(body: Any, model: ServedModel, max_seqs: int) -> Generation
     )  # fmt: skip
 
 
-def _message_content(message: dict[str, Any], i: int) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise invalid(f"messages[{i}].content: only text parts are supported", "messages")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise invalid(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def render_chat(messages: Any, model: ServedModel) -> list[int]:
-    """The prompt's token ids: the messages through the chat template, special tokens not added twice."""
-    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
-        raise invalid(f"'messages' must be a non-empty list of at most {MAX_MESSAGES}", "messages")
-    rendered = []
-    num_chars = 0
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in CHAT_ROLES:
-            raise invalid(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}", "messages")
-        if m.get("tool_calls"):
-            raise invalid("tool calls are not supported", "messages")
-        name = m.get("name")
-        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS):
-            message = f"messages[{i}].name must be a string of 1 to {MAX_NAME_CHARS} characters"
-            raise invalid(message, "messages")
-        entry = {"role": CHAT_ROLES[m["role"]], "content": _message_content(m, i)}
-        num_chars += len(entry["content"])
-        rendered.append(entry if name is None else {**entry, "name": name})
-    if num_chars > model.max_prompt_chars:  # the template's output holds every message's text
-        raise _too_long("conversation", None, model)
-    if not getattr(model.tokenizer, "chat_template", None):
-        raise invalid("this model has no chat template")
-    try:
-        text = model.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # the template rejects some conversations (role order, say) by raising
-        raise invalid(f"the chat template refused the messages: {str(e)[:200]}", "messages") from e
-    if not isinstance(text, str):
-        raise invalid("the chat template did not render text", "messages")
-    if len(text) > model.max_prompt_chars:
-        raise _too_long("conversation", None, model)
-    return list(model.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def parse_chat(body: Any, model: ServedModel, max_seqs: int) -> GenerationRequest:
-    """A /v1/chat/completions body."""
+def parse_chat(
+    body: Any, model: ServedModel, max_seqs: int, config: ApiConfig | None = None
+) -> GenerationRequest:
+    """A /v1/chat/completions body. Messages, tools and the template controls: api/chat.py, api/tools.py."""
+    config = config or ApiConfig()
     f = check_fields(body, CHAT_FIELDS)
-    if body.get("tools"):
-        raise invalid("tools are not supported", "tools")
-    f.neutral("tool_choice", "none", "auto")
+    tools = parse_tools(body, config)
     _check_num_seqs(1, f.integer("n", 1, lo=1, hi=MAX_N), max_seqs)  # type: ignore[arg-type]
     legacy_max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)  # checked also when overridden
     max_tokens = f.integer("max_completion_tokens", legacy_max_tokens, lo=1, hi=2**63)
@@ -306,5 +253,15 @@ def parse_chat(body: Any, model: ServedModel, max_seqs: int) -> GenerationReques
     if top_logprobs is not None and not want_logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     num_logprobs = (top_logprobs or 0) if want_logprobs else None
-    prompt = render_chat(body.get("messages"), model)
-    return _generation_request(f, [prompt], max_tokens, num_logprobs, model)
+    prompt = render_chat_request(body, model, config, tools)
+    req = _generation_request(f, [prompt.token_ids], max_tokens, num_logprobs, model)
+    structured = tools.structured()
+    constrained = body.get("response_format") not in (None, {"type": "text"})
+    if structured is not None and (constrained or any(body.get(k) is not None for k in OTHER_CONSTRAINTS)):
+        raise invalid("a forced tool_choice holds the output to its own schema: drop the other constraint")
+    if structured is not None:  # tool_choice required or a named function: the output is held to JSON
+        params = [msgspec.structs.replace(p, structured=structured) for p in req.params]
+        if problem := params[0].validate():  # the rules that tie a constraint to the other fields
+            raise invalid(problem)
+        req = replace(req, params=params)
+    return replace(req, chat_output=ChatOutput(tools, config, prompt_opens_reasoning(prompt.text)))

@@ -41,6 +41,8 @@ KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 Quantization = Literal["", "fp8"]
 GenerationConfigMode = Literal["auto", "none"]
+ToolCallParserName = Literal["", "hermes", "llama3_json", "mistral"]  # api/tool_parsers
+ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]  # api/reasoning.py
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,17 @@ class ApiConfig:
     # auto: the checkpoint's generation_config.json gives the defaults of temperature, top_p, top_k, min_p,
     # repetition_penalty and chat max_tokens (max_new_tokens) that a request leaves out, as vLLM's; none: ours
     generation_config: GenerationConfigMode = "auto"
+    # The chat template of every chat request: a file, or the template itself; empty: the tokenizer's
+    chat_template: str = ""
+    # Accept a request's own `chat_template` (untrusted jinja: rendered sandboxed, in a child process with
+    # a time and memory limit); refused (400) otherwise, as in vLLM
+    trust_request_chat_template: bool = False
+    # tool_choice "auto" (the default when a request has tools): the model decides, and --tool-call-parser
+    # reads its calls
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: ToolCallParserName = ""  # the model's tool-call format: hermes, llama3_json or mistral
+    # qwen3 or deepseek_r1: the output's <think>...</think> part is returned as `reasoning`
+    reasoning_parser: ReasoningParserName = ""
 
     def __post_init__(self) -> None:
         check_choices(self)

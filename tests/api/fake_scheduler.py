@@ -2,6 +2,7 @@
 
 Sequence `i` of a request generates, at its step `k`, the prompt token `prompt[(start + i + k) % len(prompt)]`
 (`start` is the `output_start` option, 0 by default), so a test chooses the output by choosing the prompt.
+With `scripted` tokens, every sequence generates those instead, then stops.
 It honours n, max_tokens, stop_token_ids, EOS, ignore_eos and logprobs, validates like the real scheduler,
 and records every message it receives (`submits()` shows each request's priority and cache_salt). A prompt
 seen before with the same cache_salt reports its whole blocks, bar the last token's, as cached.
@@ -47,8 +48,11 @@ class FakeSequence:
     start: int
     generated: list[int] = field(default_factory=list)
     finished: bool = False
+    script: tuple[int, ...] = ()  # when given, the tokens generated, in order, then a stop
 
     def next_token(self) -> int:
+        if self.script:
+            return self.script[len(self.generated) % len(self.script)]
         return self.prompt[(self.start + self.index + len(self.generated)) % len(self.prompt)]
 
 
@@ -78,6 +82,7 @@ class FakeScheduler:
         late_tokens_after_abort: int = 0,
         output_start: int = 0,
         scheduling_policy: str = "fcfs",
+        scripted: tuple[int, ...] = (),
     ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -92,6 +97,9 @@ class FakeScheduler:
         self.late_tokens_after_abort = late_tokens_after_abort  # tokens still sent after an abort
         self.output_start = output_start  # where in the prompt the echo starts
         self.scheduling_policy = scheduling_policy  # "fcfs" refuses a non-zero priority, as the real one
+        # Non-empty: every sequence generates these tokens instead of the echo, then stops (a test may
+        # change it between requests)
+        self.scripted = scripted
         self.received: list[Message] = []
         self.address = ""
         self._active: list[FakeSequence] = []
@@ -210,6 +218,7 @@ class FakeScheduler:
         self._seen_prompts.add(key)
         for i in range(msg.params.n):
             seq = FakeSequence(identity, msg.request_id, i, prompt, msg.params, cached, self.output_start)
+            seq.script = tuple(self.scripted)
             self._active.append(seq)
         self._work.set()
 
@@ -228,6 +237,8 @@ class FakeScheduler:
         seq.generated.append(token)
         finish_reason = None
         if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
+            finish_reason = FinishReason.STOP
+        elif seq.script and len(seq.generated) >= len(seq.script):
             finish_reason = FinishReason.STOP
         elif len(seq.generated) >= seq.params.max_tokens:
             finish_reason = FinishReason.LENGTH

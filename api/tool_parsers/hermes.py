@@ -1,0 +1,35 @@
+"""Hermes and Qwen 2.5/3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call.
+
+The content is the text before the first block (vLLM's `hermes` parser); whatever follows the blocks is
+dropped. An unclosed last block at the end of the text still counts, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from api.tool_parsers.base import ObjectSequence, ToolParser, held_prefix
+
+START = "<tool_call>"
+END = "</tool_call>"
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._first: int | None = None  # where the first START is
+        self._searched = 0
+        self._sequence: ObjectSequence | None = None
+
+    def _scan(self, final: bool) -> int:
+        text = self.text
+        if self._first is None:
+            found = text.find(START, max(0, self._searched - len(START)))
+            self._searched = len(text)
+            if found < 0:
+                return len(text) if final else len(text) - held_prefix(text, START)
+            self._first = found
+            self._sequence = ObjectSequence(found, START, END)
+        assert self._sequence is not None
+        self._sequence.advance(self, final)
+        return self._first
