@@ -10,8 +10,8 @@ protocol.py       request bodies -> prompts (token ids) and SamplingParams; what
 fields.py         typed, bounded access to a body's fields, and the bounds themselves
 generation.py     one HTTP request's scheduler requests merged into one stream of choices; usage
 openai_format.py  response bodies and stream chunks, logprobs in both OpenAI shapes
-scoring.py        what a response shows of its prompts: echo, vLLM's prompt_logprobs, return_tokens_as_token_ids,
-                  and the text options (include_stop_str_in_output, skip_special_tokens, ...)
+scoring.py        what a response shows of its prompts: echo, vLLM's prompt_logprobs, token ids as names,
+                  and the client's text options (include_stop_str_in_output, skip_special_tokens, ...)
 model.py          the tokenizer, loaded from --model at start; the served model's name and limits, learnt
                   from the scheduler once a worker is ready (503 while it serves another checkpoint)
 state.py          what handlers share: config, client, model, counters, tokenizer thread, requests in flight
