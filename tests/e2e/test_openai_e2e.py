@@ -282,10 +282,12 @@ def test_logits_processors_change_what_is_sampled(server):
         plain = await client.completions.create(**common, extra_body={"ignore_eos": True})
         assert only.choices[0].text == biased.choices[0].text != plain.choices[0].text
         assert only.usage.completion_tokens == biased.usage.completion_tokens == 8
-        greedy = dict(model=model, prompt="The quick brown fox", max_tokens=16, temperature=0)
-        base = await client.completions.create(**greedy, extra_body={"ignore_eos": True})
+        # greedy between two tokens: the one drawn first keeps winning unless penalties hold it back
+        greedy = dict(model=model, prompt=[5, 6, 7, 8], max_tokens=16, temperature=0)
+        two = {"allowed_token_ids": [100, 200], "ignore_eos": True}
+        base = await client.completions.create(**greedy, extra_body=two)
         penalized = await client.completions.create(
-            **greedy, frequency_penalty=2.0, presence_penalty=2.0, extra_body={"ignore_eos": True}
+            **greedy, frequency_penalty=2.0, presence_penalty=2.0, extra_body=two
         )
         assert base.choices[0].text != penalized.choices[0].text
         with pytest.raises(BadRequestError):
