@@ -174,7 +174,7 @@ def render_chat_request(
     continue_final = f.boolean("continue_final_message")
     add_generation_prompt = f.boolean("add_generation_prompt", True)
     if continue_final and add_generation_prompt:
-        message = "'continue_final_message' and 'add_generation_prompt' cannot both be true"
+        message = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."  # vLLM's
         raise invalid(message, "continue_final_message")
     if continue_final and messages[-1]["role"] != "assistant":
         raise invalid("'continue_final_message' needs the last message to be the assistant's", "messages")

@@ -17,30 +17,40 @@ from typing import Any
 
 from aiohttp import web
 
+from api.chat import render_chat_request
 from api.errors import invalid
 from api.fields import Fields, is_int
 from api.handlers import INLINE_PARSE_BYTES, check_model, dumps
 from api.model import ServedModel
-from api.protocol import check_fields, render_chat
+from api.protocol import check_fields
 from api.request_body import parse_json
 from api.state import STATE
+from api.tools import parse_tools
+from common.config import ApiConfig
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = frozenset(
     {"model", "messages", "add_generation_prompt", "continue_final_message"}
-    | {"add_special_tokens", "return_token_strs"}
+    | {
+        "add_special_tokens",
+        "return_token_strs",
+        "tools",
+        "documents",
+        "chat_template",
+        "chat_template_kwargs",
+    }
 )
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
-Work = Callable[[Any, ServedModel], dict[str, Any]]
+Work = Callable[[Any, ServedModel, ApiConfig], dict[str, Any]]
 
 
-def tokenize_body(body: Any, model: ServedModel) -> dict[str, Any]:
+def tokenize_body(body: Any, model: ServedModel, config: ApiConfig | None = None) -> dict[str, Any]:
     """The answer to a /tokenize body: the text form ({prompt}) or the chat form ({messages})."""
     if isinstance(body, dict) and "messages" in body:
         if "prompt" in body:
             raise invalid("Only one of `prompt` or `messages` should be provided.", "prompt")
         f = check_fields(body, TOKENIZE_CHAT_FIELDS)
-        tokens = _chat_tokens(f, model)
+        tokens = _chat_tokens(f, model, config or ApiConfig())
     else:
         f = check_fields(body, TOKENIZE_FIELDS)
         tokens = _text_tokens(f, model)
@@ -70,26 +80,17 @@ def _text_tokens(f: Fields, model: ServedModel) -> list[int]:
     return list(model.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def _chat_tokens(f: Fields, model: ServedModel) -> list[int]:
-    """The conversation as /v1/chat/completions feeds it to the model. The rendering takes the generation
-    prompt and no special tokens of its own; other values are refused until it takes them (vLLM's
-    defaults are these)."""
-    if f.boolean("add_generation_prompt", True) and f.boolean("continue_final_message"):
-        raise invalid(
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-            "continue_final_message",
-        )
-    for name, default in (
-        ("add_generation_prompt", True),
-        ("continue_final_message", False),
-        ("add_special_tokens", False),
-    ):
-        if f.boolean(name, default) != default:
-            raise invalid(f"'{name}': {str(not default).lower()} is not supported", name)
-    return render_chat(f.body.get("messages"), model)
+def _chat_tokens(f: Fields, model: ServedModel, config: ApiConfig) -> list[int]:
+    """The conversation as /v1/chat/completions feeds it to the model (api/chat.py: the same template, tools,
+    documents and template controls). The rendering adds no special tokens of its own (vLLM's default)."""
+    if f.boolean("add_special_tokens"):
+        raise invalid("'add_special_tokens': true is not supported with 'messages'", "add_special_tokens")
+    # tool_choice plays no part in the prompt: "none" keeps the tools in it without asking for a parser
+    tools = parse_tools({**f.body, "tool_choice": "none"}, config)
+    return render_chat_request(f.body, model, config, tools).token_ids
 
 
-def detokenize_body(body: Any, model: ServedModel) -> dict[str, Any]:
+def detokenize_body(body: Any, model: ServedModel, config: ApiConfig | None = None) -> dict[str, Any]:
     """The answer to a /detokenize body: {"prompt": the ids decoded, special tokens included}."""
     f = check_fields(body, DETOKENIZE_FIELDS)
     tokens = f.body.get("tokens")
@@ -115,10 +116,13 @@ async def _answer(request: web.Request, work: Work) -> web.Response:
     body = parse_json(raw)
     model = await state.models.get()
     check_model(body, model)
-    if len(raw) <= INLINE_PARSE_BYTES:
-        answer = work(body, model)
-    else:  # a long text or conversation: off the event loop, as generation requests' parsing is
-        answer = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, work, body, model)
+    if len(raw) <= INLINE_PARSE_BYTES and not (
+        isinstance(body, dict) and body.get("chat_template") is not None
+    ):
+        answer = work(body, model, state.config)
+    else:  # a long text or conversation, or a request's own template: off the event loop, as in handlers.py
+        loop = asyncio.get_running_loop()
+        answer = await loop.run_in_executor(state.tokenizer_pool, work, body, model, state.config)
     return web.Response(text=dumps(answer), content_type="application/json")
 
 

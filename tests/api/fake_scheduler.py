@@ -2,7 +2,7 @@
 
 Sequence `i` of a request generates, at its step `k`, the prompt token `prompt[(start + i + k) % len(prompt)]`
 (`start` is the `output_start` option, 0 by default), so a test chooses the output by choosing the prompt.
-With `scripted` tokens, every sequence generates those instead, then stops.
+With `scripted` tokens, every sequence generates those instead, then EOS.
 It honours n, max_tokens, stop_token_ids, EOS, ignore_eos and logprobs, validates like the real scheduler,
 and records every message it receives (`submits()` shows each request's priority and cache_salt). A prompt
 seen before with the same cache_salt reports its whole blocks, bar the last token's, as cached.
@@ -218,7 +218,8 @@ class FakeScheduler:
         self._seen_prompts.add(key)
         for i in range(msg.params.n):
             seq = FakeSequence(identity, msg.request_id, i, prompt, msg.params, cached, self.output_start)
-            seq.script = tuple(self.scripted)
+            # then a stop token (EOS; token 0 without one), as a real model ends: the client drops its text
+            seq.script = (*self.scripted, *(self.eos_token_ids[:1] or (0,))) if self.scripted else ()
             self._active.append(seq)
         self._work.set()
 

@@ -71,6 +71,14 @@ def test_chat_form_is_what_chat_completions_feeds_the_model(server: ApiServer, t
     assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"])
     defaults = {"add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False}
     assert tokenize(server, {"messages": USER, **defaults})["tokens"] == answer["tokens"]
+    # the template controls and tools reach the template as on /v1/chat/completions
+    bare = tokenize(server, {"messages": USER, "add_generation_prompt": False})["tokens"]
+    text = tokenizer.apply_chat_template(USER, add_generation_prompt=False, tokenize=False)
+    assert bare == tokenizer(text, add_special_tokens=False)["input_ids"] != answer["tokens"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with_tools = tokenize(server, {"messages": USER, "tools": [tool]})["tokens"]
+    text = tokenizer.apply_chat_template(USER, tools=[tool], add_generation_prompt=True, tokenize=False)
+    assert with_tools == tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_a_long_body_is_tokenized_off_the_event_loop_alike(make_server: Any, tokenizer: Any) -> None:
@@ -94,11 +102,10 @@ BAD_TOKENIZE = [
     ("messages not a list", {"messages": "hi"}),
     ("empty messages", {"messages": []}),
     ("bad role", {"messages": [{"role": "wizard", "content": "x"}]}),
-    ("no generation prompt", {"messages": USER, "add_generation_prompt": False}),
     ("continue and generation prompt", {"messages": USER, "continue_final_message": True}),
     ("special tokens on chat", {"messages": USER, "add_special_tokens": True}),
-    ("chat_template", {"messages": USER, "chat_template": "{{ messages }}"}),
-    ("tools", {"messages": USER, "tools": []}),
+    ("chat_template", {"messages": USER, "chat_template": "{{ messages }}"}),  # untrusted: refused
+    ("tools not a list", {"messages": USER, "tools": {"type": "function"}}),
 ]
 
 

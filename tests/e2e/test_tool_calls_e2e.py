@@ -63,7 +63,6 @@ def check_calls(calls: Any) -> None:
         jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
-@pytest.mark.xfail(reason="needs s22-structured", strict=True)
 def test_tool_call_round_trip(stack: Honcho) -> None:
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=300)
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
