@@ -35,6 +35,7 @@ import structlog
 from common.messages import (
     ErrorKind,
     FinishReason,
+    KVSnapshot,
     RequestError,
     SeqOutput,
     StepOutput,
@@ -283,6 +284,9 @@ class Scheduler:
 
     def metrics_text(self) -> str:
         return self._inspection.metrics_text()
+
+    def kv_snapshot(self, max_cells: int, query_id: int = 0) -> KVSnapshot:
+        return self._inspection.kv_snapshot(max_cells, self._clock(), query_id)
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the queues, the sequences and the block manager disagree."""
