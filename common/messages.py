@@ -318,7 +318,7 @@ class KVSnapshot(msgspec.Struct, array_like=True):
 
     TYPE: ClassVar[MsgType] = MsgType.KV_SNAPSHOT
     query_id: Int64
-    time_s: Seconds  # the scheduler's wall clock (Unix seconds)
+    time_s: Annotated[float, Meta(ge=0.0, le=1e11)]  # the scheduler's wall clock (Unix seconds)
     num_blocks: NumBlocks  # the GPU pool
     block_size: Count
     blocks_per_cell: Annotated[int, Meta(ge=1, le=MAX_NUM_BLOCKS)]  # consecutive block ids per map cell
