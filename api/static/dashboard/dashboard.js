@@ -18,14 +18,20 @@ const dashboard = {
 };
 window.dashboard = dashboard;
 
-// A stable hue per request: FNV-1a of its id.
+// A stable hue per request: FNV-1a of its id, then a finalizer (MurmurHash3's fmix32) so that ids that
+// differ in their last character (an api's "<id>-1", "<id>-2") get far-apart hues.
 function hueOf(requestId) {
   let h = 0x811c9dc5;
   for (let i = 0; i < requestId.length; i++) {
     h ^= requestId.charCodeAt(i);
     h = Math.imul(h, 0x01000193) >>> 0;
   }
-  return h % 360;
+  h ^= h >>> 16;
+  h = Math.imul(h, 0x85ebca6b) >>> 0;
+  h ^= h >>> 13;
+  h = Math.imul(h, 0xc2b2ae35) >>> 0;
+  h ^= h >>> 16;
+  return (h >>> 0) % 360;
 }
 function requestColor(requestId) {
   return `hsl(${hueOf(requestId)}, 70%, 52%)`;
