@@ -115,7 +115,7 @@ class SchedulerConfig:
     kv_trace: str = ""
     kv_trace_max_mb: float = 64.0  # the trace stops at this size (its last line says so)
     # A KV snapshot (for /dashboard viewers and --kv-trace) is built at most this often (0.05 to 60)
-    kv_snapshot_interval_s: float = 0.25
+    kv_snapshot_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -47,10 +47,13 @@ class Inspection:
 
     def kv_snapshot(self, max_cells: int, now: float, query_id: int = 0) -> KVSnapshot:
         """The pool as a picture (scheduler/snapshot.py); `now` is the clock of the requests' arrivals."""
-        counts = (len(self._running), self.num_waiting_seqs(), self.num_swapped_seqs())
+        # Waiting: live sequences neither running nor swapped (fork children waiting for their prompt too),
+        # counted without walking the waiting queue, which can hold thousands.
+        swapped = self.num_swapped_seqs()
+        counts = (len(self._running), len(self._seqs) - len(self._running) - swapped, swapped)
         return build_snapshot(
-            self._requests.values(), self._block_manager, self.kv_usage(), self._metrics, counts, now,
-            max_cells, query_id,
+            self._requests.values(), self._running, self._swapped, self._block_manager, self.kv_usage(),
+            self._metrics, counts, now, max_cells, query_id,
         )  # fmt: skip
 
     def metrics_text(self) -> str:

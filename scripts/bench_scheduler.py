@@ -8,6 +8,11 @@ of 64, 256 and 1024 running sequences (max_num_seqs) the scheduler runs until th
 decode-heavy path a GPU step waits on. A last run at 256 with `--kv-policy reserved` shows the KV waste of
 reserving whole lengths up front, against paging's partly filled last blocks. The last line reads
 `256 running: <microseconds> us/step`.
+
+`--viewer`: the cost of a /dashboard viewer instead. At 256 running sequences, blocks of 50 steps alternate
+without and with a viewer that asks for a KV snapshot every step through the server's `SnapshotCache` (so
+one is built at most every `--snapshot-interval-s`, as in the scheduler process); a step's time includes the
+snapshot built in it. Prints the mean step time of each, the overhead, and one snapshot's build time and size.
 """
 
 from __future__ import annotations
@@ -21,9 +26,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from common.messages import SamplingParams, StepOutput, StepPlan, SubmitRequest  # noqa: E402
+from common.messages import (  # noqa: E402
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    SubmitRequest,
+    encode,  # noqa: E402
+)
 from scheduler.scheduler import Scheduler  # noqa: E402
 from scheduler.settings import SchedulerSettings  # noqa: E402
+from scheduler.snapshot import SnapshotCache  # noqa: E402
 from scripts._bench import format_table, write_json  # noqa: E402
 
 
@@ -43,7 +55,8 @@ class SamplingOnlyWorker:
         return out
 
 
-def run(max_num_seqs: int, num_requests: int, steps: int, seed: int, kv_policy: str = "paged") -> dict:
+def filled_scheduler(max_num_seqs: int, num_requests: int, seed: int, kv_policy: str = "paged") -> Scheduler:
+    """A scheduler with `num_requests` queued and `max_num_seqs` of them running."""
     rng = random.Random(seed)
     settings = SchedulerSettings(
         num_kv_blocks=1 << 20,
@@ -68,6 +81,12 @@ def run(max_num_seqs: int, num_requests: int, steps: int, seed: int, kv_policy: 
         scheduler.update(worker.execute(scheduler.schedule()))
         warmup += 1
         assert warmup < 100_000
+    return scheduler
+
+
+def run(max_num_seqs: int, num_requests: int, steps: int, seed: int, kv_policy: str = "paged") -> dict:
+    scheduler = filled_scheduler(max_num_seqs, num_requests, seed, kv_policy)
+    worker = SamplingOnlyWorker()
     step_us, seqs, waste = [], [], []
     for i in range(steps):
         if i % 50 == 0:  # KV waste: slots allocated but holding no token (not timed)
@@ -95,6 +114,46 @@ def run(max_num_seqs: int, num_requests: int, steps: int, seed: int, kv_policy: 
     }
 
 
+def run_viewer(num_requests: int, steps: int, seed: int, interval_s: float, running: int = 256) -> dict:
+    """Step time with and without a dashboard viewer, in alternating blocks of 50 steps."""
+    scheduler = filled_scheduler(running, num_requests, seed)
+    worker = SamplingOnlyWorker()
+    cache = SnapshotCache(interval_s)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    build_us: list[float] = []
+    for i in range(steps):
+        watched = (i // 50) % 2 == 1
+        t0 = time.perf_counter()
+        plan = scheduler.schedule()
+        t1 = time.perf_counter()
+        output = worker.execute(plan)  # not timed: the GPU's share
+        t2 = time.perf_counter()
+        scheduler.update(output)
+        if watched:
+            built = cache.num_built
+            cache.get(scheduler.kv_snapshot, 4096)
+            if cache.num_built > built:
+                build_us.append((time.perf_counter() - t2) * 1e6)  # (includes update: an upper bound)
+        t3 = time.perf_counter()
+        times[watched].append(((t1 - t0) + (t3 - t2)) * 1e6)
+    t0 = time.perf_counter()
+    snapshot = scheduler.kv_snapshot(4096)
+    one_us = (time.perf_counter() - t0) * 1e6
+    without, with_viewer = statistics.fmean(times[False]), statistics.fmean(times[True])
+    return {
+        "running": running,
+        "steps": steps,
+        "snapshot_interval_s": interval_s,
+        "mean_us_per_step_without": without,
+        "mean_us_per_step_with_viewer": with_viewer,
+        "overhead": with_viewer / without - 1,
+        "snapshots_built": cache.num_built,
+        "snapshot_build_us": one_us,
+        "snapshot_bytes": len(encode(snapshot)[1]),
+        "blocks_used": snapshot.blocks_used,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=10_000)
@@ -102,7 +161,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--viewer", action="store_true", help="measure a /dashboard viewer's cost at 256 running")
+    p.add_argument("--snapshot-interval-s", type=float, default=0.5)
     args = p.parse_args(argv)
+    if args.viewer:
+        row = run_viewer(args.requests, args.steps, args.seed, args.snapshot_interval_s)
+        columns = [
+            "running",
+            "us/step without",
+            "us/step with viewer",
+            "overhead",
+            "snapshots",
+            "build us",
+            "bytes",
+        ]
+        cells = [[
+            str(row["running"]), f"{row['mean_us_per_step_without']:.0f}",
+            f"{row['mean_us_per_step_with_viewer']:.0f}", f"{row['overhead']:+.2%}",
+            str(row["snapshots_built"]), f"{row['snapshot_build_us']:.0f}", str(row["snapshot_bytes"]),
+        ]]  # fmt: skip
+        print(format_table(columns, cells))
+        write_json(args.json_out, [row])
+        print(f"viewer overhead at 256 running: {row['overhead']:+.2%}")
+        return
     rows = [run(r, args.requests, args.steps, args.seed) for r in args.running]
     rows.append(run(256, args.requests, args.steps, args.seed, kv_policy="reserved"))
     columns = ["policy", "running", "us/step p50", "us/step p90", "seqs/step", "us/seq", "KV waste"]

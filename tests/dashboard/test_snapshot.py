@@ -8,7 +8,7 @@ import random
 import pytest
 
 from common.messages import MAX_SNAPSHOT_ROWS, KVSnapshot, decode, encode
-from scheduler.snapshot import CACHED, FREE, SHARED, USED, SnapshotCache, block_runs
+from scheduler.snapshot import CACHED, DEFAULT_ROWS, FREE, SHARED, USED, SnapshotCache, block_runs
 from tests.scheduler.conftest import make_harness
 
 
@@ -105,7 +105,7 @@ def test_large_pool_snapshot_is_bounded():
         h.step()
     snapshot = h.scheduler.kv_snapshot(4096)
     assert snapshot.blocks_per_cell == 256 and len(_expand(snapshot)) == 4096
-    assert len(snapshot.requests) == 300 <= MAX_SNAPSHOT_ROWS and snapshot.num_requests == 300
+    assert len(snapshot.requests) == DEFAULT_ROWS < snapshot.num_requests == 300 <= MAX_SNAPSHOT_ROWS
     assert len(b"".join(encode(snapshot))) < 64 * 1024
 
 
