@@ -32,7 +32,6 @@ from common.wire_types import (
     MAX_PROMPT_TOKENS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
-    BlockId,
     BlockIds,
     BlockPairs,
     Count,
@@ -284,8 +283,10 @@ class Shutdown(msgspec.Struct, array_like=True):
 MAX_SNAPSHOT_CELLS = 1 << 16  # cells of a block map: a pool larger than this groups blocks per cell
 MAX_SNAPSHOT_ROWS = 1024  # requests listed in one snapshot (the rest are only counted)
 MAX_ROW_RUNS = 256  # runs of block ids listed per request (for highlighting its blocks)
-KVCellState = Annotated[int, Meta(ge=0, le=3)]  # 0 free, 1 cached (free, reusable), 2 in use, 3 shared
-CellRun = tuple[KVCellState, Annotated[int, Meta(ge=0, le=MAX_SNAPSHOT_ROWS)], NumBlocks]
+# Runs travel as flat lists of ints, not lists of tuples: a snapshot of thousands of runs would otherwise
+# allocate thousands of tuples each time, and the garbage collector's passes cost the scheduler more than
+# building them. A receiver checks a run's fields (scheduler/snapshot.py says what they are).
+FlatRuns = Annotated[list[NumBlocks], Meta(max_length=3 * MAX_SNAPSHOT_CELLS)]
 
 
 class KVSnapshotRequest(msgspec.Struct, array_like=True):
@@ -309,8 +310,9 @@ class KVRequestRow(msgspec.Struct, array_like=True):
     num_cpu_blocks: NumBlocks  # swapped out to the CPU pool
     num_cached_tokens: Count  # prompt tokens found in the prefix cache
     age_s: Seconds  # since it arrived
-    # its GPU blocks as (first block id, count) runs, the first MAX_ROW_RUNS of them
-    block_runs: Annotated[list[tuple[BlockId, NumBlocks]], Meta(max_length=MAX_ROW_RUNS)]
+    # its GPU blocks as runs of consecutive ids, flat: first block id, count, first, count, ... (the first
+    # MAX_ROW_RUNS runs)
+    block_runs: Annotated[list[NumBlocks], Meta(max_length=2 * MAX_ROW_RUNS)]
 
 
 class KVSnapshot(msgspec.Struct, array_like=True):
@@ -322,9 +324,10 @@ class KVSnapshot(msgspec.Struct, array_like=True):
     num_blocks: NumBlocks  # the GPU pool
     block_size: Count
     blocks_per_cell: Annotated[int, Meta(ge=1, le=MAX_NUM_BLOCKS)]  # consecutive block ids per map cell
-    # the map, cell by cell, as (state, owner, length) runs; owner is 1 + the row of the request holding
-    # most of the cell's in-use blocks, 0 for none or an unlisted request
-    cells: Annotated[list[CellRun], Meta(max_length=MAX_SNAPSHOT_CELLS)]
+    # the map, cell by cell, as runs, flat: state, owner, length, state, owner, length, ...; state 0 free,
+    # 1 cached (free, reusable), 2 in use, 3 shared; owner 1 + the row of the request holding most of the
+    # cell's in-use blocks, 0 for none or an unlisted request
+    cells: FlatRuns
     requests: Annotated[list[KVRequestRow], Meta(max_length=MAX_SNAPSHOT_ROWS)]
     num_requests: Count  # live requests (the table lists at most MAX_SNAPSHOT_ROWS)
     blocks_used: NumBlocks

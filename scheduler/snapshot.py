@@ -8,8 +8,9 @@ scheduler builds none while nobody asks (the api asks only while a browser watch
 The block map. Cells of `blocks_per_cell` consecutive block ids (1 while the pool has at most `max_cells`
 blocks; otherwise the smallest count that fits, so a 100k-block pool shows 25 blocks a cell at 4096 cells).
 A cell takes the state most of its blocks are in (free, cached, in use, shared; a tie goes to the later,
-busier state), and the owner that holds most of its in-use blocks. Cells go as (state, owner, length) runs:
-a pool that is mostly free or held in long runs by few requests is a few hundred bytes.
+busier state), and the owner that holds most of its in-use blocks. Cells go as (state, owner, length) runs
+(flat lists of ints: common/messages.py says why): a pool that is mostly free or held in long runs by few
+requests is a few hundred bytes.
 """
 
 from __future__ import annotations
@@ -33,16 +34,19 @@ FREE, CACHED, USED, SHARED = 0, 1, 2, 3
 DEFAULT_ROWS = 256  # requests listed in a snapshot's table (running ones first); the rest are counted
 
 
-def block_runs(table: Iterable[int], limit: int = MAX_ROW_RUNS) -> list[tuple[int, int]]:
-    """`table`'s block ids, sorted, as (first, count) runs of consecutive ids; the first `limit` runs."""
-    runs: list[tuple[int, int]] = []
+def block_runs(table: Iterable[int], limit: int = MAX_ROW_RUNS) -> list[int]:
+    """`table`'s block ids, sorted, as runs of consecutive ids, flat: first, count, first, count, ...; the
+    first `limit` runs."""
+    runs: list[int] = []
+    end = -1  # one past the last run's last block
     for block_id in sorted(table):
-        if runs and runs[-1][0] + runs[-1][1] == block_id:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        elif len(runs) == limit:
+        if block_id == end:
+            runs[-1] += 1
+        elif len(runs) == 2 * limit:
             break
         else:
-            runs.append((block_id, 1))
+            runs += (block_id, 1)
+        end = block_id + 1
     return runs
 
 
@@ -71,16 +75,16 @@ def _request_row(request: Request, state: str, bm: BlockManager, now: float) -> 
     )
 
 
-def _runs(states: np.ndarray, owners: np.ndarray) -> list[tuple[int, int, int]]:
-    """(state, owner, length) runs of equal neighbours."""
+def _runs(states: np.ndarray, owners: np.ndarray) -> list[int]:
+    """Runs of equal neighbours, flat: state, owner, length, state, owner, length, ..."""
     key = states.astype(np.int64) * (MAX_SNAPSHOT_ROWS + 1) + owners
     starts = np.flatnonzero(np.diff(key)) + 1
     bounds = np.concatenate(([0], starts, [len(key)]))
     firsts = bounds[:-1]
-    return list(zip(states[firsts].tolist(), owners[firsts].tolist(), np.diff(bounds).tolist(), strict=True))
+    return np.stack((states[firsts], owners[firsts], np.diff(bounds)), axis=1).ravel().tolist()
 
 
-def _cell_map(bm: BlockManager, owner_of_seq: dict[int, int], per_cell: int) -> list[tuple[int, int, int]]:
+def _cell_map(bm: BlockManager, owner_of_seq: dict[int, int], per_cell: int) -> list[int]:
     """The map's runs. Python touches only the blocks held; the cached ones' ids, the pool's byte-a-block
     state array and the counts per cell are numpy's."""
     n = bm.num_blocks

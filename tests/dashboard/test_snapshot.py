@@ -13,7 +13,8 @@ from tests.scheduler.conftest import make_harness
 
 
 def _expand(snapshot: KVSnapshot) -> list[tuple[int, int]]:
-    cells = [(state, owner) for state, owner, length in snapshot.cells for _ in range(length)]
+    runs = snapshot.cells
+    cells = [(runs[r], runs[r + 1]) for r in range(0, len(runs), 3) for _ in range(runs[r + 2])]
     assert len(cells) == -(-snapshot.num_blocks // snapshot.blocks_per_cell)
     return cells
 
@@ -30,7 +31,8 @@ def _reference_states(h) -> list[int]:
 
 
 def _row_blocks(snapshot: KVSnapshot, row: int) -> set[int]:
-    return {b for first, n in snapshot.requests[row].block_runs for b in range(first, first + n)}
+    runs = snapshot.requests[row].block_runs
+    return {b for r in range(0, len(runs), 2) for b in range(runs[r], runs[r] + runs[r + 1])}
 
 
 def _check_against_reference(h, snapshot: KVSnapshot) -> None:
@@ -70,7 +72,7 @@ def test_snapshot_matches_the_block_manager_block_by_block(max_cells):
         snapshot = h.scheduler.kv_snapshot(max_cells)
         assert snapshot.blocks_per_cell == -(-48 // min(48, max_cells))
         _check_against_reference(h, snapshot)
-        seen.update(state for state, _, _ in snapshot.cells)
+        seen.update(snapshot.cells[0::3])
         seen.update(row.state for row in snapshot.requests)
         assert h.steps < 2000
     final = h.scheduler.kv_snapshot(max_cells)
@@ -94,7 +96,7 @@ def test_table_shows_prefix_hits_and_shared_blocks():
     assert rows["n4"].num_seqs == 4 and rows["n4"].num_shared_blocks >= 1
     assert rows["n4"].age_s > 0
     # the first request's blocks past the shared prefix stay cached: free, and reusable
-    assert any(state == CACHED for state, _, _ in snapshot.cells)
+    assert CACHED in snapshot.cells[0::3]
 
 
 def test_large_pool_snapshot_is_bounded():
@@ -110,8 +112,9 @@ def test_large_pool_snapshot_is_bounded():
 
 
 def test_block_runs_merge_consecutive_ids_and_stop_at_the_limit():
-    assert block_runs([7, 3, 4, 5, 9, 10]) == [(3, 3), (7, 1), (9, 2)]
-    assert block_runs(range(0, 20, 2), limit=3) == [(0, 1), (2, 1), (4, 1)]
+    assert block_runs([7, 3, 4, 5, 9, 10]) == [3, 3, 7, 1, 9, 2]
+    assert block_runs(range(0, 20, 2), limit=3) == [0, 1, 2, 1, 4, 1]
+    assert block_runs([]) == []
 
 
 def test_snapshot_cache_builds_at_most_once_per_interval():

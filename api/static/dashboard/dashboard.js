@@ -43,10 +43,11 @@ function requestColor(requestId) {
 function cellsOf(snapshot) {
   const states = [];
   const owners = [];
-  for (const [state, owner, length] of snapshot.cells) {
-    for (let i = 0; i < length; i++) {
-      states.push(state);
-      owners.push(owner);
+  const runs = snapshot.cells; // flat: state, owner, length, ...
+  for (let r = 0; r + 2 < runs.length; r += 3) {
+    for (let i = 0; i < runs[r + 2]; i++) {
+      states.push(runs[r]);
+      owners.push(runs[r + 1]);
     }
   }
   return { states, owners };
@@ -56,8 +57,9 @@ function selectedCells(snapshot) {
   const row = snapshot.requests.find((r) => r.request_id === dashboard.selected);
   if (!row) return null;
   const cells = new Set();
-  for (const [first, count] of row.block_runs) {
-    for (let b = first; b < first + count; b++) cells.add(Math.floor(b / snapshot.blocks_per_cell));
+  const runs = row.block_runs; // flat: first block id, count, ...
+  for (let r = 0; r + 1 < runs.length; r += 2) {
+    for (let b = runs[r]; b < runs[r] + runs[r + 1]; b++) cells.add(Math.floor(b / snapshot.blocks_per_cell));
   }
   return cells;
 }
