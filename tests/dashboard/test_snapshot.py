@@ -132,3 +132,18 @@ def test_snapshot_cache_builds_at_most_once_per_interval():
     assert len(built) == 4 and cache.num_built == 4
     cache.get(build, 64)  # another size: built now
     assert built[-1] == 64
+
+
+def test_a_slow_snapshot_spaces_the_next_one_out_to_one_percent_of_the_time():
+    now = [0.0]
+    timer = [0.0]
+    cache = SnapshotCache(0.5, clock=lambda: now[0], timer=lambda: timer[0])
+
+    def slow_build(max_cells: int) -> int:
+        timer[0] += 0.02  # 20 ms: the next one no sooner than 2 s later
+        return cache.num_built
+
+    for step in range(1000):  # 10 s, asked every 10 ms
+        now[0] = step * 0.01
+        cache.get(slow_build, 4096)
+    assert cache.num_built == 5 and cache.last_build_s == pytest.approx(0.02)
