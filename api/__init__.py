@@ -14,6 +14,7 @@ model.py          the tokenizer, loaded from --model at start; the served model'
                   from the scheduler once a worker is ready (503 while it serves another checkpoint)
 state.py          what handlers share: config, client, model, counters, tokenizer thread, requests in flight
 errors.py         ApiError and OpenAI's error body (the 401s word for word)
+dashboard.py      /dashboard: the KV cache's live view (static/dashboard/), its sign-in, its event stream
 
 With ApiConfig.api_key set, every route but /health and /metrics needs `Authorization: Bearer <key>`.
 """

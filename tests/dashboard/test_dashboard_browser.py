@@ -50,7 +50,7 @@ def _complete(url: str, prompt: str, max_tokens: int, n: int = 1) -> dict[str, A
     request = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=120) as reply:
+    with urllib.request.urlopen(request, timeout=600) as reply:
         return json.loads(reply.read())
 
 
@@ -106,7 +106,7 @@ def test_dashboard_shows_used_shared_and_cached_blocks_and_the_requests(tiny_mod
         _wait(driver, "return window.dashboard && window.dashboard.last !== null")
         assert int(driver.execute_script("return window.dashboard.cellCounts.cached")) > 0
         results: list[Any] = []
-        jobs = [(PREFIX + f"Question {i}?", 400, 1) for i in range(3)] + [("Four samples, please:", 400, 4)]
+        jobs = [(PREFIX + f"Question {i}?", 160, 1) for i in range(3)] + [("Four samples, please:", 160, 4)]
         threads = [
             threading.Thread(target=lambda job=job: results.append(_complete(server.url, *job)))
             for job in jobs
@@ -138,7 +138,7 @@ def test_dashboard_shows_used_shared_and_cached_blocks_and_the_requests(tiny_mod
         assert driver.execute_script("return document.querySelector('#requests tr.selected') !== null")
         _save(driver, tmp_path, "dashboard-selected.png")
         for thread in threads:
-            thread.join(timeout=180)
+            thread.join(timeout=600)
         assert sorted(len(r["choices"]) for r in results) == [1, 1, 1, 4]
         _wait(driver, "return window.dashboard.last.requests.length === 0")
         server.wait_until_idle()
