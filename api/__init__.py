@@ -29,6 +29,7 @@ tokenization.py   POST /tokenize and /detokenize (vLLM's), by the served model's
 version.py        GET /version
 request_id.py     X-Request-Id: the client's or a fresh one, echoed on every response, in the response id
 scheduling.py     `priority`, refused under the scheduler's fcfs policy (it would change nothing)
+dashboard.py      /dashboard: the KV cache's live view (static/dashboard/), its sign-in, its event stream
 
 With ApiConfig.api_key set, every route but /health and /metrics needs `Authorization: Bearer <key>`.
 """

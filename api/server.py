@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from api.dashboard import add_dashboard, is_dashboard_path
 from api.errors import ApiError, error_body, unauthorized
 from api.handlers import chat_completions, completions, dumps
 from api.model import INFO_TIMEOUT_S, ModelState
@@ -95,7 +96,7 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With an API key configured, refuses (401) any request but the open paths without `Bearer <key>`."""
     key = request.app[STATE].config.api_key
-    if key and request.path not in OPEN_PATHS:
+    if key and request.path not in OPEN_PATHS and not is_dashboard_path(request.path):  # its own check
         scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise unauthorized(given=False)
@@ -212,4 +213,6 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     add_tokenization_routes(app)
+    if config.dashboard:
+        add_dashboard(app)  # /dashboard (api/dashboard.py)
     return app

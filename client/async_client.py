@@ -29,6 +29,7 @@ from common.log import get_logger
 from common.messages import (
     ErrorKind,
     InfoReply,
+    KVSnapshot,
     SamplingParams,
     SubmitRequest,
 )
@@ -125,6 +126,10 @@ class AsyncEngineClient:
     async def info(self, timeout: float | None = None) -> InfoReply:
         """Asks the scheduler for its state. Raises TimeoutError when it does not answer in time."""
         return await self._connection.info(timeout)
+
+    async def kv_snapshot(self, max_cells: int = 4096, timeout: float | None = None) -> KVSnapshot:
+        """A picture of the scheduler's KV pool (what /dashboard shows). Raises TimeoutError."""
+        return await self._connection.kv_snapshot(max_cells, timeout)
 
     async def get_tokenizer(self) -> Any:
         """The tokenizer, loading it on first use; None when there is none (yet).

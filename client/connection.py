@@ -30,6 +30,8 @@ from common.messages import (
     ErrorKind,
     InfoReply,
     InfoRequest,
+    KVSnapshot,
+    KVSnapshotRequest,
     Message,
     RequestError,
     RequestOutputs,
@@ -67,7 +69,7 @@ class SchedulerConnection:
         self._last_heard = 0.0  # monotonic time of the scheduler's last message
         self._query_counter = itertools.count()
         self._requests: dict[str, _RequestState] = {}
-        self._info_waiters: dict[int, asyncio.Future[InfoReply]] = {}
+        self._info_waiters: dict[int, asyncio.Future] = {}  # query id -> its InfoReply or KVSnapshot
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []  # receiving, watching the connection, liveness pings
         self._closed = False
@@ -138,6 +140,18 @@ class SchedulerConnection:
         self._info_waiters[query_id] = waiter
         try:
             self._send_nowait(InfoRequest(query_id))
+            return await asyncio.wait_for(waiter, self._info_timeout if timeout is None else timeout)
+        finally:
+            self._info_waiters.pop(query_id, None)
+
+    async def kv_snapshot(self, max_cells: int, timeout: float | None = None) -> KVSnapshot:
+        """Asks the scheduler for a picture of its KV pool. Raises TimeoutError when it does not answer."""
+        await self.start()
+        query_id = next(self._query_counter)
+        waiter: asyncio.Future[KVSnapshot] = asyncio.get_running_loop().create_future()
+        self._info_waiters[query_id] = waiter
+        try:
+            self._send_nowait(KVSnapshotRequest(query_id, max_cells))
             return await asyncio.wait_for(waiter, self._info_timeout if timeout is None else timeout)
         finally:
             self._info_waiters.pop(query_id, None)
@@ -230,7 +244,7 @@ class SchedulerConnection:
             state = self._requests.pop(msg.request_id, None)
             if state is not None:
                 state.fail(RequestRejected(msg.kind, msg.message, msg.request_id))
-        elif isinstance(msg, InfoReply):
+        elif isinstance(msg, (InfoReply, KVSnapshot)):
             waiter = self._info_waiters.pop(msg.query_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)

@@ -88,6 +88,8 @@ class ApiConfig:
     tool_call_parser: ToolCallParserName = ""  # the model's tool-call format: hermes, llama3_json or mistral
     # qwen3 or deepseek_r1: the output's <think>...</think> part is returned as `reasoning`
     reasoning_parser: ReasoningParserName = ""
+    # Serve /dashboard, the KV cache's live view (behind api_key when set); --no-dashboard turns it off
+    dashboard: bool = True
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -129,11 +131,18 @@ class SchedulerConfig:
     shutdown_timeout_s: float = 30.0
     cluster_key_file: str = DEFAULT_CLUSTER_KEY_FILE  # clients and workers must hold this key pair
     log_level: str = "info"  # debug, info, warning or error: the least severe events logged
+    # Record KV snapshots to this file (JSON lines) for /dashboard's replay and scripts/kv_replay.py; "": off
+    kv_trace: str = ""
+    kv_trace_max_mb: float = 64.0  # the trace stops at this size (its last line says so)
+    # A KV snapshot (for /dashboard viewers and --kv-trace) is built at most this often (0.05 to 60)
+    kv_snapshot_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         check_choices(self)
         if self.max_waiting_seqs < 1 or self.request_seat_quota < 0:
             raise ValueError("max_waiting_seqs must be at least 1 and request_seat_quota at least 0")
+        if not 0.05 <= self.kv_snapshot_interval_s <= 60 or not 0 < self.kv_trace_max_mb <= 1 << 20:
+            raise ValueError("kv_snapshot_interval_s must be in [0.05, 60] and kv_trace_max_mb in (0, 2**20]")
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ Processes and directions:
     scheduler -> client:                          RequestOutputs, RequestError, InfoReply
     worker -> scheduler:                          WorkerReady, StepOutput, Heartbeat
     scheduler -> worker:                          StepPlan, Shutdown
+    client -> scheduler -> client:                KVSnapshotRequest -> KVSnapshot (the api's /dashboard)
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -68,6 +69,8 @@ class MsgType(IntEnum):
     HEARTBEAT = 22
     STEP_PLAN = 30
     SHUTDOWN = 31
+    KV_SNAPSHOT_REQUEST = 40
+    KV_SNAPSHOT = 41
 
 
 class ErrorKind:
@@ -297,6 +300,76 @@ class Shutdown(msgspec.Struct, array_like=True):
     reason: Name
 
 
+# ---------------------------------------------------------------------------------------------------------
+# client <-> scheduler: the KV pool as a picture (scheduler/snapshot.py builds it, /dashboard shows it)
+
+MAX_SNAPSHOT_CELLS = 1 << 16  # cells of a block map: a pool larger than this groups blocks per cell
+MAX_SNAPSHOT_ROWS = 1024  # requests listed in one snapshot (the rest are only counted)
+MAX_ROW_RUNS = 256  # runs of block ids listed per request (for highlighting its blocks)
+# Runs travel as flat lists of ints, not lists of tuples: a snapshot of thousands of runs would otherwise
+# allocate thousands of tuples each time, and the garbage collector's passes cost the scheduler more than
+# building them. A receiver checks a run's fields (scheduler/snapshot.py says what they are).
+FlatRuns = Annotated[list[NumBlocks], Meta(max_length=3 * MAX_SNAPSHOT_CELLS)]
+
+
+class KVSnapshotRequest(msgspec.Struct, array_like=True):
+    """Asks for the pool's picture; the scheduler builds one only when asked, at most a few per second."""
+
+    TYPE: ClassVar[MsgType] = MsgType.KV_SNAPSHOT_REQUEST
+    query_id: Int64  # echoed in the reply
+    max_cells: Annotated[int, Meta(ge=1, le=MAX_SNAPSHOT_CELLS)] = 4096  # the map's cells, at most
+
+
+class KVRequestRow(msgspec.Struct, array_like=True):
+    """One request's share of the pool."""
+
+    request_id: RequestId
+    state: Literal["waiting", "running", "swapped"]  # running if any sequence runs, then swapped, waiting
+    num_seqs: Count  # live sequences
+    num_prompt_tokens: Count
+    num_output_tokens: Count  # of its longest sequence
+    num_blocks: NumBlocks  # distinct GPU blocks its sequences hold
+    num_shared_blocks: NumBlocks  # of which held by more than one sequence (its own or another request's)
+    num_cpu_blocks: NumBlocks  # swapped out to the CPU pool
+    num_cached_tokens: Count  # prompt tokens found in the prefix cache
+    age_s: Seconds  # since it arrived
+    # its GPU blocks as runs of consecutive ids, flat: first block id, count, first, count, ... (the first
+    # MAX_ROW_RUNS runs)
+    block_runs: Annotated[list[NumBlocks], Meta(max_length=2 * MAX_ROW_RUNS)]
+
+
+class KVSnapshot(msgspec.Struct, array_like=True):
+    """The KV pool at one moment: a run-length block map, the requests' table and the counters."""
+
+    TYPE: ClassVar[MsgType] = MsgType.KV_SNAPSHOT
+    query_id: Int64
+    time_s: Annotated[float, Meta(ge=0.0, le=1e11)]  # the scheduler's wall clock (Unix seconds)
+    num_blocks: NumBlocks  # the GPU pool
+    block_size: Count
+    blocks_per_cell: Annotated[int, Meta(ge=1, le=MAX_NUM_BLOCKS)]  # consecutive block ids per map cell
+    # the map, cell by cell, as runs, flat: state, owner, length, state, owner, length, ...; state 0 free,
+    # 1 cached (free, reusable), 2 in use, 3 shared; owner 1 + the row of the request holding most of the
+    # cell's in-use blocks, 0 for none or an unlisted request
+    cells: FlatRuns
+    requests: Annotated[list[KVRequestRow], Meta(max_length=MAX_SNAPSHOT_ROWS)]
+    num_requests: Count  # live requests (the table lists at most MAX_SNAPSHOT_ROWS)
+    blocks_used: NumBlocks
+    blocks_cached: NumBlocks
+    blocks_shared: NumBlocks
+    slots_allocated: Count  # slots in blocks held
+    slots_used: Count  # of which hold a token's KV (the rest is waste)
+    num_cpu_blocks: NumBlocks
+    cpu_blocks_used: NumBlocks  # swapped-out KV
+    num_running_seqs: Count
+    num_waiting_seqs: Count
+    num_swapped_seqs: Count
+    preemptions_total: Count
+    swap_outs_total: Count
+    swap_ins_total: Count
+    prompt_tokens_total: Count
+    generated_tokens_total: Count
+
+
 Message = (
     SubmitRequest
     | AbortRequest
@@ -309,6 +382,8 @@ Message = (
     | StepPlan
     | StepOutput
     | Shutdown
+    | KVSnapshotRequest
+    | KVSnapshot
 )
 
 MESSAGE_CLASSES: dict[MsgType, type] = {
@@ -325,6 +400,8 @@ MESSAGE_CLASSES: dict[MsgType, type] = {
         StepPlan,
         StepOutput,
         Shutdown,
+        KVSnapshotRequest,
+        KVSnapshot,
     )
 }
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 
 @dataclass
@@ -108,6 +110,18 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def ref_counts(self) -> Sequence[int]:
+        """Every block's ref count, by block id (for snapshots). Do not mutate."""
+        return self._ref_counts
+
+    def tables(self) -> Mapping[int, list[int]]:
+        """Every sequence's GPU block table by seq_id, read-only (for snapshots)."""
+        return MappingProxyType(self._tables)
+
+    def cached_block_ids(self) -> Iterable[int]:
+        """Blocks registered in the prefix cache: in use, or free and reusable until evicted."""
+        return self._cached.values()
 
     # ----------------------------------------------------------------------------------------------------
     # prefix cache

@@ -3,11 +3,13 @@ tests run after every step. Read-only: it is handed the owners of the state and 
 
 from __future__ import annotations
 
+from common.messages import KVSnapshot
 from scheduler.block_manager import BlockManager, KVUsage
 from scheduler.metrics import SchedulerMetrics
 from scheduler.queues import RunQueue, SwappedQueue
 from scheduler.request import Request, SeqStatus, SequenceTable
 from scheduler.settings import SchedulerSettings
+from scheduler.snapshot import build_snapshot
 from scheduler.waiting import WaitingQueue
 
 
@@ -42,6 +44,17 @@ class Inspection:
 
     def kv_usage(self) -> KVUsage:
         return self._block_manager.usage({s.seq_id: s.num_computed_tokens for s in self._running})
+
+    def kv_snapshot(self, max_cells: int, now: float, query_id: int = 0) -> KVSnapshot:
+        """The pool as a picture (scheduler/snapshot.py); `now` is the clock of the requests' arrivals."""
+        # Waiting: live sequences neither running nor swapped (fork children waiting for their prompt too),
+        # counted without walking the waiting queue, which can hold thousands.
+        swapped = self.num_swapped_seqs()
+        counts = (len(self._running), len(self._seqs) - len(self._running) - swapped, swapped)
+        return build_snapshot(
+            self._requests.values(), self._running, self._swapped, self._block_manager, self.kv_usage(),
+            self._metrics, counts, now, max_cells, query_id,
+        )  # fmt: skip
 
     def metrics_text(self) -> str:
         running_requests = len({s.request.key for s in self._running})

@@ -4,19 +4,15 @@
 client outputs. Each step has one token budget (`max_num_batched_tokens`). It goes first to the running
 sequences that decode (one token each), then to running unfinished prefills (the rest of the prompt or what
 the budget allows: chunked prefill), then to swapped-out sequences coming back, then to waiting sequences,
-each group in queue order. When the pool has no block for a running sequence, one gives way, as the
-preemption policy says (scheduler/preemption.py): the run queue picks the victim (scheduler/queues.py),
-and it is swapped to the CPU pool or freed and later recomputed. Swapped and waiting sequences come in
-through `Admission` (scheduler/admission.py).
+each group in queue order. When the pool has no block for a running sequence, one gives way as the
+preemption policy says (scheduler/preemption.py; the run queue picks the victim, scheduler/queues.py): it is
+swapped to the CPU pool, or freed and recomputed later.
 
-Plans may run ahead of the tokens (async scheduling): the server sends plan N+1 while the worker runs plan
-N, so `schedule()` is called before `update()` has brought step N's tokens. A sequence that samples in a
-plan counts that token as pending; the next plan may schedule it (the worker appended it itself), unless the
-pending token is the sequence's last by length. A stop token found in `update()` ends the sequence then: the
-plan already sent computes one token too many, whose result is ignored, and the sequence's blocks go back to
-the pool for plans after it. A sequence preempted with a token pending gets it all the same (it is the
-token the sequence would produce anyway), and waits in its queue until it has.
-
+Plans may run ahead of the tokens (async scheduling): plan N+1 is sent while the worker runs plan N, so a
+sequence that samples in a plan counts that token as pending, and the next plan may schedule it (the worker
+appended it itself) unless it is the sequence's last by length. A stop token found in `update()` ends the
+sequence then: the plan already sent computes one token too many, whose result is ignored. A sequence
+preempted with a token pending waits in its queue until the token is in (the token it would produce anyway).
 n > 1: sequence 0 prefills the prompt; the others are forked from it in the step its prefill completes,
 sharing its blocks, and sample their first token from its logits. Beam search: each beam reports its top
 candidates instead of sampling; once every live beam of a request has reported, `BeamSearch`
@@ -35,6 +31,7 @@ import structlog
 from common.messages import (
     ErrorKind,
     FinishReason,
+    KVSnapshot,
     RequestError,
     SeqOutput,
     StepOutput,
@@ -284,6 +281,9 @@ class Scheduler:
 
     def metrics_text(self) -> str:
         return self._inspection.metrics_text()
+
+    def kv_snapshot(self, max_cells: int, query_id: int = 0) -> KVSnapshot:
+        return self._inspection.kv_snapshot(max_cells, self._clock(), query_id)
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the queues, the sequences and the block manager disagree."""

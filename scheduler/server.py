@@ -44,6 +44,7 @@ from common.messages import (
     Heartbeat,
     InfoReply,
     InfoRequest,
+    KVSnapshotRequest,
     Message,
     RequestError,
     Shutdown,
@@ -55,6 +56,7 @@ from common.messages import (
 )
 from common.security import ClusterKey, authenticate, load_cluster_key, secure_server
 from scheduler.clients import ClientSender, submitted_request_id
+from scheduler.kv_views import KVViews
 from scheduler.liveness import PeerConnections, WorkerWatch, source_fd, watch_disconnects
 from scheduler.request import Output
 from scheduler.scheduler import Scheduler
@@ -89,6 +91,7 @@ class SchedulerServer:
         # step id -> its output's future, for the plans at the worker (one, or two with async scheduling)
         self._pending_steps: dict[int, asyncio.Future[StepOutput]] = {}
         self._wake = asyncio.Event()
+        self._kv_views = KVViews(config)  # /dashboard's snapshots and --kv-trace (scheduler/kv_views.py)
 
     async def run(self) -> None:
         auth = authenticate(self._ctx, self.key)
@@ -113,6 +116,7 @@ class SchedulerServer:
             self._clients.close()
             self._workers.close()
             self._ctx.term()
+            self._kv_views.close()
 
     async def drain(self, timeout_s: float) -> None:
         """Stops admission, waits up to `timeout_s` for the requests in flight, ends the rest with
@@ -208,6 +212,8 @@ class SchedulerServer:
                 self._send_errors()
         elif isinstance(msg, InfoRequest):
             self._to_clients.send(owner, self._info(msg.query_id))
+        elif isinstance(msg, KVSnapshotRequest):
+            self._to_clients.send(owner, self._kv_views.reply(self.core, msg))
         else:
             log.warning("unexpected_client_message", client=owner.hex(), type=type(msg).__name__)
 
@@ -348,6 +354,7 @@ class SchedulerServer:
         for pending in self._pending_steps.values():
             pending.cancel()
         self._pending_steps = {}
+        self._kv_views.forget()
         self.core = None
         self.ready_msg = None
         self._worker_id = None
@@ -423,4 +430,7 @@ class SchedulerServer:
             del self._pending_steps[step.step_id]
             outputs = core.update(step)
             self._send_errors()
+            self._kv_views.after_step(core)
         self._to_clients.send_outputs(outputs)
+        if self.core is core:
+            self._kv_views.after_step(core)  # the pool as the work ends (when due)

@@ -15,6 +15,7 @@ tokens), the baseline that async scheduling is measured against; run `paged-unfu
 worker's `--no-fused-ops` (PyTorch ops instead of the Triton RMSNorm, RoPE and SiLU-and-mul kernels that it
 uses on CUDA by default); run `paged-eager-mixed` is `paged` with `--no-piecewise-graphs` (prefill and
 mixed steps run eagerly instead of replaying graphs of everything but the attention).
+`--kv-trace DIR` records each run's KV snapshots (DIR/RUN.jsonl) for scripts/kv_replay.py.
 
 Each run first serves `--num-warmup` requests, unmeasured (counters are read before and after the
 measurement). While a run goes, a background task reads the scheduler's metrics every `--sample-interval`
@@ -210,7 +211,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the worker traces every step (LOG_DIR/RUN/steps.jsonl, worker/step_trace.py); each run reports "
         "where the decode steps' GPU idle time came from",
     )
+    p.add_argument(
+        "--kv-trace",
+        default="",
+        metavar="DIR",
+        help="each run's scheduler records its KV snapshots to DIR/RUN.jsonl (--kv-trace on the scheduler), "
+        "for /dashboard's replay and scripts/kv_replay.py (e.g. --runs paged,reserved-max)",
+    )
     args = p.parse_args(argv)
+    if args.kv_trace:
+        Path(args.kv_trace).mkdir(parents=True, exist_ok=True)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()] if args.runs else [args.kv_policy]
     args.peers = [r.strip() for r in args.peers.split(",") if r.strip()]
     try:
@@ -293,6 +303,7 @@ async def run_engine(
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         step_trace=str(log_dir / "steps.jsonl") if args.step_trace else None,
+        kv_trace=str(Path(args.kv_trace) / f"{run}.jsonl") if args.kv_trace else None,
     )
     session = engine_session(model_dir, log_dir, args.ready_timeout, root=root, **settings)
     structured = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -24,6 +25,8 @@ from common.messages import (
     FinishReason,
     InfoReply,
     InfoRequest,
+    KVSnapshot,
+    KVSnapshotRequest,
     Message,
     RequestError,
     RequestOutputs,
@@ -35,6 +38,7 @@ from common.messages import (
     encode,
 )
 from common.security import authenticate, load_cluster_key, secure_server
+from scheduler.kv_views import empty_snapshot
 
 
 @dataclass
@@ -94,6 +98,7 @@ class FakeScheduler:
         self.step_delay = step_delay  # seconds between steps: lets tests act while requests still run
         self.ready = ready
         self.answer_info = answer_info  # False: InfoRequests go unanswered, like a hung scheduler
+        self.kv_snapshot: KVSnapshot | None = None  # what KVSnapshotRequests get (None: an empty pool)
         self.late_tokens_after_abort = late_tokens_after_abort  # tokens still sent after an abort
         self.output_start = output_start  # where in the prompt the echo starts
         self.scheduling_policy = scheduling_policy  # "fcfs" refuses a non-zero priority, as the real one
@@ -161,6 +166,8 @@ class FakeScheduler:
             self.received.append(msg)
             if isinstance(msg, InfoRequest) and self.answer_info:
                 await self._send(identity, self._info(msg.query_id))
+            elif isinstance(msg, KVSnapshotRequest) and self.answer_info:  # the dashboard (tests/dashboard)
+                await self._send(identity, kv_snapshot_reply(self.kv_snapshot, msg))
             elif isinstance(msg, SubmitRequest):
                 await self._submit(identity, msg)
             elif isinstance(msg, AbortRequest):
@@ -275,3 +282,9 @@ class FakeScheduler:
             for identity, outputs in by_client.items():
                 await self._send(identity, RequestOutputs(outputs))
             await asyncio.sleep(self.step_delay)
+
+
+def kv_snapshot_reply(snapshot: KVSnapshot | None, msg: KVSnapshotRequest) -> KVSnapshot:
+    if snapshot is None:
+        return empty_snapshot(msg.query_id)
+    return msgspec.structs.replace(snapshot, query_id=msg.query_id)
