@@ -88,7 +88,9 @@ class ToolOptions:
         spec = json.dumps(schema, ensure_ascii=False)
         if len(spec) > MAX_GRAMMAR_CHARS:
             raise invalid(f"the tools' schema is over {MAX_GRAMMAR_CHARS} characters", "tools")
-        return StructuredOutput(kind="json_schema", spec=spec)
+        # Compact JSON: the calls' layout carries nothing, and with free whitespace a weak model can spend all
+        # of max_tokens on it (vLLM's disable_any_whitespace)
+        return StructuredOutput(kind="json_schema", spec=spec, any_whitespace=False)
 
     def parser(self, config: ApiConfig) -> ToolParser | None:
         """A fresh parser for one choice's output, or None when the output is not parsed for calls."""

@@ -362,10 +362,11 @@ def _drain(runner: ModelRunner) -> None:
         runner.finish()
 
 
-def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any, stop: _StopFlag) -> int:
+def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any, stop: _StopFlag | None = None) -> int:
     """A tensor-parallel rank other than 0: runs every StepPlan that rank 0 forwards, in step with it,
     until Shutdown, until rank 0 goes away, or past `stop`'s deadline after a stop signal (the receive
     returns at least every keepalive, so the deadline is looked at)."""
+    stop = stop or _StopFlag(float("inf"))
     log.info("following_rank_0")
     while True:
         if stop.due():

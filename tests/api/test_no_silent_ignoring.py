@@ -67,7 +67,6 @@ IGNORED = {
     "metadata": {"k": "v"},
     "store": False,
     "service_tier": "auto",
-    "parallel_tool_calls": True,
     "prompt_cache_key": "k",
     "safety_identifier": "s",
 }
