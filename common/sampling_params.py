@@ -242,11 +242,15 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
 
 
 def _structured_problem(params: SamplingParams) -> str | None:
-    """Structured output's rules: beam search keeps no grammar state per beam. (With ignore_eos, the tokens
-    after the grammar completes are EOS tokens, the only ones it allows then.)"""
+    """Structured output's rules: beam search keeps no grammar state per beam; no min_tokens. (With
+    ignore_eos, the tokens after the grammar completes are EOS tokens, the only ones it allows then.)"""
     assert params.structured is not None
     if params.beam_width:
         return "structured output is not available with beam search"
+    if params.min_tokens:
+        # Once the grammar is complete only EOS and the stop tokens remain, which min_tokens would ban too,
+        # leaving nothing to draw: the constraint decides where the output ends.
+        return "min_tokens cannot be combined with structured output (the constraint decides where it ends)"
     return params.structured.validate()
 
 

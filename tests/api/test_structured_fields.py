@@ -136,3 +136,12 @@ def test_beam_search_with_a_constraint_is_refused(server: ApiServer) -> None:
     reply = server.post("/v1/completions", body)
     assert reply.status == 400
     assert "beam search" in reply.json()["error"]["message"]
+
+
+def test_min_tokens_with_a_constraint_is_refused(server: ApiServer) -> None:
+    """A completed grammar allows only EOS and the stop tokens, which min_tokens bans: nothing is left."""
+    body = {"prompt": "abc", "max_tokens": 8, "min_tokens": 4, "guided_choice": ["a", "b"]}
+    reply = server.post("/v1/completions", body)
+    assert reply.status == 400
+    assert "min_tokens" in reply.json()["error"]["message"]
+    assert server.post("/v1/completions", {**body, "min_tokens": 0}).status == 200
