@@ -39,6 +39,7 @@ from api.sampling_fields import (
 from api.scheduling import parse_priority
 from api.scoring import SCORING_FIELDS, OutputOptions, parse_output_options
 from api.structured_fields import STRUCTURED_FIELDS, parse_structured
+from api.tool_parsers import TOOL_PARSERS
 from api.tools import parse_tools
 from common.config import ApiConfig
 from common.messages import SamplingParams
@@ -259,13 +260,13 @@ def parse_chat(
     constrained = body.get("response_format") not in (None, {"type": "text"})
     if structured is not None and (constrained or any(body.get(k) is not None for k in OTHER_CONSTRAINTS)):
         raise invalid("a forced tool_choice holds the output to its own schema: drop the other constraint")
-    if tools.choice == "auto" and config.tool_call_parser in ("hermes", "mistral"):
-        # their call markers (<tool_call>, [TOOL_CALLS]) are special tokens in real tokenizers: keep them in
-        # the text the parser reads, as vLLM's parsers do
-        params = [msgspec.structs.replace(p, skip_special_tokens=False) for p in req.params]
-        req = replace(req, params=params)
+    changes: dict[str, Any] = {}
+    if tools.choice == "auto" and TOOL_PARSERS[config.tool_call_parser].reads_special_tokens:
+        changes["skip_special_tokens"] = False  # the parser reads its markers in the text
     if structured is not None:  # tool_choice required or a named function: the output is held to JSON
-        params = [msgspec.structs.replace(p, structured=structured) for p in req.params]
+        changes["structured"] = structured
+    if changes:
+        params = [msgspec.structs.replace(p, **changes) for p in req.params]
         if problem := params[0].validate():  # the rules that tie a constraint to the other fields
             raise invalid(problem)
         req = replace(req, params=params)

@@ -20,7 +20,7 @@ from aiohttp import web
 from api.chat import render_chat_request
 from api.errors import invalid
 from api.fields import Fields, is_int
-from api.handlers import INLINE_PARSE_BYTES, check_model, dumps
+from api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread
 from api.model import ServedModel
 from api.protocol import check_fields
 from api.request_body import parse_json
@@ -116,9 +116,7 @@ async def _answer(request: web.Request, work: Work) -> web.Response:
     body = parse_json(raw)
     model = await state.models.get()
     check_model(body, model)
-    if len(raw) <= INLINE_PARSE_BYTES and not (
-        isinstance(body, dict) and body.get("chat_template") is not None
-    ):
+    if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
         answer = work(body, model, state.config)
     else:  # a long text or conversation, or a request's own template: off the event loop, as in handlers.py
         loop = asyncio.get_running_loop()

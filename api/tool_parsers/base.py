@@ -123,6 +123,9 @@ class ToolParser:
     `self.text` and return how many leading characters are surely content (never fewer than before)."""
 
     name: ClassVar[str] = ""
+    # The call markers are special tokens in real tokenizers (<tool_call>, [TOOL_CALLS]): the text this parser
+    # reads must keep them, as vLLM's parsers ask (skip_special_tokens false)
+    reads_special_tokens: ClassVar[bool] = False
 
     def __init__(self, make_id: Callable[[], str] = random_tool_call_id) -> None:
         self.text = ""

@@ -14,6 +14,7 @@ END = "</tool_call>"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    reads_special_tokens = True
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ CALL_ID = "[CALL_ID]"  # some v11+ models write `name[CALL_ID]id[ARGS]{...}`: th
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    reads_special_tokens = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("make_id", mistral_tool_call_id)

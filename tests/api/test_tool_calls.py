@@ -164,6 +164,18 @@ def test_parallel_tool_calls_false_keeps_the_first_call(tools_server: ToolServer
     assert_calls(final.choices[0].message.tool_calls, fmt, CALLS[:1])
 
 
+def test_parsers_whose_markers_are_special_tokens_keep_them_in_the_text(tools_server: ToolServer) -> None:
+    """hermes' <tool_call> and mistral's [TOOL_CALLS] are special tokens in real tokenizers: under auto, the
+    request asks the client not to skip special tokens; under none, and for llama3_json, nothing changes."""
+    tools_server.script("Hello.")
+    request = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, max_tokens=4)
+    tools_server.client.chat.completions.create(**request)
+    auto = tools_server.server.fake.submits()[-1].params
+    assert auto.skip_special_tokens is (tools_server.fmt not in ("hermes", "mistral"))
+    tools_server.client.chat.completions.create(**request, tool_choice="none")
+    assert tools_server.server.fake.submits()[-1].params.skip_special_tokens is True
+
+
 def submitted_schema(server: ApiServer) -> dict[str, Any]:
     structured = server.fake.submits()[-1].params.structured
     assert structured is not None and structured.kind == "json_schema"
