@@ -22,6 +22,8 @@ from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+from common.speculative import parse_speculative_config
+
 ENV_PREFIX = "PAGEDSERVE_"
 DEFAULT_SCHEDULER_ADDRESS = "tcp://127.0.0.1:5570"  # clients (api, ZeroMQ users) <-> scheduler
 DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5571"  # scheduler <-> workers
@@ -189,9 +191,13 @@ class WorkerConfig:
     # fp8: quantize the checkpoint's linear weights to FP8 at load (one scale per output channel); a
     # checkpoint with a quantization_config (FP8) is served as quantized whatever this says
     quantization: Quantization = ""
+    # Speculative decoding, vLLM's JSON shape (common/speculative.py): {"method": "ngram" | "draft_model",
+    # "num_speculative_tokens": k, "model": ...}; empty: off
+    speculative_config: str = ""
 
     def __post_init__(self) -> None:
         check_choices(self)
+        parse_speculative_config(self.speculative_config)  # a bad config fails at start, naming the key
 
     @property
     def resolved_device(self) -> str:
