@@ -124,11 +124,15 @@ class SequenceText:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         include_stop_str: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, skip_special_tokens, spaces_between_special_tokens
         )
         self._stop = StopChecker(stop, include_stop_str) if stop else None
+        # As vLLM: no stop string is looked for until min_tokens tokens are out. Their text is emitted as it
+        # comes; the search starts with the text of the first token past them (nothing emitted is taken back).
+        self._unchecked = min_tokens if stop else 0
 
     @property
     def stopped(self) -> bool:
@@ -136,8 +140,15 @@ class SequenceText:
         return self._stop is not None and self._stop.stopped
 
     def push(self, token_ids: Sequence[int]) -> str:
+        early = ""
+        if self._unchecked:
+            n = min(self._unchecked, len(token_ids))
+            self._unchecked -= n
+            early, token_ids = self._detokenizer.push(token_ids[:n]), token_ids[n:]
+            if not token_ids:
+                return early
         text = self._detokenizer.push(token_ids)
-        return text if self._stop is None else self._stop.push(text)
+        return early + (text if self._stop is None else self._stop.push(text))
 
     def finish(self) -> str:
         """The rest of the text once the sequence has ended; a stop string may still be found in it."""

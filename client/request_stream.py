@@ -272,4 +272,5 @@ def _sequence_text(tokenizer: Any, params: SamplingParams) -> SequenceText:
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         include_stop_str=params.include_stop_str_in_output,
+        min_tokens=params.min_tokens,
     )

@@ -154,6 +154,27 @@ def test_sequence_text_finds_a_stop_in_the_flushed_tail(tokenizer: Any) -> None:
     assert text == "xa" and seq.stopped
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_stop_strings_are_not_looked_for_before_min_tokens(tokenizer: Any, chunk: int) -> None:
+    """vLLM's rule: a stop string inside the first min_tokens tokens does not end the sequence; one after
+    them does, whether the tokens come one at a time or several per push (speculative steps)."""
+    first = tokenizer.encode("stop here, ", add_special_tokens=False)
+    ids = first + tokenizer.encode("then stop now", add_special_tokens=False)
+
+    def stream(min_tokens: int) -> tuple[str, bool]:
+        seq = SequenceText(tokenizer, stop=["stop"], min_tokens=min_tokens)
+        out = ""
+        for i in range(0, len(ids), chunk):
+            out += seq.push(ids[i : i + chunk])
+            if seq.stopped:
+                return out, True
+        return out + seq.finish(), seq.stopped
+
+    assert stream(0) == ("", True)  # the first "stop" ends it at once
+    assert stream(len(first)) == ("stop here, then ", True)  # the first is within min_tokens
+    assert stream(len(ids)) == ("stop here, then stop now", False)  # every token within min_tokens
+
+
 def test_token_strings_give_exact_bytes(tokenizer: Any) -> None:
     strings = TokenStrings(tokenizer)
     ids = tokenizer.encode(MULTIBYTE_TEXT, add_special_tokens=False)
