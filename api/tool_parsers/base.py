@@ -221,6 +221,7 @@ class ObjectSequence:
         self.close_tag = close_tag
         self.separator = separator
         self.ended = False  # no more calls: the text went on with something else
+        self.failed = False  # ended on a malformed call
         self._state = "open"
         self._current: CallState | None = None
 
@@ -232,7 +233,7 @@ class ObjectSequence:
                 assert obj is not None
                 obj.advance(text, final)
                 if obj.error:
-                    self.ended = True
+                    self.ended = self.failed = True
                 elif obj.end is not None:
                     self.pos, self._state = obj.end, "close"
                     continue

@@ -137,6 +137,22 @@ def test_texts_without_valid_calls_are_content(fmt: str, text: str) -> None:
     assert TOOL_PARSERS[fmt]().extract(text) == (text, [])
 
 
+def test_hermes_blocks_after_text_between_them_count() -> None:
+    """vLLM's hermes parser finds every block in the text: a block after text that follows the first one is a
+    call too (whole and at every split point); the text between and after is dropped."""
+    text = (
+        'Checking. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\nand also\n'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call> done, <tool_call>{"name": "c", "arguments": {'
+    )
+    calls = [("a", {"x": 1}), ("b", {})]
+    check_whole(TOOL_PARSERS["hermes"](), text + '"y": [2]}}', "Checking. ", [*calls, ("c", {"y": [2]})])
+    for cut in range(len(text) + 1):
+        check_stream(TOOL_PARSERS["hermes"], text + "}}", "Checking. ", [*calls, ("c", {})], [cut])
+    # a malformed later block makes the whole text content, as a malformed first one does (and vLLM)
+    broken = '<tool_call>{"name": "a", "arguments": {}}</tool_call> x <tool_call>{bad}</tool_call>'
+    assert TOOL_PARSERS["hermes"]().extract(broken) == (broken, [])
+
+
 def test_llama3_python_tag_and_arguments_as_a_json_string() -> None:
     parser = TOOL_PARSERS["llama3_json"]()
     content, [call] = parser.extract('<|python_tag|>{"name": "f", "arguments": "{\\"a\\": [1]}"}')
