@@ -34,8 +34,8 @@ class ChatOutput:
 
     def reader(self) -> ChoiceReader:
         reasoning = None
-        # A forced call's output is held to JSON from its first token: there is no reasoning to split off.
-        if self.config.reasoning_parser and self.tools.choice not in ("required", "named"):
+        # A forced call's JSON, like any constraint's output, comes after the thinking (parse_chat).
+        if self.config.reasoning_parser:
             parser_cls = REASONING_PARSERS[self.config.reasoning_parser]
             reasoning = parser_cls(prompt_opens_reasoning=self.prompt_opens_reasoning)
         return ChoiceReader(reasoning, self.tools.parser(self.config), self.tools)

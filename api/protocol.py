@@ -27,7 +27,7 @@ from api.fields import (
     is_int,
 )
 from api.model import ServedModel
-from api.reasoning import prompt_opens_reasoning
+from api.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from api.sampling_fields import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     PROCESSOR_FIELDS,
@@ -265,6 +265,12 @@ def parse_chat(
         changes["skip_special_tokens"] = False  # the parser reads its markers in the text
     if structured is not None:  # tool_choice required or a named function: the output is held to JSON
         changes["structured"] = structured
+    if config.reasoning_parser and (constraint := structured or req.params[0].structured) is not None:
+        # A reasoning model thinks first, unconstrained; the constraint holds after </think> (vLLM's rule)
+        tags = REASONING_PARSERS[config.reasoning_parser].thinking_tags(prompt.text)
+        if tags is not None:
+            thinking = dict(zip(("reasoning_begin", "reasoning_end"), tags, strict=True))
+            changes["structured"] = msgspec.structs.replace(constraint, **thinking)
     if changes:
         params = [msgspec.structs.replace(p, **changes) for p in req.params]
         if problem := params[0].validate():  # the rules that tie a constraint to the other fields

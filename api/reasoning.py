@@ -40,6 +40,12 @@ class ReasoningParser:
     def _starts_in_reasoning(self, opened: bool) -> bool:
         raise NotImplementedError
 
+    @classmethod
+    def thinking_tags(cls, prompt_text: str) -> tuple[str, str] | None:
+        """How the output's thinking is marked, for structured output to hold off until it ends (as vLLM):
+        (what opens it, what closes it), or None when the rendered prompt leaves no thinking to do."""
+        raise NotImplementedError
+
     def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
         self.text += delta
         out = ReasoningDelta()
@@ -82,12 +88,24 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     def _starts_in_reasoning(self, opened: bool) -> bool:
         return True
 
+    @classmethod
+    def thinking_tags(cls, prompt_text: str) -> tuple[str, str] | None:
+        return ("", END)  # the template opens <think> in the prompt
+
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
 
     def _starts_in_reasoning(self, opened: bool) -> bool:
         return opened or self.prompt_opens_reasoning
+
+    @classmethod
+    def thinking_tags(cls, prompt_text: str) -> tuple[str, str] | None:
+        if prompt_opens_reasoning(prompt_text):
+            return ("", END)
+        if prompt_text.rstrip().endswith(END):
+            return None  # enable_thinking off: the template closed an empty block
+        return (START, END)
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

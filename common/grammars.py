@@ -13,6 +13,9 @@ from common.sampling_params import StructuredOutput
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object, as vLLM
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
+_AFTER_REASONING = "root ::= [ \\t\\n]{0,4}"  # models put a line or two between </think> and the answer
+# A Lark rule's head: `start: ...`, `?expr.2: ...`
+_LARK_RULE = re.compile(r"^\s*[?!]?[a-z_][a-z0-9_]*(\.\d+)?\s*:", re.MULTILINE)
 
 
 class GrammarError(ValueError):
@@ -24,24 +27,50 @@ def choice_ebnf(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def is_lark(grammar: str) -> bool:
+    """Whether a `grammar` constraint is written in Lark (rules `name: ...`, as vLLM also takes) rather than
+    xgrammar's EBNF (`name ::= ...`)."""
+    return "::=" not in grammar and _LARK_RULE.search(grammar) is not None
+
+
 def grammar_of(structured: StructuredOutput) -> xgr.Grammar:
     """The grammar of `structured`, without a tokenizer. Raises GrammarError when xgrammar refuses it."""
+    whitespace = structured.any_whitespace
     try:
         if structured.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(structured.spec, any_whitespace=structured.any_whitespace)
-        if structured.kind == "json_object":
-            return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=structured.any_whitespace)
-        if structured.kind == "regex":
-            return xgr.Grammar.from_regex(structured.spec)
-        if structured.kind == "choice":
-            return xgr.Grammar.from_ebnf(choice_ebnf(structured.choices))
-        return xgr.Grammar.from_ebnf(structured.spec)
+            grammar = xgr.Grammar.from_json_schema(structured.spec, any_whitespace=whitespace)
+        elif structured.kind == "json_object":
+            grammar = xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=whitespace)
+        elif structured.kind == "regex":
+            grammar = xgr.Grammar.from_regex(structured.spec)
+        elif structured.kind == "choice":
+            grammar = xgr.Grammar.from_ebnf(choice_ebnf(structured.choices))
+        elif is_lark(structured.spec):
+            grammar = xgr.Grammar.from_lark(structured.spec)
+        else:
+            grammar = xgr.Grammar.from_ebnf(structured.spec)
+        if not structured.reasoning_end:
+            return grammar
+        reasoning = _reasoning(structured.reasoning_begin, structured.reasoning_end)
+        return xgr.Grammar.concat(reasoning, xgr.Grammar.from_ebnf(_AFTER_REASONING), grammar)
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError from its C++ side
         raise GrammarError(_LOCATION.sub("", str(e).strip())[:500]) from e
 
 
+def _reasoning(begin: str, end: str) -> xgr.Grammar:
+    """`begin`, any text up to the first `end`, then `end`: a reasoning model's unconstrained thinking."""
+    tag = {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": end}
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": tag}))
+
+
 def compile_grammar(compiler: xgr.GrammarCompiler, structured: StructuredOutput) -> xgr.CompiledGrammar:
     """`structured` compiled against `compiler`'s vocabulary. Raises GrammarError."""
+    if structured.reasoning_end or (structured.kind == "grammar" and is_lark(structured.spec)):
+        grammar = grammar_of(structured)
+        try:
+            return compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarError(_LOCATION.sub("", str(e).strip())[:500]) from e
     try:
         if structured.kind == "json_schema":
             return compiler.compile_json_schema(structured.spec, any_whitespace=structured.any_whitespace)

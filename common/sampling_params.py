@@ -23,6 +23,7 @@ from common.wire_types import (
 )
 
 MAX_GRAMMAR_CHARS = 1 << 18  # a JSON schema's text, a regex or a grammar
+MAX_REASONING_TAG_CHARS = 64  # <think>, </think> and their kin
 MAX_CHOICES = 1024
 # Bounds of the logits processors' parameters (worker/logits_processors.py): each entry costs the sampler a
 # little work every step, so a request's lists are bounded well above what clients send.
@@ -49,6 +50,11 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     ] = ()
     # JSON kinds: any whitespace between tokens (False: none, vLLM's disable_any_whitespace)
     any_whitespace: bool = True
+    # A reasoning model's thinking comes first, unconstrained (vLLM holds structured output off until the
+    # reasoning ends): the output is `reasoning_begin`, any text without `reasoning_end`, `reasoning_end`,
+    # then what the constraint allows. Empty reasoning_end: the constraint holds from the first token.
+    reasoning_begin: Annotated[str, Meta(max_length=MAX_REASONING_TAG_CHARS)] = ""
+    reasoning_end: Annotated[str, Meta(max_length=MAX_REASONING_TAG_CHARS)] = ""
 
     def validate(self) -> str | None:
         """Why this constraint is unusable (the grammar itself is checked by the api, with xgrammar)."""
@@ -58,6 +64,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
             return "a choice constraint needs at least one choice"
         if sum(len(c) for c in self.choices) > MAX_GRAMMAR_CHARS:
             return f"the choices must total at most {MAX_GRAMMAR_CHARS} characters"
+        if self.reasoning_begin and not self.reasoning_end:
+            return "a reasoning_begin needs its reasoning_end"
         return None
 
 

@@ -257,17 +257,63 @@ def test_auto_without_the_flags_is_vllms_400(server: ApiServer) -> None:
     )
 
 
-def test_a_forced_call_is_not_taken_for_reasoning(qwen_server: ApiServer, qwen_tokenizer: Any) -> None:
-    """The prompt opens <think>, but a named function's output is JSON from its first token."""
-    script(qwen_server, qwen_tokenizer, '{"x": 1}')
+def _grammar_accepts(tokenizer: Any, structured: Any, text: str) -> bool:
+    """Whether the worker's compiled grammar for `structured` takes `text`'s tokens and then EOS."""
+    import xgrammar as xgr
+
+    from common.grammars import compile_grammar
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id])
+    matcher = xgr.GrammarMatcher(compile_grammar(xgr.GrammarCompiler(info), structured))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(tokenizer.eos_token_id)
+
+
+def test_a_forced_call_comes_after_the_thinking(qwen_server: ApiServer, qwen_tokenizer: Any) -> None:
+    """vLLM's rule: with a reasoning parser, a constraint holds once the thinking ends. The prompt opens
+    <think>, so a named function's arguments follow `</think>`; the grammar the worker compiles takes the
+    thinking and then only the arguments' JSON. With thinking off, the JSON comes from the first token."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = {
         "messages": MESSAGES,
         "tools": tools,
         "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "max_tokens": 50,
     }
-    reply = qwen_server.post("/v1/chat/completions", {**body, "max_tokens": 50})
-    qwen_server.fake.scripted = ()
+    output = 'The user wants f {x}.</think>\n\n{"x": 1}'
+    script(qwen_server, qwen_tokenizer, output)
+    reply = qwen_server.post("/v1/chat/completions", body)
     message = reply.json()["choices"][0]["message"]
     assert [c["function"] for c in message["tool_calls"]] == [{"name": "f", "arguments": '{"x": 1}'}]
-    assert "reasoning" not in message and message["content"] is None
+    assert message["reasoning"] == "The user wants f {x}." and message["content"] is None
+    structured = qwen_server.fake.submits()[-1].params.structured
+    assert (structured.reasoning_begin, structured.reasoning_end) == ("", "</think>")
+    assert _grammar_accepts(qwen_tokenizer, structured, output)
+    assert not _grammar_accepts(qwen_tokenizer, structured, '{"x": 1}')  # the thinking must end first
+    assert not _grammar_accepts(qwen_tokenizer, structured, "Hmm.</think>\n\nno JSON")
+
+    # The same holds for response_format.
+    script(qwen_server, qwen_tokenizer, 'Hmm.</think>\n{"a": 2}')
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    reply = qwen_server.post("/v1/chat/completions", {"messages": MESSAGES, "response_format": fmt})
+    assert json.loads(reply.json()["choices"][0]["message"]["content"]) == {"a": 2}  # after a newline
+    assert qwen_server.fake.submits()[-1].params.structured.reasoning_end == "</think>"
+
+    script(qwen_server, qwen_tokenizer, '{"x": 1}')
+    no_thinking = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    message = qwen_server.post("/v1/chat/completions", no_thinking).json()["choices"][0]["message"]
+    qwen_server.fake.scripted = ()
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "f", "arguments": '{"x": 1}'}]
+    assert message["reasoning"] is None and message["content"] is None
+    structured = qwen_server.fake.submits()[-1].params.structured
+    assert structured.reasoning_end == "" and _grammar_accepts(qwen_tokenizer, structured, '{"x": 1}')
+
+
+def test_thinking_tags_follow_the_rendered_prompt() -> None:
+    from api.reasoning import REASONING_PARSERS
+
+    qwen3, r1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
+    assert qwen3.thinking_tags("<|im_start|>assistant\n<think>\n") == ("", "</think>")  # opened in the prompt
+    assert qwen3.thinking_tags("<|im_start|>assistant\n<think>\n\n</think>\n\n") is None  # thinking off
+    assert qwen3.thinking_tags("<|im_start|>assistant\n") == ("<think>", "</think>")  # the model opens it
+    assert r1.thinking_tags("<｜Assistant｜><think>\n") == ("", "</think>")

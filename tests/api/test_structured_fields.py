@@ -16,6 +16,7 @@ from tests.api.harness import ApiServer
 USER = [{"role": "user", "content": "answer in JSON"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 SCHEMA_TEXT = json.dumps(SCHEMA)
+LARK = 'start: answer+\nanswer: "yes" | "no" NUMBER\nNUMBER: /[0-9]+/\n'  # vLLM takes Lark as well as EBNF
 
 ACCEPTED: list[tuple[str, dict[str, Any], StructuredOutput | None]] = [
     ("text", {"response_format": {"type": "text"}}, None),
@@ -60,6 +61,11 @@ ACCEPTED: list[tuple[str, dict[str, Any], StructuredOutput | None]] = [
         "structured grammar",
         {"structured_outputs": {"grammar": 'root ::= "a" | "b"'}},
         StructuredOutput("grammar", 'root ::= "a" | "b"'),
+    ),
+    (
+        "structured grammar, Lark",
+        {"structured_outputs": {"grammar": LARK}},
+        StructuredOutput("grammar", LARK),
     ),
     ("guided_json", {"guided_json": SCHEMA}, StructuredOutput("json_schema", SCHEMA_TEXT)),
     ("guided_regex", {"guided_regex": r"\d+"}, StructuredOutput("regex", r"\d+")),
