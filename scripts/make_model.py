@@ -187,7 +187,7 @@ PRESETS: dict[str, Preset] = {
         partial_rotary_factor=0.5,
     ),
     # Phi-3-mini-4k-instruct's shape (head_dim 96, no GQA). Its config.json slides every layer over 2047
-    # tokens, which the worker would cap max_model_len to; the preset has no window, for benchmarks at 4096.
+    # tokens; the preset has no window, so that benchmarks read the whole 4096-token context.
     "phi-3-mini": replace(
         _preset("llama", 3072, 32, 32, 32, 96, 8192, 32064, 4096, "bfloat16", 0.02),
         model_type="phi3",

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.config import WorkerConfig
 from common.messages import NewSequence, SamplingParams, StepPlan
-from tests.test_model_runner import Driver, _assert_logits_match_hf, make_runner
 from worker.loader import load_model_config
 from worker.model_config import RopeScaling
 from worker.model_runner import ModelRunner
@@ -166,11 +165,12 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "extra,max_position_embeddings",
+    "extra,layer_windows",
     [
-        ({"model_type": "mistral", "sliding_window": 1024}, 1024),  # Mistral v0.1: every layer slides
-        ({"model_type": "mistral", "sliding_window": None}, 4096),
-        ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 1024}, 4096),
+        ({"model_type": "mistral", "sliding_window": 1024}, (1024, 1024)),  # Mistral v0.1: every layer slides
+        ({"model_type": "mistral", "sliding_window": None}, ()),
+        ({"model_type": "phi3", "sliding_window": 2047}, (2047, 2047)),  # Phi-3-mini-4k
+        ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 1024}, ()),
         (
             {
                 "model_type": "qwen2",
@@ -178,7 +178,7 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
                 "sliding_window": 1024,
                 "max_window_layers": 1,
             },
-            1024,
+            (0, 1024),
         ),
         # Layers from max_window_layers on slide: with 2 layers and max_window_layers 2, none does.
         (
@@ -188,7 +188,7 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
                 "sliding_window": 1024,
                 "max_window_layers": 2,
             },
-            4096,
+            (),
         ),
         (
             {
@@ -197,35 +197,15 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
                 "sliding_window": 1024,
                 "layer_types": ["full_attention", "sliding_attention"],
             },
-            1024,
+            (0, 1024),
         ),
     ],
 )
-def test_sliding_window_caps_max_position_embeddings(
-    tmp_path: Path, extra: dict, max_position_embeddings: int
+def test_sliding_windows_apply_per_layer_and_keep_the_context(
+    tmp_path: Path, extra: dict, layer_windows: tuple[int, ...]
 ) -> None:
+    """Windowed layers attend over their window (tests/test_sliding_windows.py against transformers), so the
+    context is the model's whole max_position_embeddings, not the window."""
     cfg = load_model_config(_write_config(tmp_path, {**BASE, **extra}))
-    assert cfg.max_position_embeddings == max_position_embeddings
-
-
-def test_mistral_with_sliding_window_matches_transformers_up_to_the_window(tmp_path: Path) -> None:
-    """The worker has no sliding-window attention; capped to the window, full attention is the same."""
-    window = 24
-    config = MistralConfig(
-        **{**BASE, "vocab_size": 500, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 160},
-        num_key_value_heads=2,
-        sliding_window=window,
-        initializer_range=0.1,
-    )
-    torch.manual_seed(0)
-    hf = MistralForCausalLM(config).eval()
-    hf.save_pretrained(tmp_path)
-    runner = make_runner(tmp_path, num_kv_blocks=4)
-    assert runner.max_model_len == window
-    driver = Driver(runner)
-    driver.add(0, [random.Random(1).randrange(500) for _ in range(window - 6)])
-    driver.step({0: window - 6})
-    for _ in range(5):
-        driver.step({0: 1})
-    assert len(driver.tokens[0]) == window
-    _assert_logits_match_hf(driver, hf, dict(driver.tokens))
+    assert cfg.layer_windows == layer_windows
+    assert cfg.max_position_embeddings == BASE["max_position_embeddings"]

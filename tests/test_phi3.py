@@ -1,6 +1,6 @@
 """Phi-3 / Phi-4 checkpoints (worker/models/phi3.py) against transformers' Phi3ForCausalLM: fused q/k/v and
 gate/up tensors in the checkpoint, longrope scaling with a partial rotary factor, tied and untied heads, the
-sliding window cap, and tensor parallelism taking each rank's rows of q, k and v (and gate, up) separately."""
+sliding window on every layer, and tensor parallelism taking each rank's rows of q, k and v (and gate, up) separately."""
 
 from __future__ import annotations
 
@@ -136,10 +136,12 @@ def test_greedy_matches_transformers_generate_through_continuous_batching(phi3) 
         assert ours[(i, 0)] == want, f"prompt {i}"
 
 
-def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
+def test_sliding_window_applies_to_every_layer_over_the_whole_context(tmp_path: Path) -> None:
     config = Phi3Config(**BASE, max_position_embeddings=4096, sliding_window=2047)
     config.save_pretrained(tmp_path)
-    assert load_model_config(tmp_path).max_position_embeddings == 2047  # Phi-3-mini-4k's window
+    loaded = load_model_config(tmp_path)  # Phi-3-mini-4k's window (tests/test_sliding_windows.py: its logits)
+    assert loaded.max_position_embeddings == 4096
+    assert loaded.layer_windows == (2047,) * config.num_hidden_layers
 
 
 def test_each_rank_takes_its_rows_of_every_fused_part(phi3) -> None:

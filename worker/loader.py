@@ -4,9 +4,10 @@ and its weights into the worker's own modules.
 The parts of config.json every family reads alike are worker/model_config.py's. What differs between
 families (attention biases, q/k norms, sliding windows, checkpoint names) the family's class says
 (`config_fields`, `sliding_window`, `weight_map`); this module applies it. A family whose layers apply their
-windows (`layer_windows` among its config fields: Gemma 2 / 3) is served to its full length; any other
-family's sliding layers attend as full ones, which is exact within the window, so such a checkpoint is
-served with max_position_embeddings capped to the window.
+windows (`layer_windows` among its config fields: every family here, Gemma's, Mistral v0.1's, Phi-3's, Qwen's
+with use_sliding_window) is served to its full length; a family that named a window without applying it
+would attend as full layers do, exact only within the window, so the loader would cap
+max_position_embeddings to the window.
 """
 
 from __future__ import annotations

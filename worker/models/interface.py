@@ -136,7 +136,7 @@ class CausalLM(nn.Module, ABC):
     def sliding_window(cls, raw: dict[str, Any]) -> int | None:
         """The attention window of the checkpoint's sliding layers, or None when every layer sees all tokens.
         The loader caps max_position_embeddings to it unless the family applies its windows (`layer_windows`
-        among its `config_fields`, as Gemma's)."""
+        among its `config_fields`, as every family here does)."""
         return None
 
     @property
@@ -203,3 +203,8 @@ class CausalLM(nn.Module, ABC):
             q, k, v, residual = self.attention_inputs(i, positions, hidden, residual)
             hidden, residual = self.attention_outputs(i, self.attend(i, q, k, v, kv_cache, meta), residual)
         return self.final_norm(hidden, residual)
+
+
+def uniform_windows(raw: dict[str, Any], window: int | None) -> dict[str, Any]:
+    """`layer_windows` for a config whose every layer slides over `window` (none: {})."""
+    return {"layer_windows": (window,) * int(raw["num_hidden_layers"])} if window else {}

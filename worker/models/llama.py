@@ -114,6 +114,8 @@ class LlamaForCausalLM(CausalLM):
             self.make_layer(i, layer_config, backend, dtype, device, fused_ops)
             for i in range(config.num_layers)
         )
+        for layer, window in zip(self.layers, config.layer_windows, strict=False):
+            layer.self_attn.sliding_window = window  # Mistral v0.1, Phi-3, Qwen with use_sliding_window
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, fused_ops)
         self.lm_head = nn.Module()
         if config.tie_word_embeddings:

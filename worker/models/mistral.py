@@ -1,9 +1,11 @@
-"""Mistral: Llama's layers and checkpoint layout; v0.1 slides every layer's attention over a window."""
+"""Mistral: Llama's layers and checkpoint layout; v0.1 slides every layer's attention over a window (served to
+the full context with the window applied, as transformers does)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from worker.models.interface import uniform_windows
 from worker.models.llama import LlamaForCausalLM
 
 
@@ -12,6 +14,10 @@ class MistralForCausalLM(LlamaForCausalLM):
 
     architectures = ("MistralForCausalLM",)
     model_types = ("mistral",)
+
+    @classmethod
+    def config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        return {**super().config_fields(raw), **uniform_windows(raw, cls.sliding_window(raw))}
 
     @classmethod
     def sliding_window(cls, raw: dict[str, Any]) -> int | None:

@@ -14,7 +14,7 @@ import torch
 
 from worker.attention import AttentionBackend
 from worker.model_config import ModelConfig
-from worker.models.interface import WeightMap
+from worker.models.interface import WeightMap, uniform_windows
 from worker.models.llama import LLAMA_WEIGHTS, LlamaDecoderLayer
 from worker.models.mistral import MistralForCausalLM
 from worker.models.moe import moe_decoder_layer
@@ -49,6 +49,7 @@ class MixtralForCausalLM(MistralForCausalLM):
             "num_experts_per_tok": int(raw["num_experts_per_tok"]),
             "moe_intermediate_size": int(raw["intermediate_size"]),  # every MLP is the experts'
             "norm_topk_prob": True,
+            **uniform_windows(raw, cls.sliding_window(raw)),
         }
 
     def make_layer(

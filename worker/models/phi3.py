@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.models.interface import WeightMap
+from worker.models.interface import WeightMap, uniform_windows
 from worker.models.llama import LlamaForCausalLM
 
 PHI3_WEIGHTS = WeightMap(
@@ -47,6 +47,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             "o_proj_bias": False,
             "qk_norm": False,
             "partial_rotary_factor": float(partial),
+            **uniform_windows(raw, cls.sliding_window(raw)),
         }
 
     @classmethod

@@ -10,15 +10,22 @@ from worker.models.llama import LlamaForCausalLM
 
 def qwen_sliding_window(raw: dict[str, Any]) -> int | None:
     """Qwen2's and Qwen3's window: only with `use_sliding_window`, and only if some layer slides."""
+    return int(raw["sliding_window"]) if any(qwen_layer_windows(raw)) else None
+
+
+def qwen_layer_windows(raw: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's window (0: global) as transformers' Qwen2/Qwen3 configs choose them; () if none slides."""
     if not raw.get("use_sliding_window") or not raw.get("sliding_window"):
-        return None
+        return ()
+    num_layers = int(raw["num_hidden_layers"])
     # Qwen slides only in layers from max_window_layers on; transformers 5 also writes them as layer_types.
     layer_types = raw.get("layer_types")
     if layer_types is not None:
-        slides = "sliding_attention" in layer_types
+        slides = [t == "sliding_attention" for t in layer_types]
     else:
-        slides = int(raw.get("max_window_layers", 0)) < int(raw["num_hidden_layers"])
-    return int(raw["sliding_window"]) if slides else None
+        slides = [i >= int(raw.get("max_window_layers", 0)) for i in range(num_layers)]
+    windows = tuple(int(raw["sliding_window"]) if s else 0 for s in slides)
+    return windows if any(windows) else ()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -29,7 +36,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
-        return {"qkv_bias": True, "o_proj_bias": False, "qk_norm": False}
+        windows = qwen_layer_windows(raw)
+        return {"qkv_bias": True, "o_proj_bias": False, "qk_norm": False, "layer_windows": windows}
 
     @classmethod
     def sliding_window(cls, raw: dict[str, Any]) -> int | None:

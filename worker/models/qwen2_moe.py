@@ -18,7 +18,7 @@ from worker.model_config import ModelConfig
 from worker.models.interface import WeightMap
 from worker.models.llama import LlamaDecoderLayer
 from worker.models.moe import moe_decoder_layer
-from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.models.qwen2 import Qwen2ForCausalLM, qwen_layer_windows
 from worker.models.qwen3_moe import QWEN_MOE_WEIGHTS, qwen_moe_fields
 
 QWEN2_MOE_WEIGHTS = WeightMap(
@@ -60,6 +60,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
             "qkv_bias": bool(raw.get("qkv_bias", True)),
             "o_proj_bias": False,
             "qk_norm": False,
+            "layer_windows": qwen_layer_windows(raw),
             **qwen_moe_fields(raw),
             "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
         }

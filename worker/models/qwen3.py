@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.models.llama import LlamaForCausalLM
-from worker.models.qwen2 import qwen_sliding_window
+from worker.models.qwen2 import qwen_layer_windows, qwen_sliding_window
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -18,7 +18,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
         bias = bool(raw.get("attention_bias", False))
-        return {"qkv_bias": bias, "o_proj_bias": bias, "qk_norm": True}
+        windows = qwen_layer_windows(raw)
+        return {"qkv_bias": bias, "o_proj_bias": bias, "qk_norm": True, "layer_windows": windows}
 
     @classmethod
     def sliding_window(cls, raw: dict[str, Any]) -> int | None:
