@@ -43,6 +43,7 @@ KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 Quantization = Literal["", "fp8"]
 GenerationConfigMode = Literal["auto", "none"]
+TPAllReduce = Literal["auto", "nccl"]
 ToolCallParserName = Literal["", "hermes", "llama3_json", "mistral"]  # api/tool_parsers
 ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]  # api/reasoning.py
 
@@ -194,6 +195,10 @@ class WorkerConfig:
     # Speculative decoding, vLLM's JSON shape (common/speculative.py): {"method": "ngram" | "draft_model",
     # "num_speculative_tokens": k, "model": ...}; empty: off
     speculative_config: str = ""
+    # Tensor parallelism's all-reduces. auto: a one-shot all-reduce through symmetric memory (peer reads over
+    # NVLink) for messages up to 16 MiB where every GPU of the group reaches the others, NCCL for larger
+    # ones and elsewhere (worker/tp_all_reduce.py); nccl: NCCL for all of them
+    tp_all_reduce: TPAllReduce = "auto"
 
     def __post_init__(self) -> None:
         check_choices(self)
