@@ -32,7 +32,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from scripts._bench import add_worker_flags, write_json  # noqa: E402
 from scripts.bench_step import WORKER_FLAGS, profile  # noqa: E402
-from worker.model_config import load_model_config  # noqa: E402
+from worker.loader import load_model_config  # noqa: E402
 from worker.parallel import init_parallel  # noqa: E402
 from worker.tp_all_reduce import make_symm_mem_all_reduce  # noqa: E402
 

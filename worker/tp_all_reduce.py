@@ -15,6 +15,7 @@ every rank without peer access go to NCCL; `--tp-all-reduce nccl` sends everythi
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ def symm_mem_supported(device: torch.device, world_size: int) -> str:
     if ops is None or not hasattr(ops, "one_shot_all_reduce_out"):
         return f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_out"
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as e:
         return f"torch.distributed._symmetric_memory: {e}"
     n = torch.cuda.device_count()
