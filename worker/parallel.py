@@ -197,6 +197,8 @@ class ParallelContext:
                 dist.monitored_barrier(group=self.control_group, timeout=CLOSE_TIMEOUT)
             except RuntimeError:
                 pass  # a rank is gone or stuck: leave all the same
+        self.fast_all_reduce = None  # its buffer's peer mappings go before the group they were made in
+        gc.collect()
         dist.destroy_process_group()
         self.group = self.control_group = None
         gc.collect()
