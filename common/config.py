@@ -43,6 +43,7 @@ KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 Quantization = Literal["", "fp8"]
 GenerationConfigMode = Literal["auto", "none"]
+TPAllReduce = Literal["auto", "nccl"]
 ToolCallParserName = Literal["", "hermes", "llama3_json", "mistral"]  # api/tool_parsers
 ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]  # api/reasoning.py
 
@@ -103,8 +104,9 @@ class SchedulerConfig:
 
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # bound; clients connect here
     worker_address: str = DEFAULT_WORKER_ADDRESS  # bound; workers connect here
-    # sequences running in one step, at most (and at most what the worker announces it was sized for)
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    # sequences running in one step, at most (and at most what the worker announces it was sized for);
+    # 0: what the worker announces (by default it follows its KV pool: worker/batch_limits.py)
+    max_num_seqs: int = 0
     # tokens computed in one step, at most (decodes and prefill chunks; and at most what the worker announces)
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 0  # longest prompt + output; 0: what the worker announces
@@ -175,7 +177,9 @@ class WorkerConfig:
     # Triton kernels for RMSNorm (+ residual add), RoPE and SiLU-and-mul instead of 2-9 PyTorch ops each
     # (kernels/fused_ops.py); unset: on with CUDA. On the CPU they need TRITON_INTERPRET=1 (tests only).
     fused_ops: bool | None = None
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # cuda: the largest decode batch a CUDA graph is captured for
+    # the largest decode batch (on cuda, the largest CUDA graph); 0: follows the KV pool, one seat per 1024
+    # tokens of it within [512, 1024] (worker/batch_limits.py), so the larger pool of TP=2 runs larger batches
+    max_num_seqs: int = 0
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # cuda: the memory profile's step size
     tensor_parallel_size: int = 1  # workers in the tensor-parallel group
     rank: int = 0  # this worker's rank in the group (0 talks to the scheduler)
@@ -194,6 +198,10 @@ class WorkerConfig:
     # Speculative decoding, vLLM's JSON shape (common/speculative.py): {"method": "ngram" | "draft_model",
     # "num_speculative_tokens": k, "model": ...}; empty: off
     speculative_config: str = ""
+    # Tensor parallelism's all-reduces. auto: a one-shot all-reduce through symmetric memory (peer reads over
+    # NVLink) for messages up to 16 MiB where every GPU of the group reaches the others, NCCL for larger
+    # ones and elsewhere (worker/tp_all_reduce.py); nccl: NCCL for all of them
+    tp_all_reduce: TPAllReduce = "auto"
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from common.config import KVPolicy, PreemptionMode, SchedulerConfig, SchedulingPolicy
+from common.config import DEFAULT_MAX_NUM_SEQS, KVPolicy, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from common.messages import SubmitRequest, WorkerReady
 from scheduler.request import Sequence, num_seqs
 
@@ -48,6 +48,8 @@ class SchedulerSettings:
         limits = {}
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             mine, workers = getattr(config, name), getattr(ready, name)
+            if name == "max_num_seqs" and not mine:  # 0: the worker's (announcing none: the old default)
+                mine = workers or DEFAULT_MAX_NUM_SEQS
             limits[name] = min(mine, workers) if workers else mine
             if workers and workers != mine:
                 log.warning(

@@ -207,7 +207,9 @@ def add_engine_flags(p: argparse.ArgumentParser, sample_interval: float = 1.0) -
     p.add_argument(
         "--num-kv-blocks", type=int, default=0, help="KV pool of every run; 0: the worker's default"
     )
-    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument(
+        "--max-num-seqs", type=int, default=0, help="0: the worker's default, which follows its KV pool"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
         "--sample-interval", type=float, default=sample_interval, help="seconds between metrics samples"

@@ -30,12 +30,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
 import torch  # noqa: E402
 
-from common.messages import SamplingParams, SubmitRequest, decode, encode  # noqa: E402
+from common.log import get_logger  # noqa: E402
+from common.messages import SamplingParams, Shutdown, SubmitRequest, decode, encode  # noqa: E402
 from scripts._bench import add_worker_flags, in_process_scheduler, worker_config, write_json  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 
@@ -50,6 +52,8 @@ def _sync(device: torch.device) -> None:
 
 # What a kernel does, from its name: the first group whose words the name contains (lower case).
 _KERNEL_GROUPS = (
+    ("all-reduce", ("allreduce", "all_reduce")),  # NCCL's ncclDevKernel_AllReduce_*, symm_mem's one-shot
+    ("all-gather", ("allgather", "all_gather")),
     ("attention", ("attention", "combine_splits")),
     ("kv write", ("write_kv",)),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk")),
@@ -96,7 +100,9 @@ def kernel_times(step, steps: int) -> dict:
     }
 
 
-def profile(args: argparse.Namespace, mode: str) -> dict:
+def profile(args: argparse.Namespace, mode: str, parallel: Any = None, **overrides: Any) -> dict | None:
+    """One mode's step profile. With a tensor-parallel `parallel` (scripts/bench_tp_step.py), rank 0 runs
+    the scheduler and forwards each plan to the other ranks, which follow it and return None."""
     bs = 16
     # Sequences that finish their prefill early decode while the others prefill: room for those tokens too.
     max_tokens = args.steps + args.kernels + 8 + -(-args.batch * args.context // args.max_num_batched_tokens)
@@ -111,10 +117,17 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
         max_model_len=max_len if args.device == "cpu" else 0,
         max_num_seqs=max_num_seqs,
         enforce_eager=mode == "eager",
+        **overrides,
     )
     started = time.monotonic()
-    runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend)
+    runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend, parallel=parallel)
     startup_s = time.monotonic() - started
+    if parallel is not None and not parallel.is_driver:
+        from worker.server import _follow  # runs the plans rank 0 forwards until its Shutdown
+
+        _follow(runner, parallel, get_logger(process="bench", rank=parallel.rank))
+        runner.close()
+        return None
     core = in_process_scheduler(runner, max_num_seqs, args.max_num_batched_tokens)
     assert (runner.num_kv_blocks, runner.block_size) == (num_blocks, bs)
     rng = random.Random(0)
@@ -132,7 +145,10 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
     def step() -> tuple[float, float, list[int]]:
         t0 = time.perf_counter()
         plan = core.schedule()
-        plan_back = decode(encode(plan))
+        frames = encode(plan)
+        if parallel is not None:
+            parallel.forward_to_followers(frames)
+        plan_back = decode(frames)
         t1 = time.perf_counter()
         out = runner.execute(plan_back)
         t2 = time.perf_counter()
@@ -173,7 +189,9 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
     sched = statistics.median(scheds)
     traced = args.kernels and runner.device.type == "cuda"
     kernels = kernel_times(next_step, args.kernels) if traced else None
-    return {
+    if parallel is not None:
+        parallel.forward_to_followers(encode(Shutdown("profile done")))
+    result = {
         "mode": mode,
         "fused_ops": cfg.resolved_fused_ops,
         "piecewise_graphs": runner.mixed_graphs is not None,
@@ -190,6 +208,8 @@ def profile(args: argparse.Namespace, mode: str) -> dict:
         "decode_tok_s": round(args.batch / wall),
         "kernels": kernels,
     }
+    runner.close()  # drops the graphs: before the next mode's runner, and before a group is destroyed
+    return result
 
 
 def print_kernels(r: dict, top: int = 12) -> None:
@@ -229,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in modes:
         r = profile(args, mode)
+        assert r is not None
         results.append(r)
         busy = f"{r['gpu_busy']:.0%}" if r["gpu_busy"] is not None else "-"
         print(

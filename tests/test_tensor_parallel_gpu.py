@@ -41,3 +41,91 @@ def gpu_tensor_parallel_runs(
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_two_gpus_match_one_gpu(name: str, checkpoints, gpu_tensor_parallel_runs) -> None:  # noqa: F811
     check_two_ranks_match_one_process(checkpoints[name], gpu_tensor_parallel_runs[name], "cuda")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The one-shot symmetric-memory all-reduce (worker/tp_all_reduce.py) and the fused add + RMSNorm after it,
+# against NCCL's all_reduce and the PyTorch add + RMSNorm (kernels/reference_ops.py).
+
+# [rows, hidden] in bf16: one token, an odd batch, decode at 256 and 512, the buffer's limit (16 MiB) and
+# one past it (NCCL), and float32 (the tests' models)
+_SHAPES = [(1, 4096), (7, 4096), (256, 4096), (512, 4096), (2048, 4096), (2049, 4096)]
+
+
+def _symm_rank_main(rank: int, init_method: str) -> None:
+    import torch.distributed as dist
+
+    from kernels import fused_ops, reference_ops
+    from worker.parallel import ParallelContext
+    from worker.tp_all_reduce import make_symm_mem_all_reduce
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=WORLD_SIZE)
+    control = dist.new_group(backend="gloo")
+    fast, why = make_symm_mem_all_reduce(dist.group.WORLD, control, device, WORLD_SIZE, "auto")
+    assert fast is not None, why
+    ctx = ParallelContext(rank, WORLD_SIZE, dist.group.WORLD, control)
+    ctx.fast_all_reduce = fast
+    eps = 1e-5
+    for dtype, shapes in ((torch.bfloat16, _SHAPES), (torch.float32, _SHAPES[:3])):
+        for rows, hidden in shapes:
+            gen = torch.Generator(device).manual_seed(1000 * rows + rank)  # each rank's own partial sum
+            partial = torch.randn(rows, hidden, generator=gen, device=device, dtype=dtype)
+            gen.manual_seed(rows)  # the residual stream and the weight: the same on every rank
+            residual = torch.randn(rows, hidden, generator=gen, device=device, dtype=dtype)
+            weight = 1 + 0.1 * torch.randn(hidden, generator=gen, device=device, dtype=dtype)
+            reference = partial.clone()
+            dist.all_reduce(reference)  # NCCL
+            ref_out, ref_res = reference_ops.rms_norm(reference, weight, eps, residual.clone())
+            ctx.all_reduce_trace = []
+            summed = ctx.all_reduce(partial.clone())
+            path = ctx.all_reduce_trace[0][1]
+            big = rows * hidden * partial.element_size() > fast.max_bytes
+            assert path == ("nccl" if big or dtype not in (torch.bfloat16, torch.float32) else "symm_mem")
+            # two ranks: one addition, rounded once, whichever kernel does it; bf16 allows a unit in the
+            # last place should a kernel add in bf16 pairs rather than in float32
+            exact = {"rtol": 8e-3, "atol": 1e-5} if dtype == torch.bfloat16 else {"rtol": 0, "atol": 0}
+            torch.testing.assert_close(summed, reference, **exact)
+            out, res = fused_ops.rms_norm(summed, weight, eps, residual.clone())
+            torch.testing.assert_close(res, ref_res, **exact)
+            tol = {"rtol": 1.6e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+            torch.testing.assert_close(out, ref_out, **tol)
+    # Captured in a CUDA graph and replayed on new inputs, as a decode graph does.
+    static = torch.zeros(256, 4096, device=device, dtype=torch.bfloat16)
+    ctx.all_reduce(static.clone())  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ctx.all_reduce(static)
+    for step in range(3):
+        static.fill_(float(rank + 1 + step))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bool((static == 3 + 2 * step).all()), f"replay {step}: {static.flatten()[:4]}"
+    del graph
+    dist.barrier(group=control)
+    dist.destroy_process_group()
+
+
+def test_one_shot_all_reduce_and_fused_norm_match_nccl_and_pytorch() -> None:
+    import torch.multiprocessing as mp
+
+    from scripts._servers import free_port
+
+    context = mp.start_processes(
+        _symm_rank_main,
+        args=(f"tcp://127.0.0.1:{free_port()}",),
+        nprocs=WORLD_SIZE,
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        for _ in range(180):
+            if context.join(timeout=1):  # raises, with the rank's traceback, if one failed
+                return
+        raise AssertionError("the ranks did not finish within 180 s")
+    finally:
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.kill()

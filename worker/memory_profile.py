@@ -9,6 +9,7 @@ import torch
 
 from common.config import WorkerConfig
 from common.messages import SamplingParams
+from worker.batch_limits import profile_max_num_seqs
 from worker.inputs import build_inputs
 from worker.kv_cache import KVPools
 from worker.sampler import SamplingRow, sample
@@ -20,8 +21,9 @@ def profile_peak_memory(runner: Any, cfg: WorkerConfig) -> int:  # a ModelRunner
     """Peak bytes of torch's allocator over the weights and one eager forward of the largest step the
     budgets allow (max_num_batched_tokens tokens over max_num_seqs prompts, every prompt sampling), with a
     KV pool just large enough for it, whose own size is left out."""
-    num_tokens = max(1, min(cfg.max_num_batched_tokens, runner.max_model_len * cfg.max_num_seqs))
-    num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
+    max_num_seqs = profile_max_num_seqs(cfg.max_num_seqs)  # with 0 (the pool's), the most it may be
+    num_tokens = max(1, min(cfg.max_num_batched_tokens, runner.max_model_len * max_num_seqs))
+    num_seqs = max(1, min(max_num_seqs, num_tokens))
     lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
     lens[: num_tokens % num_seqs] += 1
     blocks_per_seq = -(-int(lens.max()) // runner.block_size)

@@ -27,6 +27,7 @@ import torch
 from common.config import WorkerConfig
 from common.messages import StepOutput, StepPlan
 from worker.attention import AttentionMetadata, get_attention_backend
+from worker.batch_limits import resolve_max_num_seqs
 from worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from worker.inputs import HostInputs, host_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
@@ -137,6 +138,8 @@ class ModelRunner:
         self.kv = KVPools(
             self.shard_config, num_blocks, num_cpu_blocks, self.block_size, self.kv_dtype, self.device
         )
+        # the largest decode batch (what the worker announces); by default it follows the pool
+        self.max_num_seqs = resolve_max_num_seqs(cfg.max_num_seqs, self.kv.num_blocks, self.block_size)
         self.sequences = Sequences(
             PlanLimits(
                 num_kv_blocks=self.kv.num_blocks,
@@ -156,7 +159,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv.layers,
-                max_num_seqs=cfg.max_num_seqs,
+                max_num_seqs=self.max_num_seqs,
                 max_blocks_per_seq=self.tables.max_blocks_per_seq,
                 max_model_len=self.max_model_len,
                 device=self.device,

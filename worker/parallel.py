@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import sys
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from common.config import WorkerConfig
 from common.messages import Shutdown, encode
 from worker.model_config import ModelConfig
+from worker.tp_all_reduce import make_symm_mem_all_reduce
 
 KEEPALIVE_S = 60.0  # rank 0 sends an empty message when idle this long, well inside the group's timeout
 GROUP_TIMEOUT = timedelta(minutes=30)  # a collective (or a wait for rank 0's next message) longer fails
@@ -87,6 +89,10 @@ class ParallelContext:
         self.world_size = world_size
         self.group = group
         self.control_group = control_group
+        # The one-shot all-reduce for small messages (worker/tp_all_reduce.py), where it runs; else NCCL
+        self.fast_all_reduce: Any = None
+        # When a list: (bytes, "symm_mem" | "nccl") of each all-reduce called (the step profile's sizes)
+        self.all_reduce_trace: list[tuple[int, str]] | None = None
         self._last_sent = time.monotonic()  # when rank 0 last sent the others a message
 
     @property
@@ -106,9 +112,16 @@ class ParallelContext:
     # collectives of the model (no-ops at size 1)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` over the ranks, in place."""
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+        """The sum of `x` over the ranks, in place: the one-shot symmetric-memory kernel for messages that
+        fit its buffer, NCCL (gloo on the CPU) for the rest."""
+        if self.world_size == 1:
+            return x
+        fast = self.fast_all_reduce is not None and self.fast_all_reduce.fits(x)
+        if self.all_reduce_trace is not None:
+            self.all_reduce_trace.append((x.numel() * x.element_size(), "symm_mem" if fast else "nccl"))
+        if fast:
+            return self.fast_all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [B, C] -> [B, N * C], rank r's in columns r*C..
@@ -184,6 +197,8 @@ class ParallelContext:
                 dist.monitored_barrier(group=self.control_group, timeout=CLOSE_TIMEOUT)
             except RuntimeError:
                 pass  # a rank is gone or stuck: leave all the same
+        self.fast_all_reduce = None  # its buffer's peer mappings go before the group they were made in
+        gc.collect()
         dist.destroy_process_group()
         self.group = self.control_group = None
         gc.collect()
@@ -213,7 +228,13 @@ def init_parallel(cfg: WorkerConfig, model_config: ModelConfig) -> tuple[WorkerC
         backend, init_method=cfg.dist_init_method, rank=cfg.rank, world_size=size, timeout=GROUP_TIMEOUT
     )
     control = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
-    return replace(cfg, device=device), ParallelContext(cfg.rank, size, dist.group.WORLD, control)
+    ctx = ParallelContext(cfg.rank, size, dist.group.WORLD, control)
+    ctx.fast_all_reduce, why = make_symm_mem_all_reduce(
+        dist.group.WORLD, control, torch.device(device), size, cfg.tp_all_reduce
+    )
+    if why and device.startswith("cuda") and cfg.rank == 0:
+        print(f"tensor parallelism: NCCL for every all-reduce ({why})", file=sys.stderr, flush=True)
+    return replace(cfg, device=device), ctx
 
 
 # ---------------------------------------------------------------------------------------------------------

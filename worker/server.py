@@ -199,7 +199,7 @@ def serve(cfg: WorkerConfig) -> int:
         model_name=model_name(cfg),
         num_cpu_blocks=runner.num_cpu_blocks,
         worker_id=uuid.uuid4().hex,
-        max_num_seqs=cfg.max_num_seqs,
+        max_num_seqs=runner.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
     )
     heartbeat = HeartbeatThread(cfg.worker_address, ready.worker_id, cfg.heartbeat_interval_s, key).start()
