@@ -4,8 +4,8 @@
 # 1. the tensor-parallel GPU tests (the one-shot symmetric-memory all-reduce + fused add/RMSNorm against
 #    NCCL + PyTorch; TP=2 greedy == TP=1 through the engine with CUDA graphs), while the 8B-shape random
 #    checkpoint is written;
-# 2. the TP=2 decode-step profile at batch 256, before (every all-reduce on NCCL) and after (one-shot);
-# 3. the standard offline workload (1000 requests, docs/benchmarks.md) at TP=1 and TP=2 with the defaults.
+# 2. the standard offline workload (1000 requests, docs/benchmarks.md) at TP=1 and TP=2 with the defaults;
+# 3. the TP=2 decode-step profile at batch 256, before (every all-reduce on NCCL) and after (one-shot).
 # Files: tests.txt, tp_step.json, tput_tp1.json, tput_tp2.json, summary.txt; the summary is printed last.
 set -u
 OUT_DIR=${1:-${OUT:-/tmp/tp-check}}
@@ -22,17 +22,13 @@ if [ ! -f "$MODEL/config.json" ]; then
 else
   MAKE_PID=""
 fi
-timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu -x tests/test_tensor_parallel_gpu.py \
+timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu -x tests/test_tensor_parallel_gpu.py \
   > "$OUT_DIR/tests.txt" 2>&1
 echo "exit $?" >> "$OUT_DIR/tests.txt"
 stamp "tests: $(tail -2 "$OUT_DIR/tests.txt" | tr '\n' ' ')"
 [ -n "$MAKE_PID" ] && wait "$MAKE_PID"
 stamp "checkpoint ready"
 
-timeout 170 $PY scripts/bench_tp_step.py --model "$MODEL" --tensor-parallel-size 2 --batch 256 \
-  --variants nccl,symm_mem --modes graphs --no-piecewise-graphs --steps 32 --kernels 8 \
-  --json-out "$OUT_DIR/tp_step.json" > "$OUT_DIR/tp_step.txt" 2>&1
-stamp "profile: exit $?"
 
 for TP in 1 2; do
   timeout 170 $PY scripts/bench_throughput.py --model "$MODEL" --device cuda --num-requests 1000 \
@@ -40,6 +36,11 @@ for TP in 1 2; do
     > "$OUT_DIR/tput_tp$TP.txt" 2>&1
   stamp "throughput TP=$TP: exit $?"
 done
+
+timeout 170 $PY scripts/bench_tp_step.py --model "$MODEL" --tensor-parallel-size 2 --batch 256 \
+  --variants nccl,symm_mem --modes graphs --no-piecewise-graphs --steps 32 --kernels 8 \
+  --json-out "$OUT_DIR/tp_step.json" > "$OUT_DIR/tp_step.txt" 2>&1
+stamp "profile: exit $?"
 
 $PY - "$OUT_DIR" > "$OUT_DIR/summary.txt" 2>&1 <<'PYEOF'
 import json, sys
