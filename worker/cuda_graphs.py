@@ -68,7 +68,10 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, **i32)  # [N + 1], fixed: one token per sequence
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)  # [N, max_blocks_per_seq]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        # Each graph's output: the final hidden states, [size, H]. The LM head runs eagerly on the batch's
+        # rows after the replay: a graph's outputs stay allocated for its lifetime, and [size, V] logits
+        # held by a hundred graphs took gigabytes (a decode batch of 1,024 at TP=2 ran out of memory).
+        self._hidden: dict[int, torch.Tensor] = {}
         self.capture_time_s = 0.0
         self.num_replays = 0
         self._capture(show_progress)
@@ -84,9 +87,8 @@ class DecodeGraphs:
             num_decode_seqs=size,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:  # [size, V]
-        hidden = self.model(self.token_ids[:size], self.positions[:size], self._meta(size), self.kv_layers)
-        return self.model.compute_logits(hidden)
+    def _forward(self, size: int) -> torch.Tensor:  # [size, H]
+        return self.model(self.token_ids[:size], self.positions[:size], self._meta(size), self.kv_layers)
 
     @torch.inference_mode()
     def _capture(self, show_progress: bool) -> None:
@@ -98,7 +100,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = self._forward(size)
+                self._hidden[size] = self._forward(size)
             self._graphs[size] = graph
             if show_progress:
                 _progress(i + 1, len(self.sizes), started)
@@ -155,7 +157,7 @@ class DecodeGraphs:
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
         self._graphs[size].replay()
         self.num_replays += 1
-        return self._logits[size][:batch]
+        return self.model.compute_logits(self._hidden[size][:batch])
 
 
 def token_buckets(max_num_tokens: int, step: int = 256) -> list[int]:
