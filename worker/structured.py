@@ -19,7 +19,6 @@ sample) leaves its sequence with only the stop tokens allowed: that sequence end
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -33,18 +32,20 @@ import xgrammar as xgr
 from common.grammars import GrammarError, compile_grammar
 from common.messages import StepPlan
 from common.sampling_params import StructuredOutput
+from worker.grammar_batch import (
+    GrammarBatch,
+    HostMaskBuffers,
+    Matcher,
+    RowWork,
+    default_grammar_threads,
+    fill_stop_rows,
+)
 from worker.sequences import SeqState
 
 log = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 64  # compiled grammars kept for reuse (a 128k vocabulary's can be megabytes each)
 COMPILE_TIMEOUT_S = 20.0  # how long a sequence that must sample waits for its grammar (the step waits too)
-
-
-@dataclass
-class _Matcher:
-    matcher: xgr.GrammarMatcher | None  # None: the grammar failed; only the stop tokens are allowed
-    num_fed: int = 0  # generated tokens accepted so far
 
 
 @dataclass(frozen=True)
@@ -58,19 +59,28 @@ class TokenBitmask:
 class StructuredOutputs:
     """The grammar compiler and the matchers of the worker's constrained sequences, by seq id."""
 
-    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        device: torch.device | None = None,  # the sampler's: on CUDA the masks' host buffers are pinned
+        grammar_threads: int | None = None,  # None: from the CPU count (worker/grammar_batch.py)
+    ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.compile_timeout_s = COMPILE_TIMEOUT_S
         self._json_words: dict[int, torch.Tensor] = {}  # by any_whitespace: set with the compiler
-        threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+        threads = default_grammar_threads()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
         # The tokenizer's vocabulary is read once, in the background: a worker that never sees a
         # constrained request never waits for it.
         self._compiler: Future[xgr.GrammarCompiler] = self._pool.submit(self._make_compiler, model_dir)
         self._compiled: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
-        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        self.matchers: dict[int, _Matcher] = {}
+        self.batch = GrammarBatch(grammar_threads or threads)  # the steps' advance and fill
+        self._buffers = HostMaskBuffers(device or torch.device("cpu"))
+        self._extra: dict[torch.device, torch.Tensor] = {}  # _extra_words by device
+        self.matchers: dict[int, Matcher] = {}
         self._failed: dict[int, list[int]] = {}  # by step id: the seq ids whose constraint failed
         self._step_id = 0  # the step whose bitmask is being made
 
@@ -109,7 +119,7 @@ class StructuredOutputs:
         self.matchers.clear()
         self._failed.clear()
 
-    def _matcher(self, seq_id: int, seq: SeqState) -> _Matcher:
+    def _matcher(self, seq_id: int, seq: SeqState) -> Matcher:
         state = self.matchers.get(seq_id)
         if state is not None:
             return state
@@ -117,12 +127,12 @@ class StructuredOutputs:
         stop = sorted({*self.eos_token_ids, *seq.params.stop_token_ids})
         try:
             compiled = self._compile(seq.params.structured).result(timeout=self.compile_timeout_s)
-            state = _Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
+            state = Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
         except (GrammarError, FutureTimeout, Exception) as e:  # a grammar, or the checkpoint's tokenizer
             log.error("structured output for sequence %d fails: %s", seq_id, e or "compile timed out")
             self._compiled.pop(seq.params.structured, None)
             self._failed.setdefault(self._step_id, []).append(seq_id)
-            state = _Matcher(None)
+            state = Matcher(None)
         self.matchers[seq_id] = state
         return state
 
@@ -135,50 +145,59 @@ class StructuredOutputs:
         device: torch.device,
     ) -> TokenBitmask | None:
         """The bitmask of the constrained rows among `samplers` (the step's sampling rows), each matcher
-        first fed the tokens its sequence gained since it last sampled; None when no row is constrained."""
+        first fed the tokens its sequence gained since it last sampled; None when no row is constrained.
+        The rows' matchers advance and fill their rows in batched calls over `self.batch`'s threads, into a
+        reused host buffer that goes to `device` in one transfer that waits for nothing."""
         rows = [j for j, s in enumerate(samplers) if s.params.structured is not None]
         if not rows:
             return None
         self._step_id = step_id
+        n, num_words = len(rows), -(-self.vocab_size // 32)
         pending: dict[int, int] | None = None
-        for j in rows:
+        work: list[RowWork] = []
+        kinds = np.zeros(n, dtype=np.int32)  # each row's extra mask: 0 none, 1 + any_whitespace for JSON
+        for i, j in enumerate(rows):
             seq, seq_id = samplers[j], seq_ids[j]
             state = self._matcher(seq_id, seq)
-            generated = seq.token_ids[seq.prompt_len + state.num_fed :]
+            tokens = seq.token_ids[seq.prompt_len + state.num_fed :]
             if seq.pending:
                 pending = pending_tokens() if pending is None else pending
-                generated = [*generated, pending[seq_id]]
-            for token in generated:
-                # (past its stop token: the tokens a pipelined step drew after the end, which are dropped)
-                if state.matcher is None or state.matcher.is_terminated():
-                    pass
-                elif not state.matcher.accept_token(token):
-                    log.error("sequence %d: token %d breaks its grammar", seq_id, token)
-                    state.matcher = None
-                state.num_fed += 1
-        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
-        self._fill(rows, samplers, seq_ids, mask)
-        return _to_device(np.asarray(rows, dtype=np.int64), mask, device)
+                tokens.append(pending[seq_id])
+            work.append(RowWork(i, seq_id, state, tokens))
+            structured = seq.params.structured
+            if structured is not None and structured.kind in ("json_schema", "json_object"):
+                kinds[i] = 1 + structured.any_whitespace
+        # One buffer: [rows n | kinds n | bitmask n * W], the bitmask filled in place.
+        host = self._buffers.take(n * (2 + num_words))
+        host[:n] = torch.from_numpy(np.asarray(rows, dtype=np.int32))
+        host[n : 2 * n] = torch.from_numpy(kinds)
+        mask = host[2 * n :].view(n, num_words)
+        done = self.batch.run(work, mask)
+        stop_rows = [(w.index, self._stop_ids(samplers[rows[w.index]])) for w in done]
+        fill_stop_rows(mask, stop_rows)
+        packed = self._buffers.to_device(host, device)
+        bitmask = packed[2 * n :].view(n, num_words)
+        if kinds.any():
+            # xgrammar 0.2.8 lets a length-bounded JSON string hold raw control characters, which JSON
+            # forbids (`{"maxLength": 5}` compiles to [^"\\\r\n]{0,5}): such tokens are never allowed in
+            # JSON output. On the device, behind the copy: the host does not touch the words.
+            bitmask &= self._extra_words(device).index_select(0, packed[n : 2 * n])
+        return TokenBitmask(packed[:n].long(), bitmask)
 
-    def _fill(
-        self, rows: list[int], samplers: list[SeqState], seq_ids: list[int], mask: torch.Tensor
-    ) -> None:
-        live, live_index = [], []
-        for i, j in enumerate(rows):
-            state = self.matchers[seq_ids[j]]
-            if state.matcher is None or state.matcher.is_terminated():
-                mask[i] = _stop_only(mask.shape[1], self.eos_token_ids, samplers[j].params.stop_token_ids)
-            else:
-                live.append(state.matcher)
-                live_index.append(i)
-        if live:
-            self._batch.batch_fill_next_token_bitmask(live, mask, live_index)
-        # xgrammar 0.2.8 lets a length-bounded JSON string hold raw control characters, which JSON forbids
-        # (`{"maxLength": 5}` compiles to [^"\\\r\n]{0,5}): such tokens are never allowed in JSON output.
-        for ws, words in self._json_words.items():
-            json_rows = [i for i, j in enumerate(rows) if _json_kind(samplers[j], bool(ws))]
-            if json_rows:
-                mask[json_rows] &= words
+    def _stop_ids(self, seq: SeqState) -> tuple[int, ...]:
+        return tuple(sorted({*self.eos_token_ids, *seq.params.stop_token_ids}))
+
+    def _extra_words(self, device: torch.device) -> torch.Tensor:
+        """[3, W] int32 on `device`: every token (rows that are not JSON), then the JSON-safe tokens
+        without and with any_whitespace."""
+        table = self._extra.get(device)
+        if table is None:
+            every = torch.full((-(-self.vocab_size // 32),), -1, dtype=torch.int32)
+            # (no tokenizer: every constrained row allows only its stop tokens, which are not JSON text)
+            words = self._json_words or {0: every, 1: every}  # set with the compiler
+            table = torch.stack([every, words[0], words[1]]).to(device)
+            self._extra[device] = table
+        return table
 
     def take_failed(self, step_id: int) -> list[int]:
         """The sequences of step `step_id` whose constraint failed (their mask allowed only the stop tokens):
@@ -187,12 +206,7 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _json_kind(seq: SeqState, any_whitespace: bool) -> bool:
-    structured = seq.params.structured
-    assert structured is not None
-    return structured.kind in ("json_schema", "json_object") and structured.any_whitespace == any_whitespace
+        self.batch.close()
 
 
 def _json_safe_words(decoded_vocab: list[bytes], vocab_size: int, any_whitespace: bool) -> torch.Tensor:
@@ -211,23 +225,6 @@ def step_tokens(step: Any) -> dict[int, int]:
     """The tokens of a launched step (worker/model_runner.py LaunchedStep), by seq id; waits for them: the
     pending tokens of the step launched behind it, which its grammars must accept before it samples."""
     return dict(zip(step.seq_ids, step.copy.wait()[0], strict=True))
-
-
-def _stop_only(num_words: int, eos: list[int], stop: tuple[int, ...]) -> torch.Tensor:
-    words = np.zeros(num_words, dtype=np.uint32)
-    for t in {*eos, *stop}:
-        if t // 32 < num_words:
-            words[t // 32] |= np.uint32(1 << (t % 32))
-    return torch.from_numpy(words.view(np.int32))
-
-
-def _to_device(rows: np.ndarray, mask: torch.Tensor, device: torch.device) -> TokenBitmask:
-    """The rows and their masks in one host-to-device transfer (pinned on CUDA)."""
-    n = len(rows)
-    packed = torch.cat([torch.from_numpy(rows.astype(np.int32)), mask.flatten()])
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    return TokenBitmask(packed[:n].long(), packed[n:].view(n, -1))
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask | None) -> torch.Tensor:
