@@ -17,12 +17,13 @@ from transformers import AutoTokenizer
 from common.config import WorkerConfig
 from common.messages import SamplingParams, SubmitRequest
 from common.sampling_params import StructuredOutput
+from kernels.token_bitmask import unpack_bitmask as _unpack
 from scheduler.scheduler import Scheduler
 from scheduler.settings import SchedulerSettings
 from tests.structured_schemas import random_schema
 from worker.model_runner import ModelRunner
 from worker.sequences import SeqState
-from worker.structured import TokenBitmask, _unpack, apply_token_bitmask
+from worker.structured import TokenBitmask, apply_token_bitmask
 
 MAX_TOKENS = 400  # a random model at temperature 1 finishes these documents far sooner
 

@@ -32,6 +32,7 @@ import xgrammar as xgr
 from common.grammars import GrammarError, compile_grammar
 from common.messages import StepPlan
 from common.sampling_params import StructuredOutput
+from kernels import token_bitmask
 from worker.grammar_batch import (
     GrammarBatch,
     HostMaskBuffers,
@@ -54,6 +55,8 @@ class TokenBitmask:
 
     rows: torch.Tensor  # [n] int64: logits rows (the step's sampling order)
     bitmask: torch.Tensor  # [n, ceil(V / 32)] int32: bit t % 32 of word t // 32 allows token t
+    kinds: torch.Tensor | None = None  # [n] int32: each row's row of `extra` (None: none)
+    extra: torch.Tensor | None = None  # [K, ceil(V / 32)] int32: words ANDed into the rows' bitmasks
 
 
 class StructuredOutputs:
@@ -155,7 +158,7 @@ class StructuredOutputs:
         n, num_words = len(rows), -(-self.vocab_size // 32)
         pending: dict[int, int] | None = None
         work: list[RowWork] = []
-        kinds = np.zeros(n, dtype=np.int32)  # each row's extra mask: 0 none, 1 + any_whitespace for JSON
+        kinds = np.zeros(n, dtype=np.int32)  # each row's row of _extra_words: 0 none, 1 + any_whitespace
         for i, j in enumerate(rows):
             seq, seq_id = samplers[j], seq_ids[j]
             state = self._matcher(seq_id, seq)
@@ -176,20 +179,21 @@ class StructuredOutputs:
         stop_rows = [(w.index, self._stop_ids(samplers[rows[w.index]])) for w in done]
         fill_stop_rows(mask, stop_rows)
         packed = self._buffers.to_device(host, device)
-        bitmask = packed[2 * n :].view(n, num_words)
-        if kinds.any():
-            # xgrammar 0.2.8 lets a length-bounded JSON string hold raw control characters, which JSON
-            # forbids (`{"maxLength": 5}` compiles to [^"\\\r\n]{0,5}): such tokens are never allowed in
-            # JSON output. On the device, behind the copy: the host does not touch the words.
-            bitmask &= self._extra_words(device).index_select(0, packed[n : 2 * n])
-        return TokenBitmask(packed[:n].long(), bitmask)
+        return TokenBitmask(
+            packed[:n].long(),
+            packed[2 * n :].view(n, num_words),
+            packed[n : 2 * n],
+            self._extra_words(device),
+        )
 
     def _stop_ids(self, seq: SeqState) -> tuple[int, ...]:
         return tuple(sorted({*self.eos_token_ids, *seq.params.stop_token_ids}))
 
     def _extra_words(self, device: torch.device) -> torch.Tensor:
         """[3, W] int32 on `device`: every token (rows that are not JSON), then the JSON-safe tokens
-        without and with any_whitespace."""
+        without and with any_whitespace. xgrammar 0.2.8 lets a length-bounded JSON string hold raw control
+        characters, which JSON forbids (`{"maxLength": 5}` compiles to [^"\\\r\n]{0,5}): such tokens are
+        never allowed in JSON output; the mask kernel ANDs these words in as it reads the bitmask."""
         table = self._extra.get(device)
         if table is None:
             every = torch.full((-(-self.vocab_size // 32),), -1, dtype=torch.int32)
@@ -228,20 +232,17 @@ def step_tokens(step: Any) -> dict[int, int]:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask | None) -> torch.Tensor:
-    """`logits` ([R, V]) with the tokens each constrained row's grammar forbids at -inf, in place: xgrammar's
-    kernel (CUDA, or its CPU loop) on the constrained rows, gathered when they are not the whole batch."""
+    """`logits` ([R, V]) with the tokens each constrained row's grammar forbids at -inf, in place: on CUDA
+    one Triton launch over the constrained rows (kernels/token_bitmask.py), elsewhere its torch reference."""
     if bitmask is None:
         return logits
-    whole = len(bitmask.rows) == logits.shape[0]  # then the rows are 0..R-1 in order (the runner's)
-    rows = logits if whole else logits.index_select(0, bitmask.rows)
-    try:
-        xgr.apply_token_bitmask_inplace(rows, bitmask.bitmask, vocab_size=logits.shape[-1])
-    except (RuntimeError, ImportError):  # no kernel for this device or dtype: the same in torch ops
-        rows.masked_fill_(_unpack(bitmask.bitmask, logits.shape[-1]) == 0, float("-inf"))
-    return logits if whole else logits.index_copy_(0, bitmask.rows, rows)
-
-
-def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:  # [n, W] int32 -> [n, V] uint8 of 0/1
-    data = bitmask.contiguous().view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
-    shifts = torch.arange(8, device=data.device, dtype=torch.uint8)
-    return ((data[:, :, None] >> shifts) & 1).view(len(data), -1)[:, :vocab]
+    n, num_words = bitmask.bitmask.shape
+    kinds = bitmask.kinds
+    if kinds is None:
+        kinds = torch.zeros(n, dtype=torch.int32, device=logits.device)
+    extra = bitmask.extra
+    if extra is None:
+        extra = torch.full((1, num_words), -1, dtype=torch.int32, device=logits.device)
+    if logits.device.type == "cuda":
+        return token_bitmask.apply_token_bitmask(logits, bitmask.bitmask, bitmask.rows, kinds, extra)
+    return token_bitmask.apply_token_bitmask_reference(logits, bitmask.bitmask, bitmask.rows, kinds, extra)
