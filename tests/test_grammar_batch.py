@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -126,7 +127,8 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
 def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
     """As the worker's loop runs steps (worker/server.py): step N+1's forward is queued, then step N is
     finished, then step N+1's sampler. The matchers advance and fill only after the forward is queued and
-    after the previous step's tokens are on the host; the outputs are valid documents."""
+    after the previous step's tokens are on the host, and before step N's answer is complete (in the
+    background: prefetched); the outputs are valid documents."""
     from common.messages import SubmitRequest
     from scheduler.scheduler import Scheduler
     from scheduler.settings import SchedulerSettings
@@ -134,6 +136,9 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
     runner = _runner(tiny_model_dir, 400)
     events: list[tuple[str, int]] = []
     launch_forward, finish, run = runner.launch_forward, runner.finish, runner.structured.batch.run
+    received = runner.sequences.received
+    finishing = [-1]
+    prefetched: list[int] = []  # the steps whose fill ran in the background, started by `finish`
 
     def traced_forward(plan):
         forwarded = launch_forward(plan)
@@ -141,14 +146,22 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
         return forwarded
 
     def traced_finish():
+        finishing[0] = runner.in_flight[0].step_id
         out = finish()
-        events.append(("finished", out.step_id))
+        events.append(("answered", out.step_id))
         return out
+
+    def traced_received(samplers, tokens):
+        events.append(("received", finishing[0]))
+        return received(samplers, tokens)
 
     def traced_run(work, mask):
         events.append(("fill", runner.structured._step_id))
+        if threading.current_thread().name.startswith("grammar-prefetch"):
+            prefetched.append(runner.structured._step_id)
         return run(work, mask)
 
+    runner.sequences.received = traced_received
     runner.launch_forward, runner.finish, runner.structured.batch.run = (
         traced_forward,
         traced_finish,
@@ -189,10 +202,10 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
     pipelined = 0
     for step_id in fills:
         assert position[("forward", step_id)] < position[("fill", step_id)]
-        before = position.get(("finished", step_id - 1))
-        if before is not None and position[("forward", step_id)] < before:
+        tokens = position.get(("received", step_id - 1))
+        if tokens is not None and position[("forward", step_id)] < tokens:
             # step N-1 was still in flight when step N's forward was queued: its tokens reached the
             # host after that, and the fill came after them
-            assert before < position[("fill", step_id)]
+            assert tokens < position[("fill", step_id)]
             pipelined += 1
-    assert pipelined > 10
+    assert pipelined > 10 and len(prefetched) > 10

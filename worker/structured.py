@@ -86,6 +86,9 @@ class StructuredOutputs:
         self.matchers: dict[int, Matcher] = {}
         self._failed: dict[int, list[int]] = {}  # by step id: the seq ids whose constraint failed
         self._step_id = 0  # the step whose bitmask is being made
+        # `prefetch`: one step's host work at a time, in the background; (step id, seq ids, its future)
+        self._step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-prefetch")
+        self._prefetched: tuple[int, list[int], Future] | None = None
 
     def _make_compiler(self, model_dir: str) -> xgr.GrammarCompiler:
         from transformers import AutoTokenizer
@@ -119,6 +122,10 @@ class StructuredOutputs:
                 self._compile(new.params.structured)
 
     def reset(self) -> None:
+        try:
+            self._join_prefetched()
+        except Exception:  # a failed step's work: nothing of it is used
+            log.exception("structured output: the prefetched step failed")
         self.matchers.clear()
         self._failed.clear()
 
@@ -139,6 +146,20 @@ class StructuredOutputs:
         self.matchers[seq_id] = state
         return state
 
+    def prefetch(self, step_id: int, seq_ids: list[int], samplers: list[SeqState]) -> None:
+        """Starts the host work of step `step_id`'s bitmask (advance, fill) in the background, as soon as
+        its sequences' tokens are all on the host (the runner calls it when the step before has finished,
+        before that step's answer is sent); `bitmask` for the same rows then takes its result."""
+        self._join_prefetched()
+        if any(s.params.structured is not None for s in samplers):
+            job = self._step_pool.submit(self._host_masks, step_id, seq_ids, samplers, dict)
+            self._prefetched = (step_id, list(seq_ids), job)
+
+    def _join_prefetched(self) -> tuple[int, list[int], Any] | None:
+        """The prefetched step's (step id, seq ids, host masks), once its work is done; None when none."""
+        job, self._prefetched = self._prefetched, None
+        return None if job is None else (job[0], job[1], job[2].result())
+
     def bitmask(
         self,
         step_id: int,
@@ -149,8 +170,30 @@ class StructuredOutputs:
     ) -> TokenBitmask | None:
         """The bitmask of the constrained rows among `samplers` (the step's sampling rows), each matcher
         first fed the tokens its sequence gained since it last sampled; None when no row is constrained.
-        The rows' matchers advance and fill their rows in batched calls over `self.batch`'s threads, into a
-        reused host buffer that goes to `device` in one transfer that waits for nothing."""
+        The rows' matchers advance and fill their rows in batched calls over `self.batch`'s threads (or
+        did so already: `prefetch`), into a reused host buffer that goes to `device` in one transfer that
+        waits for nothing."""
+        prefetched = self._join_prefetched()
+        if prefetched is not None and prefetched[0] == step_id and prefetched[1] == seq_ids:
+            host = prefetched[2]
+        else:  # (a matcher a prefetch fed is not fed again: each counts the tokens it accepted)
+            host = self._host_masks(step_id, seq_ids, samplers, pending_tokens)
+        if host is None:
+            return None
+        n, num_words = len(host[0]), -(-self.vocab_size // 32)
+        packed = self._buffers.to_device(host[1], device)
+        return TokenBitmask(
+            packed[:n].long(),
+            packed[2 * n :].view(n, num_words),
+            packed[n : 2 * n],
+            self._extra_words(device),
+        )
+
+    def _host_masks(
+        self, step_id: int, seq_ids: list[int], samplers: list[SeqState], pending_tokens: Any
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The constrained rows and their packed host buffer [rows n | kinds n | bitmask n * W], their
+        matchers advanced; None when no row is constrained."""
         rows = [j for j, s in enumerate(samplers) if s.params.structured is not None]
         if not rows:
             return None
@@ -170,21 +213,13 @@ class StructuredOutputs:
             structured = seq.params.structured
             if structured is not None and structured.kind in ("json_schema", "json_object"):
                 kinds[i] = 1 + structured.any_whitespace
-        # One buffer: [rows n | kinds n | bitmask n * W], the bitmask filled in place.
         host = self._buffers.take(n * (2 + num_words))
         host[:n] = torch.from_numpy(np.asarray(rows, dtype=np.int32))
         host[n : 2 * n] = torch.from_numpy(kinds)
         mask = host[2 * n :].view(n, num_words)
         done = self.batch.run(work, mask)
-        stop_rows = [(w.index, self._stop_ids(samplers[rows[w.index]])) for w in done]
-        fill_stop_rows(mask, stop_rows)
-        packed = self._buffers.to_device(host, device)
-        return TokenBitmask(
-            packed[:n].long(),
-            packed[2 * n :].view(n, num_words),
-            packed[n : 2 * n],
-            self._extra_words(device),
-        )
+        fill_stop_rows(mask, [(w.index, self._stop_ids(samplers[rows[w.index]])) for w in done])
+        return rows, host
 
     def _stop_ids(self, seq: SeqState) -> tuple[int, ...]:
         return tuple(sorted({*self.eos_token_ids, *seq.params.stop_token_ids}))
@@ -210,6 +245,7 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._step_pool.shutdown(wait=True, cancel_futures=True)
         self.batch.close()
 
 
