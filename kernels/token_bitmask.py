@@ -4,7 +4,7 @@ A constrained row's bitmask (bit t % 32 of word t // 32 allows token t, as xgram
 one row of a small table of extra words (worker/structured.py: the JSON-safe tokens, or all ones) and every
 token it does not allow gets -inf, in place, at the row's logits row: the rows without a constraint are not
 read or written, and nothing is gathered or copied back. `apply_token_bitmask_reference` is the same in
-PyTorch ops (the CPU path and the tests' reference).
+PyTorch ops (kernels/reference_bitmask.py: the CPU path and the tests' reference).
 """
 
 from __future__ import annotations
@@ -62,20 +62,3 @@ def apply_token_bitmask(
         logits, bitmask, rows, kinds, extra, vocab, bitmask.shape[1], logits.stride(0), BLOCK=BLOCK_TOKENS
     )
     return logits
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:  # [n, W] int32 -> [n, V] 0/1 uint8
-    data = bitmask.contiguous().view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
-    shifts = torch.arange(8, device=data.device, dtype=torch.uint8)
-    return ((data[:, :, None] >> shifts) & 1).view(len(data), -1)[:, :vocab]
-
-
-def apply_token_bitmask_reference(
-    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, kinds: torch.Tensor, extra: torch.Tensor
-) -> torch.Tensor:
-    """`apply_token_bitmask` in PyTorch ops (a gather and a scatter of the constrained rows)."""
-    if len(rows) == 0:
-        return logits
-    allowed = unpack_bitmask(bitmask & extra.index_select(0, kinds.long()), logits.shape[-1]).bool()
-    picked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy_(0, rows, picked)

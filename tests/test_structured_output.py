@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from common.config import WorkerConfig
 from common.messages import SamplingParams, SubmitRequest
 from common.sampling_params import StructuredOutput
-from kernels.token_bitmask import unpack_bitmask as _unpack
+from kernels.reference_bitmask import unpack_bitmask as _unpack
 from scheduler.scheduler import Scheduler
 from scheduler.settings import SchedulerSettings
 from tests.structured_schemas import random_schema

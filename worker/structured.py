@@ -32,7 +32,7 @@ import xgrammar as xgr
 from common.grammars import GrammarError, compile_grammar
 from common.messages import StepPlan
 from common.sampling_params import StructuredOutput
-from kernels import token_bitmask
+from kernels.reference_bitmask import apply_token_bitmask_reference
 from worker.grammar_batch import (
     GrammarBatch,
     HostMaskBuffers,
@@ -280,5 +280,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask | None) -> t
     if extra is None:
         extra = torch.full((1, num_words), -1, dtype=torch.int32, device=logits.device)
     if logits.device.type == "cuda":
-        return token_bitmask.apply_token_bitmask(logits, bitmask.bitmask, bitmask.rows, kinds, extra)
-    return token_bitmask.apply_token_bitmask_reference(logits, bitmask.bitmask, bitmask.rows, kinds, extra)
+        from kernels.token_bitmask import apply_token_bitmask as kernel  # Triton: imported where it runs
+
+        return kernel(logits, bitmask.bitmask, bitmask.rows, kinds, extra)
+    return apply_token_bitmask_reference(logits, bitmask.bitmask, bitmask.rows, kinds, extra)

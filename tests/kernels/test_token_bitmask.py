@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_reference
+from kernels.reference_bitmask import apply_token_bitmask_reference
+from kernels.token_bitmask import apply_token_bitmask
 from tests.kernels.conftest import gpu
 
 
