@@ -2,10 +2,11 @@
 a step's sampling rows, and their application to the logits in the sampler.
 
 The matchers live here, not in the scheduler, because the scheduler plans step N+1 before step N's tokens
-are back and the worker appends the sampled tokens itself. A matcher is not advanced when a step's tokens
-reach the host (that is on the path to the scheduler's next plan) but when the sequence next samples: the
-bitmask of step N+1 is filled on the host while the GPU runs step N+1's forward pass, after feeding each
-matcher the tokens its sequence gained since (`num_fed` counts them). The same catch-up rebuilds the state
+are back and the worker appends the sampled tokens itself. A matcher is advanced for the step in which its
+sequence next samples: once step N's tokens are on the host, step N+1's matchers are fed the tokens their
+sequences gained since (`num_fed` counts them) and its bitmasks filled, in the background (`prefetch`, in
+batched calls over a few threads: worker/grammar_batch.py) while step N's answer goes out and the GPU runs
+step N+1's forward pass, queued before; the sampler takes them last. The same catch-up rebuilds the state
 of a sequence recomputed after preemption (a fresh matcher replays its generated tokens, SeqState.prompt_len
 says where they start), of a fork child or a clone (it replays its parent's output), and of a swapped-in
 sequence (its SeqState, and so its matcher, stayed). Every tensor-parallel rank holds the same sequences,
