@@ -155,13 +155,15 @@ class HostMaskBuffers:
     def take(self, numel: int) -> torch.Tensor:
         """A flat int32 host tensor of `numel` elements, free to overwrite."""
         if not self.pinned:
-            return torch.empty(numel, dtype=torch.int32)
+            with torch.inference_mode(False):
+                return torch.empty(numel, dtype=torch.int32)
         i = self._next
         if self._copied[i] is not None:
             self._copied[i].synchronize()
         buffer = self._buffers[i]
         if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[i] = torch.empty(numel, dtype=torch.int32, pin_memory=True)
+            with torch.inference_mode(False):  # written in and out of it (the prefetch thread)
+                buffer = self._buffers[i] = torch.empty(numel, dtype=torch.int32, pin_memory=True)
         return buffer[:numel]
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:

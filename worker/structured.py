@@ -215,8 +215,11 @@ class StructuredOutputs:
             if structured is not None and structured.kind in ("json_schema", "json_object"):
                 kinds[i] = 1 + structured.any_whitespace
         host = self._buffers.take(n * (2 + num_words))
-        host[:n] = torch.from_numpy(np.asarray(rows, dtype=np.int32))
-        host[n : 2 * n] = torch.from_numpy(kinds)
+        # Written through numpy (and xgrammar) only: no torch op here, so the prefetch thread, outside
+        # inference mode, can write a buffer that a step allocated in it.
+        header = host[: 2 * n].numpy()
+        header[:n] = rows
+        header[n:] = kinds
         mask = host[2 * n :].view(n, num_words)
         done = self.batch.run(work, mask)
         fill_stop_rows(mask, [(w.index, self._stop_ids(samplers[rows[w.index]])) for w in done])
