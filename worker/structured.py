@@ -82,7 +82,10 @@ class StructuredOutputs:
         self._compiler: Future[xgr.GrammarCompiler] = self._pool.submit(self._make_compiler, model_dir)
         self._compiled: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
         self.batch = GrammarBatch(grammar_threads or threads)  # the steps' advance and fill
-        self._buffers = HostMaskBuffers(device or torch.device("cpu"))
+        self._device = device or torch.device("cpu")
+        if self._device.type == "cuda" and self._device.index is None:  # the index the prefetch thread sets
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self._buffers = HostMaskBuffers(self._device)
         self._extra: dict[torch.device, torch.Tensor] = {}  # _extra_words by device
         self.matchers: dict[int, Matcher] = {}
         self._failed: dict[int, list[int]] = {}  # by step id: the seq ids whose constraint failed
@@ -153,8 +156,16 @@ class StructuredOutputs:
         before that step's answer is sent); `bitmask` for the same rows then takes its result."""
         self._join_prefetched()
         if any(s.params.structured is not None for s in samplers):
-            job = self._step_pool.submit(self._host_masks, step_id, seq_ids, samplers, dict)
+            job = self._step_pool.submit(self._prefetch, step_id, seq_ids, samplers)
             self._prefetched = (step_id, list(seq_ids), job)
+
+    def _prefetch(
+        self, step_id: int, seq_ids: list[int], samplers: list[SeqState]
+    ) -> tuple[list[int], torch.Tensor] | None:
+        if self._device.type != "cuda":
+            return self._host_masks(step_id, seq_ids, samplers, dict)
+        with torch.cuda.device(self._device):  # a new pinned buffer: this worker's GPU, not GPU 0's
+            return self._host_masks(step_id, seq_ids, samplers, dict)
 
     def _join_prefetched(self) -> tuple[int, list[int], Any] | None:
         """The prefetched step's (step id, seq ids, host masks), once its work is done; None when none."""
