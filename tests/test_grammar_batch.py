@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from common.sampling_params import SamplingParams, StructuredOutput
 from tests.structured_schemas import random_schema
-from tests.test_structured_output import _assert_valid, _prompts, _runner, _schema_params
+from tests.test_structured_output import _assert_valid, _prompts, _run, _runner, _schema_params
 from worker.sequences import SeqState
 from worker.structured import StructuredOutputs, _json_safe_words
 
@@ -129,10 +129,6 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
     finished, then step N+1's sampler. The matchers advance and fill only after the forward is queued and
     after the previous step's tokens are on the host, and before step N's answer is complete (in the
     background: prefetched); the outputs are valid documents."""
-    from common.messages import SubmitRequest
-    from scheduler.scheduler import Scheduler
-    from scheduler.settings import SchedulerSettings
-
     runner = _runner(tiny_model_dir, 400)
     events: list[tuple[str, int]] = []
     launch_forward, finish, run = runner.launch_forward, runner.finish, runner.structured.batch.run
@@ -162,39 +158,10 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
         return run(work, mask)
 
     runner.sequences.received = traced_received
-    runner.launch_forward, runner.finish, runner.structured.batch.run = (
-        traced_forward,
-        traced_finish,
-        traced_run,
-    )
+    runner.launch_forward, runner.finish = traced_forward, traced_finish
+    runner.structured.batch.run = traced_run
     schemas, params = _schema_params(seed=5, num=8)
-    scheduler = Scheduler(
-        SchedulerSettings(
-            num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size,
-            max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
-            eos_token_ids=tuple(runner.eos_token_ids), num_cpu_blocks=runner.num_cpu_blocks,
-            max_num_seqs=8, max_num_batched_tokens=128,
-        )
-    )  # fmt: skip
-    for i, (prompt, p) in enumerate(zip(_prompts(8, 2), params, strict=True)):
-        assert scheduler.add_request(b"t", SubmitRequest(f"r{i}", prompt, p)) is None
-    outputs: dict[tuple[int, int], list[int]] = {}
-    for _ in range(5000):
-        if not (scheduler.has_work or runner.in_flight):
-            break
-        plan = scheduler.schedule()
-        done = []
-        forwarded = runner.launch_forward(plan) if plan.scheduled_seq_ids else None
-        while len(runner.in_flight) > (0 if forwarded is not None or not plan.scheduled_seq_ids else 1):
-            done.append(runner.finish())
-        if forwarded is not None:
-            runner.launch_sampling(forwarded)
-        for step in done:
-            assert scheduler.check_output(step) is None
-            for _, out in scheduler.update(step):
-                outputs.setdefault((int(out.request_id[1:]), out.index), []).extend(out.token_ids)
-    else:
-        raise AssertionError("the requests did not finish")
+    outputs, _ = _run(runner, _prompts(8, 2), params, "worker", max_num_seqs=8, max_num_batched_tokens=128)
     _assert_valid(runner, outputs, schemas, tiny_model_dir)
     position = {event: k for k, event in enumerate(events)}
     fills = [step_id for kind, step_id in events if kind == "fill"]
