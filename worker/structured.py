@@ -76,7 +76,8 @@ class StructuredOutputs:
         self.compile_timeout_s = COMPILE_TIMEOUT_S
         self._json_words: dict[int, torch.Tensor] = {}  # by any_whitespace: set with the compiler
         threads = default_grammar_threads()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        # compiles: at most 8 at once, so that they leave the steps' grammar threads some cores
+        self._pool = ThreadPoolExecutor(max_workers=min(8, threads), thread_name_prefix="grammar")
         # The tokenizer's vocabulary is read once, in the background: a worker that never sees a
         # constrained request never waits for it.
         self._compiler: Future[xgr.GrammarCompiler] = self._pool.submit(self._make_compiler, model_dir)
