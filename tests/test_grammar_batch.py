@@ -67,15 +67,23 @@ def _draw(row: torch.Tensor, rng: random.Random, vocab_size: int) -> int:
     return rng.choice(allowed) if allowed else 0
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])  # CUDA: the pinned buffers, reused in turn
 @pytest.mark.parametrize("threads", [1, 3])
-def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_dir, threads):
+def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_dir, threads, device):
     """24 rows (20 random schemas, 2 regexes, 2 free rows) over 40 steps, each row drawing at random among
     its allowed tokens; now and then a row skips a step (its matcher then accepts two tokens at once), is
     recomputed (a fresh matcher replays the whole output), draws a token its grammar refuses (its matcher
     breaks) or EOS when allowed."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     eos = tokenizer.eos_token_id
-    structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], grammar_threads=threads)
+    device = torch.device(device)
+    structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], device, threads)
     structured.batch.min_rows_per_chunk = 1  # several chunks even for a few rows
     reference = _PerMatcher(tokenizer, eos, PADDED_VOCAB)
     rng = random.Random(threads)
@@ -91,19 +99,14 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
         seqs[seq_id] = SeqState([1, 2, 3], 3, params, seq_id, -1, seq_id, prompt_len=3)
         if spec is not None:
             reference.add(seq_id, spec)
-    num_compared = 0
+    made = []  # (step, mask, expected rows): compared at the end, so that CUDA reuses buffers unsynchronized
     for step in range(40):
         sampling = [i for i in seqs if rng.random() > 0.1 or step == 0]  # the others skip this step
-        mask = structured.bitmask(step, sampling, [seqs[i] for i in sampling], dict, torch.device("cpu"))
+        mask = structured.bitmask(step, sampling, [seqs[i] for i in sampling], dict, device)
         constrained = [i for i in sampling if specs[i] is not None]
         assert mask is not None
         assert mask.rows.tolist() == [j for j, i in enumerate(sampling) if specs[i] is not None]
-        for k, seq_id in enumerate(constrained):
-            expected = reference.row(seq_id, specs[seq_id])
-            # (the JSON-safe words are ANDed in by the mask kernel, from the row's `extra` row)
-            got = mask.bitmask[k] & mask.extra[mask.kinds[k]]
-            assert torch.equal(got, expected), f"step {step}, sequence {seq_id}"
-            num_compared += 1
+        made.append((step, mask, [(seq_id, reference.row(seq_id, specs[seq_id])) for seq_id in constrained]))
         for seq_id in seqs:  # every row gains a token: one that skipped the step catches up later
             spec = specs[seq_id]
             if spec is None or rng.random() < 0.02:
@@ -118,6 +121,13 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
                 reference.accept(seq_id, token)
         if step % 8 == 7:  # recomputed after preemption: a fresh matcher replays the whole output
             structured.matchers.pop(rng.choice(constrained), None)
+    num_compared = 0
+    for step, mask, expected in made:
+        for k, (seq_id, row) in enumerate(expected):
+            # (the JSON-safe words are ANDed in by the mask kernel, from the row's `extra` row)
+            got = (mask.bitmask[k] & mask.extra[mask.kinds[k]]).cpu()
+            assert torch.equal(got, row), f"step {step}, sequence {seq_id}"
+            num_compared += 1
     structured.close()
     assert num_compared > 600
     assert any(m is None for m in reference.matchers.values())  # a broken grammar was compared too
