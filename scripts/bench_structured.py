@@ -2,11 +2,19 @@
 batch of constrained sequences and advancing their matchers by one token, plus each grammar's compile time.
 
     python scripts/bench_structured.py [--batches 1,32,256] [--steps 32] [--vocab 128000] [--out s.json]
+    python scripts/bench_structured.py --worker-path [--batches 256,512] [--grammar-threads 1,0]
 
 Two tokenizers: the tiny test checkpoint's (scripts/make_model.py, 4096 tokens) and a byte-level BPE trained
 here on synthetic text (random words over a mixed alphabet, plus the Python standard library's modules) to
 `--vocab` tokens, cached under `--tokenizer-dir`. The tokens each step accepts are drawn at random among
 those the mask allows (that draw is not timed), so the matchers walk through real, growing JSON documents.
+
+`--worker-path` times the worker's own per-step call instead (worker/structured.py
+`StructuredOutputs.bitmask`: advance every constrained row's matcher by its new token, fill the bitmasks,
+pack them for the device) with the GPU workload's schema (scripts/bench_schema.json) on every row, logits
+128,256 wide, for each `--grammar-threads` (0: the worker's default from the CPU count). Rows whose document
+is complete keep drawing EOS, as the throughput benchmark's `ignore_eos` requests do. `--structured-module`
+names another module with the same class (say an older commit's copy) to compare against.
 """
 
 from __future__ import annotations
@@ -191,6 +199,80 @@ def bench_steps(engine: Any, compiled: Any, batch: int, steps: int, eos: int) ->
     return float(np.median(fills)), float(np.median(accepts))
 
 
+def _draw(words: np.ndarray, rng: np.random.Generator, eos: int) -> int:
+    """A token among those a bitmask row ([W] uint32) allows, not EOS unless EOS alone is allowed."""
+    nonzero = np.flatnonzero(words)
+    for _ in range(4):
+        w = int(rng.choice(nonzero))
+        bits = np.flatnonzero(np.unpackbits(words[w : w + 1].view(np.uint8), bitorder="little"))
+        token = 32 * w + int(rng.choice(bits))
+        if token != eos:
+            return token
+    return token
+
+
+def bench_worker_path(
+    module: str, tokenizer_dir: str, batch: int, steps: int, threads: int, vocab_size: int = 128256
+) -> dict[str, float]:
+    """Per-step seconds of `StructuredOutputs.bitmask` over `batch` rows constrained by bench_schema.json."""
+    import importlib
+
+    from common.sampling_params import SamplingParams, StructuredOutput
+    from worker.sequences import SeqState
+
+    cls = importlib.import_module(module).StructuredOutputs
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
+    try:
+        structured = cls(tokenizer_dir, vocab_size, [eos], grammar_threads=threads or None)
+    except TypeError:  # an older module: no thread count
+        structured = cls(tokenizer_dir, vocab_size, [eos])
+    spec = (Path(__file__).parent / "bench_schema.json").read_text()
+    params = SamplingParams(max_tokens=4096, structured=StructuredOutput("json_schema", spec=spec))
+    seqs = [SeqState([1, 2, 3], 3, params, i, -1, i, prompt_len=3) for i in range(batch)]
+    seq_ids = list(range(batch))
+    rng = np.random.default_rng(0)
+    times, cpu_times = [], []
+    cpu = torch.device("cpu")
+    for step in range(steps + 1):  # the first step waits for the compile: not counted
+        t0, c0 = time.perf_counter(), time.process_time()
+        mask = structured.bitmask(step, seq_ids, seqs, dict, cpu)
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)  # every thread's: what a shared machine distorts less
+        words = mask.bitmask.numpy().view(np.uint32)
+        for i, seq in enumerate(seqs):
+            seq.token_ids.append(_draw(words[i], rng, eos))
+    done = sum(s.token_ids[-1] == eos for s in seqs)
+    structured.close()
+    t, c = np.array(times[1:]) * 1e3, np.array(cpu_times[1:]) * 1e3
+    return dict(
+        median_ms=float(np.median(t)), p90_ms=float(np.percentile(t, 90)), cpu_median_ms=float(np.median(c)),
+        finished=done / batch,
+    )  # fmt: skip
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    from scripts.make_model import make_model
+
+    tiny = make_model(Path("/tmp/pagedserve-bench-tiny-llama"), preset="tiny", seed=0)
+    large = build_large_tokenizer(Path(args.tokenizer_dir) / str(args.vocab), args.vocab)
+    rows = []
+    for tok_name, tok_dir in (("tiny 4k", tiny), ("128k BPE", large)):
+        for batch in [int(b) for b in args.batches.split(",")]:
+            for threads in [int(t) for t in args.grammar_threads.split(",")]:
+                r = bench_worker_path(args.structured_module, str(tok_dir), batch, args.steps, threads)
+                row = dict(
+                    tokenizer=tok_name, batch=batch, threads=threads, module=args.structured_module, **r
+                )
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    columns = ["tokenizer", "batch", "threads", "median_ms", "p90_ms", "cpu_median_ms", "finished"]
+    cells = [[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in columns] for r in rows]
+    print(format_table(columns, cells))
+    write_json(args.out, {"runs": rows, "record": run_record(__file__)})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,32,256")
@@ -199,7 +281,15 @@ def main() -> None:
     p.add_argument("--tokenizer-dir", default="/tmp/pagedserve-bench-tokenizer-128k")
     p.add_argument("--engines", default="xgrammar,llguidance")
     p.add_argument("--out", default=None)
+    p.add_argument("--worker-path", action="store_true", help="time StructuredOutputs.bitmask per step")
+    p.add_argument("--grammar-threads", default="1,0", help="--worker-path: thread counts, 0 the default")
+    p.add_argument("--structured-module", default="worker.structured")
     args = p.parse_args()
+    if args.worker_path:
+        if args.batches == "1,32,256":
+            args.batches = "256,512"
+        worker_main(args)
+        return
     from transformers import AutoTokenizer
 
     from scripts.make_model import make_model

@@ -17,12 +17,13 @@ from transformers import AutoTokenizer
 from common.config import WorkerConfig
 from common.messages import SamplingParams, SubmitRequest
 from common.sampling_params import StructuredOutput
+from kernels.reference_bitmask import unpack_bitmask as _unpack
 from scheduler.scheduler import Scheduler
 from scheduler.settings import SchedulerSettings
 from tests.structured_schemas import random_schema
 from worker.model_runner import ModelRunner
 from worker.sequences import SeqState
-from worker.structured import TokenBitmask, _unpack, apply_token_bitmask
+from worker.structured import TokenBitmask, apply_token_bitmask
 
 MAX_TOKENS = 400  # a random model at temperature 1 finishes these documents far sooner
 
@@ -35,10 +36,11 @@ def _runner(model_dir, num_kv_blocks: int) -> ModelRunner:
     return ModelRunner(config)
 
 
-def _run(runner: ModelRunner, prompts, params_list, pipelined: bool = False, **settings):
+def _run(runner: ModelRunner, prompts, params_list, pipelined: bool | str = False, **settings):
     """Runs one request per (prompt, params) in one scheduler, so that they share batches; returns
     {(request index, sample index): tokens} and the scheduler. `pipelined`: as the worker runs steps, step
-    N+1 launched before step N finishes (tests/test_engine_correctness.py `_run_engine`)."""
+    N+1 launched before step N finishes (tests/test_engine_correctness.py `_run_engine`); "worker": in the
+    worker loop's order (worker/server.py), step N+1's forward queued, step N finished, step N+1's sampler."""
     scheduler = Scheduler(
         SchedulerSettings(
             num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size,
@@ -56,6 +58,12 @@ def _run(runner: ModelRunner, prompts, params_list, pipelined: bool = False, **s
         scheduler.check_invariants()
         if not pipelined:
             done = [runner.execute(plan)]
+        elif pipelined == "worker":
+            forwarded = runner.launch_forward(plan) if plan.scheduled_seq_ids else None
+            keep = 0 if forwarded is not None or not plan.scheduled_seq_ids else 1
+            done = [runner.finish() for _ in range(len(runner.in_flight) - keep)]
+            if forwarded is not None:
+                runner.launch_sampling(forwarded)
         else:
             if plan.scheduled_seq_ids:
                 runner.launch(plan)
@@ -120,14 +128,15 @@ def test_random_schemas_give_valid_json(tiny_model_dir, pipelined):
     _assert_valid(runner, outputs, schemas, tiny_model_dir)
 
 
+@pytest.mark.parametrize("order", [True, "worker"], ids=["launch", "worker-order"])  # (_run's `pipelined`)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_valid_under_preemption_and_forks(tiny_model_dir, mode):
+def test_valid_under_preemption_and_forks(tiny_model_dir, mode, order):
     """A pool of 66 blocks of 4 tokens for 8 requests x 2 samples: sequences are preempted (recomputed or
     swapped) mid-document, their grammars' states rebuilt or kept, and each fork has its own matcher."""
     runner = _runner(tiny_model_dir, 66)
     schemas, params = _schema_params(seed=3, num=8, n=2, max_tokens=100)
     outputs, scheduler = _run(
-        runner, _prompts(8, 1), params, pipelined=True, max_num_seqs=16, max_num_batched_tokens=64,
+        runner, _prompts(8, 1), params, pipelined=order, max_num_seqs=16, max_num_batched_tokens=64,
         preemption_mode=mode,
     )  # fmt: skip
     assert scheduler.metrics.preemptions_total >= 2

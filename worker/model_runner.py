@@ -150,7 +150,7 @@ class ModelRunner:
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             )
         )
-        self.structured = StructuredOutputs(cfg.model, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(cfg.model, self.vocab_size, self.eos_token_ids, self.device)
         self.graphs: DecodeGraphs | None = None
         # The torch reference reads lengths on the host (a sync a graph cannot hold): it runs eagerly.
         if self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_safe:
@@ -173,6 +173,7 @@ class ModelRunner:
             self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.last_step_gpu_s = 0.0  # GPU time of the last step with a forward (CUDA; 0 elsewhere)
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not finished; oldest first
+        self.forwarded: ForwardedStep | None = None  # between launch_forward and launch_sampling
         self.prompt_scores: dict[int, PromptScores] = {}  # step id -> its prompt logprobs on their way
         self._last_ended: torch.cuda.Event | None = None  # the end of the last launched step on the GPU
         self.num_tokens_fed = 0  # tokens a step read from the previous step's sampler output on the device
@@ -227,6 +228,7 @@ class ModelRunner:
         self.sequences.clear()
         self.prompt_scores.clear()  # a step that failed between its selection and its end
         self.structured.reset()
+        self.forwarded = None
         self._last_ended = None
         self.last_step_gpu_s = 0.0
         self.num_tokens_fed = 0
@@ -357,7 +359,8 @@ class ModelRunner:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, started, ended))
             return None
         seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
-        return ForwardedStep(plan, seq_ids, [seqs[b] for b in sampling], logits, started, ended)
+        self.forwarded = ForwardedStep(plan, seq_ids, [seqs[b] for b in sampling], logits, started, ended)
+        return self.forwarded
 
     @torch.inference_mode()
     def launch_sampling(self, step: ForwardedStep) -> None:
@@ -365,6 +368,7 @@ class ModelRunner:
         results, and puts the step in flight."""
         mark = self._mark_launch
         mark("previous_step")  # since the forward: the step before it answered, if it was
+        self.forwarded = None
         plan, seq_ids, samplers, logits = step.plan, step.seq_ids, step.samplers, step.logits
         if plan.forks:
             # Each child draws from its parent's logits row (its parent samples: the plan was checked).
@@ -414,6 +418,11 @@ class ModelRunner:
             if step.previous_ended is not None:
                 idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
         self.sequences.received(step.samplers, new_tokens)
+        forwarded = self.forwarded
+        if forwarded is not None and not self.in_flight and not forwarded.plan.forks:
+            # Its tokens all on the host: the grammars of the step forwarded behind it can advance and fill
+            # its masks now, in the background, while this answer goes out (worker/structured.py).
+            self.structured.prefetch(forwarded.plan.step_id, forwarded.seq_ids, forwarded.samplers)
         prompt_logprobs = take_prompt_scores(self.prompt_scores, step.step_id)
         out = StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s, prompt_logprobs)
         out.failed_seq_ids = self.structured.take_failed(step.step_id)  # their constraint failed

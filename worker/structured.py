@@ -2,10 +2,11 @@
 a step's sampling rows, and their application to the logits in the sampler.
 
 The matchers live here, not in the scheduler, because the scheduler plans step N+1 before step N's tokens
-are back and the worker appends the sampled tokens itself. A matcher is not advanced when a step's tokens
-reach the host (that is on the path to the scheduler's next plan) but when the sequence next samples: the
-bitmask of step N+1 is filled on the host while the GPU runs step N+1's forward pass, after feeding each
-matcher the tokens its sequence gained since (`num_fed` counts them). The same catch-up rebuilds the state
+are back and the worker appends the sampled tokens itself. A matcher is advanced for the step in which its
+sequence next samples: once step N's tokens are on the host, step N+1's matchers are fed the tokens their
+sequences gained since (`num_fed` counts them) and its bitmasks filled, in the background (`prefetch`, in
+batched calls over a few threads: worker/grammar_batch.py) while step N's answer goes out and the GPU runs
+step N+1's forward pass, queued before; the sampler takes them last. The same catch-up rebuilds the state
 of a sequence recomputed after preemption (a fresh matcher replays its generated tokens, SeqState.prompt_len
 says where they start), of a fork child or a clone (it replays its parent's output), and of a swapped-in
 sequence (its SeqState, and so its matcher, stayed). Every tensor-parallel rank holds the same sequences,
@@ -19,7 +20,6 @@ sample) leaves its sequence with only the stop tokens allowed: that sequence end
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -33,6 +33,15 @@ import xgrammar as xgr
 from common.grammars import GrammarError, compile_grammar
 from common.messages import StepPlan
 from common.sampling_params import StructuredOutput
+from kernels.reference_bitmask import apply_token_bitmask_reference
+from worker.grammar_batch import (
+    GrammarBatch,
+    HostMaskBuffers,
+    Matcher,
+    RowWork,
+    default_grammar_threads,
+    fill_stop_rows,
+)
 from worker.sequences import SeqState
 
 log = logging.getLogger(__name__)
@@ -41,38 +50,50 @@ MAX_CACHED_GRAMMARS = 64  # compiled grammars kept for reuse (a 128k vocabulary'
 COMPILE_TIMEOUT_S = 20.0  # how long a sequence that must sample waits for its grammar (the step waits too)
 
 
-@dataclass
-class _Matcher:
-    matcher: xgr.GrammarMatcher | None  # None: the grammar failed; only the stop tokens are allowed
-    num_fed: int = 0  # generated tokens accepted so far
-
-
 @dataclass(frozen=True)
 class TokenBitmask:
     """The constrained rows of one step and their allowed tokens, on the sampler's device."""
 
     rows: torch.Tensor  # [n] int64: logits rows (the step's sampling order)
     bitmask: torch.Tensor  # [n, ceil(V / 32)] int32: bit t % 32 of word t // 32 allows token t
+    kinds: torch.Tensor | None = None  # [n] int32: each row's row of `extra` (None: none)
+    extra: torch.Tensor | None = None  # [K, ceil(V / 32)] int32: words ANDed into the rows' bitmasks
 
 
 class StructuredOutputs:
     """The grammar compiler and the matchers of the worker's constrained sequences, by seq id."""
 
-    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        device: torch.device | None = None,  # the sampler's: on CUDA the masks' host buffers are pinned
+        grammar_threads: int | None = None,  # None: from the CPU count (worker/grammar_batch.py)
+    ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.compile_timeout_s = COMPILE_TIMEOUT_S
         self._json_words: dict[int, torch.Tensor] = {}  # by any_whitespace: set with the compiler
-        threads = max(1, min(8, (os.cpu_count() or 2) // 2))
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        threads = default_grammar_threads()
+        # compiles: at most 8 at once, so that they leave the steps' grammar threads some cores
+        self._pool = ThreadPoolExecutor(max_workers=min(8, threads), thread_name_prefix="grammar")
         # The tokenizer's vocabulary is read once, in the background: a worker that never sees a
         # constrained request never waits for it.
         self._compiler: Future[xgr.GrammarCompiler] = self._pool.submit(self._make_compiler, model_dir)
         self._compiled: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
-        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        self.matchers: dict[int, _Matcher] = {}
+        self.batch = GrammarBatch(grammar_threads or threads)  # the steps' advance and fill
+        self._device = device or torch.device("cpu")
+        if self._device.type == "cuda" and self._device.index is None:  # the index the prefetch thread sets
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self._buffers = HostMaskBuffers(self._device)
+        self._extra: dict[torch.device, torch.Tensor] = {}  # _extra_words by device
+        self.matchers: dict[int, Matcher] = {}
         self._failed: dict[int, list[int]] = {}  # by step id: the seq ids whose constraint failed
         self._step_id = 0  # the step whose bitmask is being made
+        # `prefetch`: one step's host work at a time, in the background; (step id, seq ids, its future)
+        self._step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-prefetch")
+        self._prefetched: tuple[int, list[int], Future] | None = None
 
     def _make_compiler(self, model_dir: str) -> xgr.GrammarCompiler:
         from transformers import AutoTokenizer
@@ -106,10 +127,14 @@ class StructuredOutputs:
                 self._compile(new.params.structured)
 
     def reset(self) -> None:
+        try:
+            self._join_prefetched()
+        except Exception:  # a failed step's work: nothing of it is used
+            log.exception("structured output: the prefetched step failed")
         self.matchers.clear()
         self._failed.clear()
 
-    def _matcher(self, seq_id: int, seq: SeqState) -> _Matcher:
+    def _matcher(self, seq_id: int, seq: SeqState) -> Matcher:
         state = self.matchers.get(seq_id)
         if state is not None:
             return state
@@ -117,14 +142,36 @@ class StructuredOutputs:
         stop = sorted({*self.eos_token_ids, *seq.params.stop_token_ids})
         try:
             compiled = self._compile(seq.params.structured).result(timeout=self.compile_timeout_s)
-            state = _Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
+            state = Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
         except (GrammarError, FutureTimeout, Exception) as e:  # a grammar, or the checkpoint's tokenizer
             log.error("structured output for sequence %d fails: %s", seq_id, e or "compile timed out")
             self._compiled.pop(seq.params.structured, None)
             self._failed.setdefault(self._step_id, []).append(seq_id)
-            state = _Matcher(None)
+            state = Matcher(None)
         self.matchers[seq_id] = state
         return state
+
+    def prefetch(self, step_id: int, seq_ids: list[int], samplers: list[SeqState]) -> None:
+        """Starts the host work of step `step_id`'s bitmask (advance, fill) in the background, as soon as
+        its sequences' tokens are all on the host (the runner calls it when the step before has finished,
+        before that step's answer is sent); `bitmask` for the same rows then takes its result."""
+        self._join_prefetched()
+        if any(s.params.structured is not None for s in samplers):
+            job = self._step_pool.submit(self._prefetch, step_id, seq_ids, samplers)
+            self._prefetched = (step_id, list(seq_ids), job)
+
+    def _prefetch(
+        self, step_id: int, seq_ids: list[int], samplers: list[SeqState]
+    ) -> tuple[list[int], torch.Tensor] | None:
+        if self._device.type != "cuda":
+            return self._host_masks(step_id, seq_ids, samplers, dict)
+        with torch.cuda.device(self._device):  # a new pinned buffer: this worker's GPU, not GPU 0's
+            return self._host_masks(step_id, seq_ids, samplers, dict)
+
+    def _join_prefetched(self) -> tuple[int, list[int], Any] | None:
+        """The prefetched step's (step id, seq ids, host masks), once its work is done; None when none."""
+        job, self._prefetched = self._prefetched, None
+        return None if job is None else (job[0], job[1], job[2].result())
 
     def bitmask(
         self,
@@ -135,50 +182,77 @@ class StructuredOutputs:
         device: torch.device,
     ) -> TokenBitmask | None:
         """The bitmask of the constrained rows among `samplers` (the step's sampling rows), each matcher
-        first fed the tokens its sequence gained since it last sampled; None when no row is constrained."""
+        first fed the tokens its sequence gained since it last sampled; None when no row is constrained.
+        The rows' matchers advance and fill their rows in batched calls over `self.batch`'s threads (or
+        did so already: `prefetch`), into a reused host buffer that goes to `device` in one transfer that
+        waits for nothing."""
+        prefetched = self._join_prefetched()
+        if prefetched is not None and prefetched[0] == step_id and prefetched[1] == seq_ids:
+            host = prefetched[2]
+        else:  # (a matcher a prefetch fed is not fed again: each counts the tokens it accepted)
+            host = self._host_masks(step_id, seq_ids, samplers, pending_tokens)
+        if host is None:
+            return None
+        n, num_words = len(host[0]), -(-self.vocab_size // 32)
+        packed = self._buffers.to_device(host[1], device)
+        return TokenBitmask(
+            packed[:n].long(),
+            packed[2 * n :].view(n, num_words),
+            packed[n : 2 * n],
+            self._extra_words(device),
+        )
+
+    def _host_masks(
+        self, step_id: int, seq_ids: list[int], samplers: list[SeqState], pending_tokens: Any
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The constrained rows and their packed host buffer [rows n | kinds n | bitmask n * W], their
+        matchers advanced; None when no row is constrained."""
         rows = [j for j, s in enumerate(samplers) if s.params.structured is not None]
         if not rows:
             return None
         self._step_id = step_id
+        n, num_words = len(rows), -(-self.vocab_size // 32)
         pending: dict[int, int] | None = None
-        for j in rows:
+        work: list[RowWork] = []
+        kinds = np.zeros(n, dtype=np.int32)  # each row's row of _extra_words: 0 none, 1 + any_whitespace
+        for i, j in enumerate(rows):
             seq, seq_id = samplers[j], seq_ids[j]
             state = self._matcher(seq_id, seq)
-            generated = seq.token_ids[seq.prompt_len + state.num_fed :]
+            tokens = seq.token_ids[seq.prompt_len + state.num_fed :]
             if seq.pending:
                 pending = pending_tokens() if pending is None else pending
-                generated = [*generated, pending[seq_id]]
-            for token in generated:
-                # (past its stop token: the tokens a pipelined step drew after the end, which are dropped)
-                if state.matcher is None or state.matcher.is_terminated():
-                    pass
-                elif not state.matcher.accept_token(token):
-                    log.error("sequence %d: token %d breaks its grammar", seq_id, token)
-                    state.matcher = None
-                state.num_fed += 1
-        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
-        self._fill(rows, samplers, seq_ids, mask)
-        return _to_device(np.asarray(rows, dtype=np.int64), mask, device)
+                tokens.append(pending[seq_id])
+            work.append(RowWork(i, seq_id, state, tokens))
+            structured = seq.params.structured
+            if structured is not None and structured.kind in ("json_schema", "json_object"):
+                kinds[i] = 1 + structured.any_whitespace
+        host = self._buffers.take(n * (2 + num_words))
+        # Written through numpy (and xgrammar) only: no torch op here, so the prefetch thread, outside
+        # inference mode, can write a buffer that a step allocated in it.
+        header = host[: 2 * n].numpy()
+        header[:n] = rows
+        header[n:] = kinds
+        mask = host[2 * n :].view(n, num_words)
+        done = self.batch.run(work, mask)
+        fill_stop_rows(mask, [(w.index, self._stop_ids(samplers[rows[w.index]])) for w in done])
+        return rows, host
 
-    def _fill(
-        self, rows: list[int], samplers: list[SeqState], seq_ids: list[int], mask: torch.Tensor
-    ) -> None:
-        live, live_index = [], []
-        for i, j in enumerate(rows):
-            state = self.matchers[seq_ids[j]]
-            if state.matcher is None or state.matcher.is_terminated():
-                mask[i] = _stop_only(mask.shape[1], self.eos_token_ids, samplers[j].params.stop_token_ids)
-            else:
-                live.append(state.matcher)
-                live_index.append(i)
-        if live:
-            self._batch.batch_fill_next_token_bitmask(live, mask, live_index)
-        # xgrammar 0.2.8 lets a length-bounded JSON string hold raw control characters, which JSON forbids
-        # (`{"maxLength": 5}` compiles to [^"\\\r\n]{0,5}): such tokens are never allowed in JSON output.
-        for ws, words in self._json_words.items():
-            json_rows = [i for i, j in enumerate(rows) if _json_kind(samplers[j], bool(ws))]
-            if json_rows:
-                mask[json_rows] &= words
+    def _stop_ids(self, seq: SeqState) -> tuple[int, ...]:
+        return tuple(sorted({*self.eos_token_ids, *seq.params.stop_token_ids}))
+
+    def _extra_words(self, device: torch.device) -> torch.Tensor:
+        """[3, W] int32 on `device`: every token (rows that are not JSON), then the JSON-safe tokens
+        without and with any_whitespace. xgrammar 0.2.8 lets a length-bounded JSON string hold raw control
+        characters, which JSON forbids (`{"maxLength": 5}` compiles to [^"\\\r\n]{0,5}): such tokens are
+        never allowed in JSON output; the mask kernel ANDs these words in as it reads the bitmask."""
+        table = self._extra.get(device)
+        if table is None:
+            every = torch.full((-(-self.vocab_size // 32),), -1, dtype=torch.int32)
+            # (no tokenizer: every constrained row allows only its stop tokens, which are not JSON text)
+            words = self._json_words or {0: every, 1: every}  # set with the compiler
+            table = torch.stack([every, words[0], words[1]]).to(device)
+            self._extra[device] = table
+        return table
 
     def take_failed(self, step_id: int) -> list[int]:
         """The sequences of step `step_id` whose constraint failed (their mask allowed only the stop tokens):
@@ -187,12 +261,8 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _json_kind(seq: SeqState, any_whitespace: bool) -> bool:
-    structured = seq.params.structured
-    assert structured is not None
-    return structured.kind in ("json_schema", "json_object") and structured.any_whitespace == any_whitespace
+        self._step_pool.shutdown(wait=True, cancel_futures=True)
+        self.batch.close()
 
 
 def _json_safe_words(decoded_vocab: list[bytes], vocab_size: int, any_whitespace: bool) -> torch.Tensor:
@@ -213,38 +283,20 @@ def step_tokens(step: Any) -> dict[int, int]:
     return dict(zip(step.seq_ids, step.copy.wait()[0], strict=True))
 
 
-def _stop_only(num_words: int, eos: list[int], stop: tuple[int, ...]) -> torch.Tensor:
-    words = np.zeros(num_words, dtype=np.uint32)
-    for t in {*eos, *stop}:
-        if t // 32 < num_words:
-            words[t // 32] |= np.uint32(1 << (t % 32))
-    return torch.from_numpy(words.view(np.int32))
-
-
-def _to_device(rows: np.ndarray, mask: torch.Tensor, device: torch.device) -> TokenBitmask:
-    """The rows and their masks in one host-to-device transfer (pinned on CUDA)."""
-    n = len(rows)
-    packed = torch.cat([torch.from_numpy(rows.astype(np.int32)), mask.flatten()])
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    return TokenBitmask(packed[:n].long(), packed[n:].view(n, -1))
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask | None) -> torch.Tensor:
-    """`logits` ([R, V]) with the tokens each constrained row's grammar forbids at -inf, in place: xgrammar's
-    kernel (CUDA, or its CPU loop) on the constrained rows, gathered when they are not the whole batch."""
+    """`logits` ([R, V]) with the tokens each constrained row's grammar forbids at -inf, in place: on CUDA
+    one Triton launch over the constrained rows (kernels/token_bitmask.py), elsewhere its torch reference."""
     if bitmask is None:
         return logits
-    whole = len(bitmask.rows) == logits.shape[0]  # then the rows are 0..R-1 in order (the runner's)
-    rows = logits if whole else logits.index_select(0, bitmask.rows)
-    try:
-        xgr.apply_token_bitmask_inplace(rows, bitmask.bitmask, vocab_size=logits.shape[-1])
-    except (RuntimeError, ImportError):  # no kernel for this device or dtype: the same in torch ops
-        rows.masked_fill_(_unpack(bitmask.bitmask, logits.shape[-1]) == 0, float("-inf"))
-    return logits if whole else logits.index_copy_(0, bitmask.rows, rows)
+    n, num_words = bitmask.bitmask.shape
+    kinds = bitmask.kinds
+    if kinds is None:
+        kinds = torch.zeros(n, dtype=torch.int32, device=logits.device)
+    extra = bitmask.extra
+    if extra is None:
+        extra = torch.full((1, num_words), -1, dtype=torch.int32, device=logits.device)
+    if logits.device.type == "cuda":
+        from kernels.token_bitmask import apply_token_bitmask as kernel  # Triton: imported where it runs
 
-
-def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:  # [n, W] int32 -> [n, V] uint8 of 0/1
-    data = bitmask.contiguous().view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
-    shifts = torch.arange(8, device=data.device, dtype=torch.uint8)
-    return ((data[:, :, None] >> shifts) & 1).view(len(data), -1)[:, :vocab]
+        return kernel(logits, bitmask.bitmask, bitmask.rows, kinds, extra)
+    return apply_token_bitmask_reference(logits, bitmask.bitmask, bitmask.rows, kinds, extra)

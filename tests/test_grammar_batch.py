@@ -1,0 +1,188 @@
+"""The batched grammar path of structured output (worker/grammar_batch.py through worker/structured.py):
+its bitmasks are exactly those of one xgrammar matcher per sequence advanced and filled one call at a time,
+and the worker's step launches the forward pass before it waits for, advances or fills any matcher."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from common.sampling_params import SamplingParams, StructuredOutput
+from tests.structured_schemas import random_schema
+from tests.test_structured_output import _assert_valid, _prompts, _run, _runner, _schema_params
+from worker.sequences import SeqState
+from worker.structured import StructuredOutputs, _json_safe_words
+
+PADDED_VOCAB = 4096 + 96  # logits wider than the tokenizer: the ids past it are never allowed
+
+
+class _PerMatcher:
+    """The reference: one GrammarMatcher per sequence, each token accepted and each row filled by its own
+    call; a finished or broken matcher's row allows only the stop tokens; JSON rows lose control bytes."""
+
+    def __init__(self, tokenizer, eos: int, vocab_size: int) -> None:
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=[eos])
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+        self.vocab_size, self.eos = vocab_size, eos
+        self.matchers: dict[int, xgr.GrammarMatcher | None] = {}
+        self.json_words = {ws: _json_safe_words(self.info.decoded_vocab, vocab_size, ws) for ws in (0, 1)}
+
+    def add(self, seq_id: int, structured: StructuredOutput) -> None:
+        if structured.kind == "json_schema":
+            compiled = self.compiler.compile_json_schema(
+                structured.spec, any_whitespace=structured.any_whitespace
+            )
+        else:
+            compiled = self.compiler.compile_regex(structured.spec)
+        self.matchers[seq_id] = xgr.GrammarMatcher(compiled, override_stop_tokens=[self.eos])
+
+    def accept(self, seq_id: int, token: int) -> None:
+        m = self.matchers[seq_id]
+        if m is not None and not m.is_terminated() and not m.accept_token(token):
+            self.matchers[seq_id] = None
+
+    def row(self, seq_id: int, structured: StructuredOutput) -> torch.Tensor:
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        m = self.matchers[seq_id]
+        if m is None or m.is_terminated():
+            mask.zero_()
+            mask[0, self.eos // 32] = 1 << (self.eos % 32)
+        else:
+            m.fill_next_token_bitmask(mask, 0)
+        if structured.kind == "json_schema":
+            mask &= self.json_words[int(structured.any_whitespace)]
+        return mask[0]
+
+
+def _draw(row: torch.Tensor, rng: random.Random, vocab_size: int) -> int:
+    bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    allowed = np.flatnonzero(bits).tolist()
+    return rng.choice(allowed) if allowed else 0
+
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])  # CUDA: the pinned buffers, reused in turn
+@pytest.mark.parametrize("threads", [1, 3])
+def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_dir, threads, device):
+    """24 rows (20 random schemas, 2 regexes, 2 free rows) over 40 steps, each row drawing at random among
+    its allowed tokens; now and then a row skips a step (its matcher then accepts two tokens at once), is
+    recomputed (a fresh matcher replays the whole output), draws a token its grammar refuses (its matcher
+    breaks) or EOS when allowed."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    device = torch.device(device)
+    structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], device, threads)
+    structured.batch.min_rows_per_chunk = 1  # several chunks even for a few rows
+    reference = _PerMatcher(tokenizer, eos, PADDED_VOCAB)
+    rng = random.Random(threads)
+    specs: list[StructuredOutput | None] = [
+        StructuredOutput("json_schema", json.dumps(random_schema(rng)), any_whitespace=i % 3 == 0)
+        for i in range(20)
+    ]
+    specs += [StructuredOutput("regex", r"[a-z]{2,12}( [0-9]+)?"), None, StructuredOutput("regex", "(ab)+c")]
+    specs.insert(7, None)
+    seqs: dict[int, SeqState] = {}
+    for seq_id, spec in enumerate(specs):
+        params = SamplingParams(max_tokens=1000, structured=spec)
+        seqs[seq_id] = SeqState([1, 2, 3], 3, params, seq_id, -1, seq_id, prompt_len=3)
+        if spec is not None:
+            reference.add(seq_id, spec)
+    made = []  # (step, mask, expected rows): compared at the end, so that CUDA reuses buffers unsynchronized
+    for step in range(40):
+        sampling = [i for i in seqs if rng.random() > 0.1 or step == 0]  # the others skip this step
+        mask = structured.bitmask(step, sampling, [seqs[i] for i in sampling], dict, device)
+        constrained = [i for i in sampling if specs[i] is not None]
+        assert mask is not None
+        assert mask.rows.tolist() == [j for j, i in enumerate(sampling) if specs[i] is not None]
+        made.append((step, mask, [(seq_id, reference.row(seq_id, specs[seq_id])) for seq_id in constrained]))
+        for seq_id in seqs:  # every row gains a token: one that skipped the step catches up later
+            spec = specs[seq_id]
+            if spec is None or rng.random() < 0.02:
+                token = rng.randrange(PADDED_VOCAB)  # a free row, or a token the grammar may refuse
+            else:
+                row = reference.row(seq_id, spec)
+                token = _draw(row, rng, PADDED_VOCAB)
+                if token == eos and rng.random() < 0.5:
+                    token = _draw(row, rng, PADDED_VOCAB)
+            seqs[seq_id].token_ids.append(token)
+            if spec is not None:
+                reference.accept(seq_id, token)
+        if step % 8 == 7:  # recomputed after preemption: a fresh matcher replays the whole output
+            structured.matchers.pop(rng.choice(constrained), None)
+    num_compared = 0
+    for step, mask, expected in made:
+        for k, (seq_id, row) in enumerate(expected):
+            # (the JSON-safe words are ANDed in by the mask kernel, from the row's `extra` row)
+            got = (mask.bitmask[k] & mask.extra[mask.kinds[k]]).cpu()
+            assert torch.equal(got, row), f"step {step}, sequence {seq_id}"
+            num_compared += 1
+    structured.close()
+    assert num_compared > 600
+    assert any(m is None for m in reference.matchers.values())  # a broken grammar was compared too
+    assert any(m is not None and m.is_terminated() for m in reference.matchers.values())
+
+
+def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
+    """As the worker's loop runs steps (worker/server.py): step N+1's forward is queued, then step N is
+    finished, then step N+1's sampler. The matchers advance and fill only after the forward is queued and
+    after the previous step's tokens are on the host, and before step N's answer is complete (in the
+    background: prefetched); the outputs are valid documents."""
+    runner = _runner(tiny_model_dir, 400)
+    events: list[tuple[str, int]] = []
+    launch_forward, finish, run = runner.launch_forward, runner.finish, runner.structured.batch.run
+    received = runner.sequences.received
+    finishing = [-1]
+    prefetched: list[int] = []  # the steps whose fill ran in the background, started by `finish`
+
+    def traced_forward(plan):
+        forwarded = launch_forward(plan)
+        events.append(("forward", plan.step_id))
+        return forwarded
+
+    def traced_finish():
+        finishing[0] = runner.in_flight[0].step_id
+        out = finish()
+        events.append(("answered", out.step_id))
+        return out
+
+    def traced_received(samplers, tokens):
+        events.append(("received", finishing[0]))
+        return received(samplers, tokens)
+
+    def traced_run(work, mask):
+        events.append(("fill", runner.structured._step_id))
+        if threading.current_thread().name.startswith("grammar-prefetch"):
+            prefetched.append(runner.structured._step_id)
+        return run(work, mask)
+
+    runner.sequences.received = traced_received
+    runner.launch_forward, runner.finish = traced_forward, traced_finish
+    runner.structured.batch.run = traced_run
+    schemas, params = _schema_params(seed=5, num=8)
+    outputs, _ = _run(runner, _prompts(8, 2), params, "worker", max_num_seqs=8, max_num_batched_tokens=128)
+    _assert_valid(runner, outputs, schemas, tiny_model_dir)
+    position = {event: k for k, event in enumerate(events)}
+    fills = [step_id for kind, step_id in events if kind == "fill"]
+    assert len(fills) > 20
+    pipelined = 0
+    for step_id in fills:
+        assert position[("forward", step_id)] < position[("fill", step_id)]
+        tokens = position.get(("received", step_id - 1))
+        if tokens is not None and position[("forward", step_id)] < tokens:
+            # step N-1 was still in flight when step N's forward was queued: its tokens reached the
+            # host after that, and the fill came after them
+            assert tokens < position[("fill", step_id)]
+            pipelined += 1
+    assert pipelined > 10 and len(prefetched) > 10

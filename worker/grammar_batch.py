@@ -1,0 +1,178 @@
+"""One step's grammar work on the host, batched: advancing the constrained rows' matchers by the tokens
+their sequences gained and filling their next-token bitmasks, in xgrammar's batched calls spread over a
+few threads, into a reused host buffer that goes to the device in one transfer.
+
+xgrammar releases the GIL in `batch_accept_token` and `batch_fill_next_token_bitmask`, so the rows are
+dealt out to `threads` chunks (strided, so that cheap finished rows and costly ones mix), and each chunk
+advances its matchers and fills its rows in one thread, without waiting for the other chunks: a step's
+host cost is about that of its slowest chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+log = logging.getLogger(__name__)
+
+MIN_ROWS_PER_CHUNK = 16  # fewer rows than this per thread cost more to hand out than to run in one
+
+
+def default_grammar_threads() -> int:
+    """Threads for the matchers' work: half the cores this process may run on (the rest run the step's
+    other host work and the tokenizer threads), at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 2
+    return max(1, min(16, cores // 2))
+
+
+@dataclass
+class Matcher:
+    """One constrained sequence's grammar state in the worker."""
+
+    matcher: xgr.GrammarMatcher | None  # None: the grammar failed; only the stop tokens are allowed
+    num_fed: int = 0  # generated tokens accepted so far (or skipped: past the grammar's end)
+
+
+@dataclass
+class RowWork:
+    """One constrained row of a step: its bitmask row, its matcher and the tokens it has not accepted."""
+
+    index: int  # its row of the step's bitmask
+    seq_id: int
+    state: Matcher
+    tokens: list[int]  # generated since the matcher last advanced, oldest first
+
+
+def advance_and_fill(
+    batch: xgr.BatchGrammarMatcher, work: list[RowWork], mask: torch.Tensor
+) -> list[RowWork]:
+    """Feeds each row's matcher its tokens, then fills the bitmask rows of the matchers still running (in
+    `mask` [N, W] int32, at each row's index). Returns the rows whose matcher is done: finished, failed
+    before, or broken by a token its grammar refuses (its `matcher` set to None); their bitmask rows are
+    left for the caller to fill with their stop tokens.
+
+    Tokens past a matcher's end (which a pipelined step drew after the stop token, and which are dropped)
+    are counted as fed and not accepted."""
+    depth = max((len(w.tokens) for w in work), default=0)
+    for k in range(depth):  # one token of each row per batched call: rows gain one token per step
+        live = [
+            w
+            for w in work
+            if len(w.tokens) > k and w.state.matcher is not None and not w.state.matcher.is_terminated()
+        ]
+        if not live:
+            break
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(
+            [w.state.matcher for w in live], [w.tokens[k] for w in live]
+        )
+        for w, ok in zip(live, accepted, strict=True):
+            if not ok:
+                log.error("sequence %d: token %d breaks its grammar", w.seq_id, w.tokens[k])
+                w.state.matcher = None
+    for w in work:
+        w.state.num_fed += len(w.tokens)
+    running, done = [], []
+    for w in work:
+        m = w.state.matcher
+        (running if m is not None and not m.is_terminated() else done).append(w)
+    if running:
+        batch.batch_fill_next_token_bitmask(
+            [w.state.matcher for w in running], mask, [w.index for w in running]
+        )
+    return done
+
+
+class GrammarBatch:
+    """The thread pool and the per-chunk batched matchers that run `advance_and_fill` over a step's rows."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or default_grammar_threads()
+        self.min_rows_per_chunk = MIN_ROWS_PER_CHUNK
+        # One BatchGrammarMatcher per chunk, each single-threaded: the chunks are the parallelism.
+        self._batches = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self.threads)]
+        self._pool = (
+            ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="grammar-step")
+            if self.threads > 1
+            else None
+        )
+
+    def run(self, work: list[RowWork], mask: torch.Tensor) -> list[RowWork]:
+        """`advance_and_fill` over `work`, split among the threads; the calling thread runs one chunk."""
+        num_chunks = max(1, min(self.threads, len(work) // self.min_rows_per_chunk))
+        if num_chunks == 1 or self._pool is None:
+            return advance_and_fill(self._batches[0], work, mask)
+        futures = [
+            self._pool.submit(advance_and_fill, self._batches[c], work[c::num_chunks], mask)
+            for c in range(1, num_chunks)
+        ]
+        done = advance_and_fill(self._batches[0], work[0::num_chunks], mask)
+        for f in futures:
+            done += f.result()
+        return done
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def fill_stop_rows(mask: torch.Tensor, rows: list[tuple[int, tuple[int, ...]]]) -> None:
+    """Sets each (row, stop token ids) row of `mask` ([N, W] int32) to allow exactly its stop tokens."""
+    if not rows:
+        return
+    words = mask.numpy().view(np.uint32)
+    by_stop: dict[tuple[int, ...], list[int]] = {}
+    for index, stop in rows:
+        by_stop.setdefault(stop, []).append(index)
+    for stop, indices in by_stop.items():
+        row = np.zeros(words.shape[1], dtype=np.uint32)
+        for t in stop:
+            if t // 32 < len(row):
+                row[t // 32] |= np.uint32(1 << (t % 32))
+        words[indices] = row
+
+
+class HostMaskBuffers:
+    """Host buffers for the steps' packed masks, reused: on CUDA two pinned ones taken in turn, each only
+    once its last copy to the device has finished (normally long before: the step that read it has
+    answered), so that the copy queues without waiting and no step allocates. Elsewhere a fresh tensor
+    per step (the sampler reads it synchronously there). Each grows to the largest step seen."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pinned = device.type == "cuda"
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A flat int32 host tensor of `numel` elements, free to overwrite."""
+        if not self.pinned:
+            with torch.inference_mode(False):
+                return torch.empty(numel, dtype=torch.int32)
+        i = self._next
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()
+        buffer = self._buffers[i]
+        if buffer is None or buffer.numel() < numel:
+            with torch.inference_mode(False):  # written in and out of it (the prefetch thread)
+                buffer = self._buffers[i] = torch.empty(numel, dtype=torch.int32, pin_memory=True)
+        return buffer[:numel]
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`host` (from `take`) on `device`, in one transfer that does not wait for the device's queue."""
+        if not self.pinned:
+            return host if device.type == "cpu" else host.to(device)
+        out = host.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[self._next] = event
+        self._next ^= 1
+        return out
