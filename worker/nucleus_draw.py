@@ -27,8 +27,9 @@ def round_uniforms_for(
 ) -> np.ndarray:  # [N, rounds + 1] float64
     """Each row's uniform per rejection round; column `rounds` is the fallback's."""
     position = np.asarray(position).astype(np.uint64)
-    columns = [uniforms_for(seed, position + np.uint64(r * _ROUND_STRIDE)) for r in range(rounds + 1)]
-    return np.ascontiguousarray(np.stack(columns, axis=1))
+    offsets = np.arange(rounds + 1, dtype=np.uint64) * np.uint64(_ROUND_STRIDE)
+    seeds = np.repeat(np.asarray(seed), rounds + 1)  # one hashing pass over [N * (rounds + 1)]
+    return uniforms_for(seeds, (position[:, None] + offsets[None, :]).reshape(-1)).reshape(-1, rounds + 1)
 
 
 def device_round_uniforms(

@@ -137,6 +137,8 @@ def test_round_zero_is_the_plain_draws_uniform() -> None:
     seed, position = np.array([1, 2**63, 12345], dtype=np.uint64), np.array([0, 7, 4095])
     table = round_uniforms_for(uniforms_for, seed, position, rounds=3)
     assert table[:, 0].tolist() == uniforms_for(seed, position).tolist()
+    for r in range(1, 4):
+        assert table[:, r].tolist() == uniforms_for(seed, position + r * 2**48).tolist()
     assert len({*table.reshape(-1).tolist()}) == table.size  # the rounds draw afresh
 
 
