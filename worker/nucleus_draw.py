@@ -5,7 +5,8 @@ sort (`sample_tensors`), whose draws the tests pin token by token.
 
 A row's draw depends only on its logits, parameters, seed and position, as every draw of the sampler: round
 r's uniform is `uniforms_for(seed, position + r * 2**48)` (round 0's is the plain draw's own), computed on
-the host with the others and copied with them.
+the host with the others and copied with them. So every top-p row on a GPU takes the kernel, whatever the
+batch: a threshold on the number of rows (the sort for a few) would make a row's draw depend on its batch.
 """
 
 from __future__ import annotations
