@@ -12,12 +12,14 @@ vocabulary order with the r-th uniform) and computes mass_above(t) and rank(t) i
 S it is the result; otherwise C_{r+1} = {tokens with a key above t's}. Since S is a prefix and t is not in
 it, every token of S is above t, so S is inside every C_r, and C_r strictly shrinks.
 
-*Exactness.* Given any C containing S, a draw from p restricted to C lands on s in S with probability
-p_s / p(C), and in S at all with probability p(S) / p(C): conditioned on landing in S it is s with
-probability p_s / p(S), whatever C is. The round at which the draw first lands in S depends on the uniforms
-of the rounds before it, which are independent of that round's uniform, so the result is s with probability
-p_s / p(S): the truncated, renormalized distribution. A round fails with probability p(C \\ S) / p(C), at
-most 1 - top_p on the first round (about 0.1 at top_p 0.9) and less after, so most rows end in one round.
+*Exactness.* Let H_r be everything drawn before round r; it fixes C_r, which contains S. Round r's uniform is
+independent of H_r, so given H_r the round draws s in S with probability p_s / p(C_r) and stops (lands in S)
+with probability p(S) / p(C_r): given H_r and that it stops, the result is s with probability p_s / p(S),
+whatever H_r is. The fallback, given that it is reached, draws from S itself with a uniform independent of
+everything before. So the result is s with probability p_s / p(S) (up to the float rounding of the sums):
+the truncated, renormalized distribution. Round r fails with probability p(C_r \\ S) / p(C_r): on the first
+round 1 - p(S), at most 1 - top_p when top_k does not cut (about 0.1 at top_p 0.9), and less after, so most
+rows end in one round.
 
 **Fallback.** A row still without a token after ROUNDS rounds (the uniforms have ROUNDS + 1 columns) finds
 S directly: S = {keys >= k*}, k* the smallest key k such that the mass and the count of the keys above k
