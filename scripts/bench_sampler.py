@@ -10,6 +10,13 @@ The second table is the per-step cost of the logits processors (worker/logits_pr
 up to --batch: a top-p=0.9 step as the model runner does it (columns from the sequences, the draw, the copy
 back) against the same step with presence, frequency and repetition penalties and min_p on every sequence,
 and with 16 logit_bias entries besides; each sequence has a 512-token prompt and 512 generated tokens.
+
+`--compare` (issue 22's goal) times one step of plain temperature-1 sampling against the same step with
+presence, frequency and repetition penalties, top_p 0.9 and min_p 0.05 on every sequence, at batch 256 and
+512 (`--compare-batches`), "before" (the full stable sort for top-p, the PyTorch penalties and min_p: what
+the CPU still runs) and "after" (on CUDA: kernels/nucleus.py's rejection draw, kernels/processors.py). On the
+CPU "after" is the same code as "before"; there the `draw` rows time the top-p draw alone, the sort against
+the rejection rounds' PyTorch reference, for their relative cost.
 """
 
 from __future__ import annotations
@@ -17,17 +24,22 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import worker.sampler  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
+from kernels import reference_processors  # noqa: E402
+from kernels.reference_nucleus import draw_nucleus_reference  # noqa: E402
 from scripts._bench import format_table, run_record, time_repeats, write_json  # noqa: E402
 from worker.logits_processors import LogitsProcessors  # noqa: E402
-from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors  # noqa: E402
+from worker.nucleus_draw import round_uniforms_for  # noqa: E402
+from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors, uniforms_for  # noqa: E402
 
 
 def _row(
@@ -115,6 +127,95 @@ def processor_results(args: argparse.Namespace, logits: torch.Tensor, device: to
     return results
 
 
+@contextmanager
+def legacy_paths(device: torch.device) -> Iterator[None]:
+    """The sampler as before issue 22's kernels: the full sort for top-p, the PyTorch penalties and min_p."""
+    if device.type != "cuda":  # the CPU runs those anyway
+        yield
+        return
+    from kernels import processors as kernel_rules
+
+    saved = kernel_rules.penalize_, kernel_rules.min_p_, worker.sampler.device_round_uniforms
+    kernel_rules.penalize_, kernel_rules.min_p_ = reference_processors.penalize_, reference_processors.min_p_
+    worker.sampler.device_round_uniforms = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        kernel_rules.penalize_, kernel_rules.min_p_, worker.sampler.device_round_uniforms = saved
+
+
+COMPARE_CASES: dict[str, dict] = {
+    "plain T=1": {},
+    "penalties+top_p+min_p": dict(
+        presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, top_p=0.9, min_p=0.05
+    ),
+}
+
+
+def draw_results(args: argparse.Namespace, rows: torch.Tensor, device: torch.device) -> list[dict]:
+    """The top-p draw alone: the sort against the rejection rounds (reference on the CPU, kernel on CUDA)."""
+    results = []
+    batch = n = len(rows)
+    scaled = rows.float()
+    seed, position = np.arange(n, dtype=np.uint64), np.full(n, 1024)
+    uniforms = torch.from_numpy(round_uniforms_for(uniforms_for, seed, position)).to(device)
+    with legacy_paths(device):  # the tensors too: on CUDA they would carry the rejection rounds' uniforms
+        tensors = SamplingTensors.from_params(
+            [SamplingParams(temperature=1.0, top_p=0.9)] * n, seed, position, device
+        )
+        sort_ms = median_seconds(lambda: sample_tensors(scaled, tensors).tokens, args.iters, device)
+    args_ = (scaled, torch.arange(n, device=device), torch.ones(n, device=device))
+    args_ += (
+        torch.zeros(n, dtype=torch.int64, device=device),
+        torch.full((n,), 0.9, device=device),
+        uniforms,
+    )
+    ref_ms = median_seconds(lambda: draw_nucleus_reference(*args_), args.iters, device)
+    results.append(
+        {"batch": batch, "version": "draw", "case": "top_p=0.9 full sort", "step_ms": sort_ms * 1e3}
+    )
+    results.append({"batch": batch, "version": "draw", "case": "top_p=0.9 rejection (PyTorch reference)",
+                    "step_ms": ref_ms * 1e3})  # fmt: skip
+    if device.type == "cuda":
+        from kernels.nucleus import draw_nucleus
+
+        kernel_ms = median_seconds(lambda: draw_nucleus(*args_), args.iters, device)
+        results.append({"batch": batch, "version": "draw", "case": "top_p=0.9 rejection (Triton)",
+                        "step_ms": kernel_ms * 1e3})  # fmt: skip
+    return results
+
+
+def compare_results(args: argparse.Namespace, logits: torch.Tensor, device: torch.device) -> list[dict]:
+    """Issue 22's goal per step: each case before and after, and its ratio to plain sampling's time."""
+    results = []
+    for batch in args.compare_batches:
+        rows = logits[:batch]
+        plain_ms = {}
+        for version in ("before", "after"):
+            for name, fields in COMPARE_CASES.items():
+                rng = random.Random(0)
+                params = SamplingParams(temperature=1.0, **fields)
+                seqs = [
+                    _Seq(params, [rng.randrange(args.vocab) for _ in range(1024)], 512) for _ in range(batch)
+                ]
+                processors = LogitsProcessors(args.vocab, (0,), device)
+                step = lambda rows=rows, seqs=seqs, processors=processors: processor_step(  # noqa: E731
+                    rows, seqs, processors, device
+                )
+                if version == "before":
+                    with legacy_paths(device):
+                        ms = median_seconds(step, args.iters, device) * 1e3
+                else:
+                    ms = median_seconds(step, args.iters, device) * 1e3
+                plain_ms.setdefault(version, ms)
+                results.append(
+                    {"batch": batch, "version": version, "case": name, "step_ms": ms,
+                     "vs_plain": plain_ms[version] / ms}
+                )  # fmt: skip
+        results += draw_results(args, rows, device)
+    return results
+
+
 def median_seconds(fn: Callable[[], object], iters: int, device: torch.device) -> float:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     return time_repeats(fn, iters, sync=sync).median
@@ -129,10 +230,27 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None, help="where to write the results as JSON")
+    parser.add_argument("--compare", action="store_true", help="only issue 22's before/after table")
+    parser.add_argument(
+        "--compare-batches", type=lambda s: [int(b) for b in s.split(",")], default=[256, 512]
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    logits = (torch.randn(args.batch, args.vocab, device=device) * 3).to(dtype)
+    num_rows = max(args.batch, *args.compare_batches) if args.compare else args.batch
+    logits = (torch.randn(num_rows, args.vocab, device=device) * 3).to(dtype)
+    if args.compare:
+        print(f"vocab {args.vocab}, {dtype}, on {device}")
+        results = compare_results(args, logits, device)
+        cells = [
+            [str(r["batch"]), r["version"], r["case"], f"{r['step_ms']:.3f}",
+             f"{r['vs_plain']:.3f}" if "vs_plain" in r else ""]
+            for r in results
+        ]  # fmt: skip
+        print(format_table(["batch", "version", "case", "step ms", "plain / case"], cells))
+        report = {"vocab": args.vocab, "dtype": str(dtype), "device": str(device), "compare": results}
+        write_json(args.out, {**report, "record": run_record(__file__)})
+        return
 
     results = []
     print(f"batch {args.batch} x vocab {args.vocab}, {dtype}, on {device}")

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from common.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from kernels import reference_processors
 
 TAIL = MAX_BAD_WORD_TOKENS - 1  # generated tokens kept per sequence: the longest bad word's prefix
 
@@ -370,25 +371,19 @@ def apply_processors(logits: torch.Tensor, pt: ProcessorTensors) -> torch.Tensor
         out.index_put_((pt.ban_rows, pt.ban_ids), neg_inf)
     if len(pt.bias_rows):
         out.index_put_((pt.bias_rows, pt.bias_ids), pt.bias_values, accumulate=True)
+    # The penalties and min_p pass over the whole vocabulary: one Triton launch each on a GPU.
+    rules = reference_processors
+    if out.is_cuda:
+        from kernels import processors as rules
     if len(pt.penalty_rows) and pt.history is not None:
-        out.index_copy_(0, pt.penalty_rows, _penalized(out, pt, pt.history))
+        history = pt.history
+        rules.penalize_(
+            out, pt.penalty_rows, pt.penalty_slots, history.counts, history.in_prompt,
+            pt.presence, pt.frequency, pt.repetition,
+        )  # fmt: skip
     if len(pt.min_p_rows):
-        rows = out.index_select(0, pt.min_p_rows)
-        cut = rows.amax(dim=-1, keepdim=True) + pt.min_p_shift[:, None]
-        out.index_copy_(0, pt.min_p_rows, rows.masked_fill_(rows < cut, float("-inf")))
+        rules.min_p_(out, pt.min_p_rows, pt.min_p_shift)
     return out
-
-
-def _penalized(out: torch.Tensor, pt: ProcessorTensors, history: TokenHistory) -> torch.Tensor:  # [N, V]
-    rows = out.index_select(0, pt.penalty_rows)
-    counts = history.counts.index_select(0, pt.penalty_slots)  # [N, V] int32
-    generated = counts > 0
-    seen = generated | history.in_prompt.index_select(0, pt.penalty_slots)
-    repetition = torch.where(seen, pt.repetition[:, None], 1.0)
-    rows = torch.where(rows > 0, rows / repetition, rows * repetition)
-    rows -= pt.frequency[:, None] * counts
-    rows -= pt.presence[:, None] * generated
-    return rows
 
 
 def record_sampled(tokens: torch.Tensor, pt: ProcessorTensors) -> None:

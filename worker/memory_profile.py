@@ -46,12 +46,18 @@ def profile_peak_memory(runner: Any, cfg: WorkerConfig) -> int:  # a ModelRunner
     token_ids, positions, meta = runner._to_device(inputs)
     hidden = runner.model(token_ids, positions, meta, pool.layers)
     logits = runner.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
-    # top-p sorts: the costliest path
-    rows = [SamplingRow(SamplingParams(top_p=0.9, logprobs=5), b, 0) for b in range(num_seqs)]
+    # top-k's candidate keys ([rows, vocab] int64) are the costliest path now that top-p draws without a sort
+    rows = [SamplingRow(SamplingParams(top_k=4096, logprobs=5), b, 0) for b in range(num_seqs)]
     sample(logits, rows)
     torch.cuda.synchronize(runner.device)
     peak = torch.cuda.max_memory_allocated(runner.device)
     pool_bytes = pool.device_pool.numel() * pool.device_pool.element_size()
+    # Beside the sampler's peak, the logits processors (worker/logits_processors.py) make a float32 copy of
+    # the logits and keep a TokenHistory slot per penalized sequence (int32 counts and a bool prompt mask
+    # over the vocabulary), in slots that double from 8: counted here at their largest.
+    vocab = logits.shape[-1]
+    history_slots = 1 << max(3, (num_seqs - 1).bit_length())
+    processors_bytes = num_seqs * vocab * 4 + history_slots * vocab * (4 + 1)
     del pool, hidden, logits
     torch.cuda.empty_cache()
-    return peak - pool_bytes
+    return peak - pool_bytes + processors_bytes

@@ -27,6 +27,7 @@ import torch
 
 from common.messages import SamplingParams, TokenLogprobs
 from worker.logits_processors import ProcessorTensors, apply_processors, record_sampled
+from worker.nucleus_draw import device_round_uniforms, draw_nucleus_into
 from worker.structured import TokenBitmask, apply_token_bitmask
 
 MASK64 = (1 << 64) - 1  # a seed's low 64 bits: what its draws depend on
@@ -128,6 +129,7 @@ class SamplingTensors:
     num_logprobs: np.ndarray  # [L] how many top logprobs each of them asked for
     processors: ProcessorTensors | None = None  # penalties, min_p, ... (worker/logits_processors.py)
     token_bitmask: TokenBitmask | None = None  # structured output: what each constrained row may draw
+    round_uniforms: torch.Tensor | None = None  # [R, rounds + 1] float64: top-p draws on CUDA (nucleus_draw)
 
     @property
     def all_greedy(self) -> bool:  # then sampling is one argmax
@@ -236,6 +238,7 @@ class SamplingTensors:
             logprob_rows=packed[5 * num_rows :],
             logprob_rows_host=logprob_rows,
             num_logprobs=num_logprobs[logprob_rows],
+            round_uniforms=device_round_uniforms(uniforms_for, groups, seed, position, order, device),
         )
 
 
@@ -325,6 +328,9 @@ def sample_tensors(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOut
         slots = slice(group.start, group.end)
         whole = group.end - group.start == num_rows  # then the slots are the rows in order
         rows = tensors.order[slots]
+        if group.kind == "sorted" and tensors.round_uniforms is not None:  # no sort, worker/nucleus_draw.py
+            tokens = draw_nucleus_into(tokens, logits, rows, tensors, slots, whole)
+            continue
         scaled = _scaled_rows(logits, rows, tensors.temperature[slots], whole)
         top_k, top_p, uniforms = tensors.top_k[slots], tensors.top_p[slots], tensors.uniforms[slots]
         if group.kind == "plain":
