@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
+
+from msgspec import Meta
 
 SpeculativeMethod = Literal["ngram", "draft_model"]
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's query tokens per sequence stay within a kernel tile
+DraftCount = Annotated[int, Meta(ge=0, le=MAX_SPECULATIVE_TOKENS)]  # draft tokens of one sequence in a step
 
 
 @dataclass(frozen=True)

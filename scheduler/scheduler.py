@@ -22,7 +22,6 @@ tokens and freeing.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 
@@ -39,10 +38,10 @@ from common.messages import (
     SubmitRequest,
     TokenLogprobs,
 )
-from scheduler.beam import BeamGroup
 from scheduler.block_manager import BlockManager, KVUsage
 from scheduler.faults import RequestFaults
 from scheduler.inspection import Inspection
+from scheduler.intake import queue_request
 from scheduler.metrics import SchedulerMetrics
 from scheduler.output_check import check_step_output
 from scheduler.passes import Admission, RunningPass
@@ -67,8 +66,6 @@ from scheduler.waiting import WaitingQueue
 __all__ = ["Error", "Output", "Scheduler"]
 
 log = structlog.get_logger(process="scheduler")
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) over distinct seeds
 
 
 class Scheduler:
@@ -155,35 +152,9 @@ class Scheduler:
         return None
 
     def _queue_request(self, request: Request) -> None:
-        params = request.params
-        prompt = request.prompt_token_ids
-        eos = frozenset() if params.ignore_eos else self._eos
-        request.stop_ids = frozenset(params.stop_token_ids) | eos
-        request.max_total_len = min(len(prompt) + params.max_tokens, self.settings.max_model_len)
-        base_seed = params.seed if params.seed is not None else random.getrandbits(63)
-        if params.beam_width:
-            request.beam = BeamGroup(params.beam_width, params.length_penalty)
-        for index in range(1 if request.beam else params.n):
-            seed = (base_seed * _SEED_MIX + index) % (1 << 63) if index else base_seed % (1 << 63)
-            seq_id = self._seqs.new_seq_id()
-            if index == 0:
-                request.order = seq_id
-            # a fork child shares the request's prompt list until it is forked (it gets its own list then)
-            shared = index > 0 and not self.settings.reserved
-            tokens = prompt if shared else list(prompt)
-            sort_key = self._preemption.sort_key(request, seq_id)
-            seq = Sequence(seq_id, request, index, seed, tokens, sort_key=sort_key)
-            request.seqs.append(seq)
-            if request.beam:
-                request.live_beams.append(seq)
-            self._seqs.add(seq)
-            if not shared:  # reserved mode shares nothing, as pre-paging servers
-                self._waiting.push(seq)
-            else:
-                seq.status = SeqStatus.FORK_PENDING
-                request.seqs[0].fork_children.append(seq)
+        queue_request(request, self.settings, self._eos, self._seqs, self._preemption, self._waiting)
         self._requests[request.key] = request
-        self.metrics.prompt_tokens_total += len(prompt)
+        self.metrics.prompt_tokens_total += len(request.prompt_token_ids)
 
     def abort(
         self, owner: bytes, request_id: str, index: int | None = None, finish_reason: str = FinishReason.ABORT

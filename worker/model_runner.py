@@ -40,6 +40,8 @@ from worker.plan_check import PlanLimits
 from worker.prompt_logprobs import PromptScores, score_prompts, select_prompt_rows, take_prompt_scores
 from worker.sampler import MASK64, SamplerCopy, SamplingTensors, sample_tensors
 from worker.sequences import BlockTableArray, SeqState, Sequences
+from worker.spec.factory import build_speculation
+from worker.spec.verify import SpecBatch
 from worker.structured import StructuredOutputs, step_tokens
 
 
@@ -56,13 +58,15 @@ class LaunchedStep:
     ended: torch.cuda.Event | None
     previous_ended: torch.cuda.Event | None = None  # the end of the step before it on the GPU
     rows: dict[int, int] = field(default_factory=dict)  # seq id -> its row of `tokens`, filled when needed
+    spec: SpecBatch | None = None  # its drafts, when sequences speculated (worker/spec/verify.py)
 
     def done(self) -> bool:
         return self.ended is None or self.ended.query()
 
     def row_of(self, seq_id: int) -> int:
         if not self.rows:
-            self.rows = {seq_id: j for j, seq_id in enumerate(self.seq_ids)}
+            first = self.spec.offsets.tolist() if self.spec is not None else range(len(self.seq_ids))
+            self.rows = dict(zip(self.seq_ids, first, strict=True))  # (a drafting sequence is never fed)
         return self.rows[seq_id]
 
 
@@ -91,6 +95,7 @@ class ForwardedStep:
     logits: torch.Tensor  # [S, V] their rows
     started: torch.cuda.Event | None
     ended: torch.cuda.Event | None  # recorded once the sampler is queued
+    spec: SpecBatch | None = None  # drafts verified in this step: `logits` holds 1 + d rows for those
 
 
 class ModelRunner:
@@ -178,6 +183,7 @@ class ModelRunner:
         self.launch_marks: dict[str, float] = {}
         eos = tuple(self.model_config.eos_token_ids)  # min_tokens bans them (with the stop ids)
         self.logits_processors = LogitsProcessors(self.model_config.vocab_size, eos, self.device)
+        self.spec = build_speculation(cfg, self.sequences.limits, self.device, self.dtype)  # None: off
 
     def close(self) -> None:
         """Releases the CUDA graphs. Before a tensor-parallel group is destroyed this is required: NCCL
@@ -274,10 +280,10 @@ class ModelRunner:
 
     def _forward(
         self, inputs: HostInputs, sampling: list[int], feed: tuple[torch.Tensor, torch.Tensor] | None,
-        scores: PromptScores | None = None,
+        scores: PromptScores | None = None, rows: np.ndarray | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """Runs the batch, its pending tokens put in from `feed`; returns the logits rows of the sequences at
-        `sampling` (batch indices), or None when none samples. A decode batch that a captured graph holds
+        `sampling` (batch indices; `rows`: flat rows instead), or None when none samples. A decode batch that a captured graph holds
         replays it; other steps replay the piecewise graphs when there are some (attention eagerly)."""
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
@@ -297,7 +303,7 @@ class ModelRunner:
         if not sampling:
             return None
         # The last scheduled token of each sampling sequence is the row that predicts its next token.
-        last_rows = self._put((inputs.query_start_loc[1:][sampling] - 1).astype(np.int64))
+        last_rows = self._put(rows if rows is not None else (inputs.query_start_loc[1:][sampling] - 1))
         return self.model.compute_logits(hidden[last_rows])  # [S, V]
 
     @torch.inference_mode()
@@ -336,8 +342,9 @@ class ModelRunner:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return None
         sampling = _batch_indices(plan)
+        spec = self.spec.prepare(plan, seqs, sampling, self.tables) if self.spec is not None else None
         mark("plan")
-        inputs = host_inputs(self.tables, seqs, num_tokens, self.block_size)
+        inputs = host_inputs(self.tables, spec.input_seqs if spec else seqs, spec.num_tokens if spec else num_tokens, self.block_size)  # fmt: skip
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
         mark("inputs")
         started = ended = None
@@ -345,7 +352,7 @@ class ModelRunner:
             started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record()
         scores = select_prompt_rows(plan, seqs, inputs.query_start_loc, self._put, self.prompt_scores)
-        logits = self._forward(inputs, sampling, feed, scores)
+        logits = self._forward(inputs, sampling, feed, scores, spec.logits_rows(inputs.query_start_loc, sampling) if spec else None)  # fmt: skip
         mark("forward")
         self.sequences.computed(seqs, num_tokens)
         if logits is None:
@@ -354,7 +361,7 @@ class ModelRunner:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, started, ended))
             return None
         seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
-        return ForwardedStep(plan, seq_ids, [seqs[b] for b in sampling], logits, started, ended)
+        return ForwardedStep(plan, seq_ids, [seqs[b] for b in sampling], logits, started, ended, spec)
 
     @torch.inference_mode()
     def launch_sampling(self, step: ForwardedStep) -> None:
@@ -366,14 +373,20 @@ class ModelRunner:
         if plan.forks:
             # Each child draws from its parent's logits row (its parent samples: the plan was checked).
             row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
-            rows = list(range(len(samplers))) + [row_of[fork.parent_seq_id] for fork in plan.forks]
+            parents = [row_of[fork.parent_seq_id] for fork in plan.forks]
+            rows = list(range(len(logits))) + (step.spec.parent_rows(parents) if step.spec else parents)
             logits = logits[self._put(np.array(rows, dtype=np.int64))]
             seq_ids += [fork.child_seq_id for fork in plan.forks]
             samplers += self.sequences.fork(plan)
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
-        sampling_tensors = _sampling_tensors(samplers, self.device, self.logits_processors)
+        if step.spec is not None:
+            step.spec.add_forks(len(plan.forks))
+            sampling_tensors = step.spec.sampling_tensors(samplers, self.device, self.logits_processors)
+        else:
+            sampling_tensors = _sampling_tensors(samplers, self.device, self.logits_processors)
         in_flight = lambda: step_tokens(self.in_flight[-1])  # noqa: E731 (tokens pending in the step before)
         bitmask = self.structured.bitmask(plan.step_id, seq_ids, samplers, in_flight, self.device)
+        bitmask = step.spec.expand_bitmask(bitmask) if bitmask and step.spec else bitmask
         sampling_tensors = replace(sampling_tensors, token_bitmask=bitmask) if bitmask else sampling_tensors
         mark("sampling_params")
         out = sample_tensors(logits, sampling_tensors)
@@ -382,7 +395,9 @@ class ModelRunner:
         if step.ended is not None:
             step.ended.record()
         self.sequences.sampled(samplers)
-        self._queue(LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, step.started, step.ended))
+        launched = LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, step.started, step.ended)
+        launched.spec = step.spec
+        self._queue(launched)
 
     def _mark_launch(self, phase: str) -> None:
         if self.trace_launches:
@@ -410,10 +425,13 @@ class ModelRunner:
             gpu_s = self.last_step_gpu_s = step.started.elapsed_time(step.ended) / 1e3
             if step.previous_ended is not None:
                 idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
-        self.sequences.received(step.samplers, new_tokens)
+        accepted = step.spec.accept(new_tokens, logprobs) if step.spec is not None else None
+        self.sequences.received(step.samplers, accepted[0] if accepted else new_tokens)
         prompt_logprobs = take_prompt_scores(self.prompt_scores, step.step_id)
         out = StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s, prompt_logprobs)
         out.failed_seq_ids = self.structured.take_failed(step.step_id)  # their constraint failed
+        if accepted is not None and step.spec is not None:
+            step.spec.apply(step.samplers, accepted[1], accepted[2], out)
         return out
 
 

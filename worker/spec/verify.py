@@ -1,0 +1,185 @@
+"""Verification of draft tokens by the target model, in the worker (docs/speculative.md).
+
+A plan's `draft_slots` name the sequences that may speculate this step and how many drafts each at most (k);
+the scheduler has allocated slots for their next 1 + k tokens. The runner asks the proposer for the drafts,
+runs each speculating sequence's next input and its d <= k drafts through the target as one query of 1 + d
+tokens (the mixed / prefill path), keeps the logits of all 1 + d positions and samples every one of them as
+if it were an ordinary step's row at that position: the same parameters and logits processors, the same
+uniform number hashed from (seed, position), the same logprobs.
+
+Acceptance ("sample and compare"): row j's token t_j is the target's draw at position P + j given the
+sequence extended by drafts 0..j-1. Drafts are accepted while t_j equals draft j; the sequence gains
+t_0 .. t_a, where a is the number accepted (t_a, at the first mismatch or after the last draft, is the
+correction or bonus token). Because a draft is a point mass, this is exactly rejection sampling: draft x is
+accepted with probability p(x) (the probability that the draw equals x), and on rejection the token is a
+draw from p conditioned on not being x (p with x removed, renormalized). Every emitted token is the draw
+that sampling without speculation would have made at its position, so greedy outputs are identical, and
+seeded sampled outputs are identical too (up to the float noise of batching the logits differently), on
+every tensor-parallel rank alike.
+
+Sequences whose sampler reads their token history (penalties, multi-token bad words), structured output and
+beams never speculate (the scheduler sends no draft slots for them; a worker that gets some anyway proposes
+nothing): their processors would need the drafts in that history for rows past the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from common.messages import StepOutput, StepPlan, TokenLogprobs
+from worker.logits_processors import LogitsProcessors
+from worker.plan_check import PlanError, PlanLimits
+from worker.sampler import MASK64, SamplingTensors
+from worker.sequences import BlockTableArray, SeqState
+from worker.spec.proposer import Proposer, ProposeRow
+from worker.structured import TokenBitmask
+
+
+def may_speculate(seq: SeqState) -> bool:
+    """Whether a sequence's sampling allows drafts (the scheduler's `scheduler/speculation.py` agrees)."""
+    p = seq.params
+    return not seq.beam and not p.penalized and p.structured is None
+
+
+@dataclass
+class SpecBatch:
+    """One step's speculation: the drafts of its sampling sequences and the logits rows they occupy."""
+
+    num_tokens: list[int]  # per scheduled sequence: the tokens its query computes (1 + drafts when drafting)
+    input_seqs: list[SeqState]  # the scheduled sequences, drafting ones as copies with their drafts appended
+    drafts: list[list[int]]  # per sampling sequence (the plan's sampling order), [] when it drafts none
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # logits rows per sampler
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # its first row
+
+    def __post_init__(self) -> None:
+        self.counts = np.fromiter((1 + len(d) for d in self.drafts), np.int64, len(self.drafts))
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+
+    def logits_rows(self, query_start_loc: np.ndarray, sampling: list[int]) -> np.ndarray:
+        """The flat rows of the hidden states to keep: each sampler's last 1 + d query tokens, in order."""
+        ends = query_start_loc[1:][sampling].astype(np.int64)  # one past each sampler's last row
+        firsts = np.repeat(ends - self.counts, self.counts)
+        return firsts + (np.arange(int(self.counts.sum())) - np.repeat(self.offsets, self.counts))
+
+    def parent_rows(self, parents: list[int]) -> list[int]:
+        """The logits rows of fork parents given by sampler index (parents draft nothing: one row each)."""
+        return [int(self.offsets[i] + self.counts[i] - 1) for i in parents]
+
+    def add_forks(self, num_children: int) -> None:
+        """Fork children sample one row each, after the samplers' rows."""
+        self.drafts = self.drafts + [[] for _ in range(num_children)]
+        self.__post_init__()
+
+    def sampling_tensors(
+        self, samplers: list[SeqState], device: torch.device, processors: LogitsProcessors | None
+    ) -> SamplingTensors:
+        """The sampler's parameters for every row: a drafting sequence's rows are its own at positions
+        P .. P + d, so each draws what an ordinary step at that position would."""
+        rows = [s for s, c in zip(samplers, self.counts.tolist(), strict=True) for _ in range(c)]
+        base = np.fromiter((len(s.token_ids) + s.pending for s in samplers), np.int64, len(samplers))
+        position = np.repeat(base, self.counts) + (np.arange(len(rows)) - np.repeat(self.offsets, self.counts))
+        return SamplingTensors.from_params(
+            [s.params for s in rows],
+            seed=np.fromiter((s.seed & MASK64 for s in rows), np.uint64, len(rows)),
+            position=position,
+            device=device,
+            processors=processors.prepare(rows, position) if processors is not None else None,
+        )
+
+    def expand_bitmask(self, bitmask: TokenBitmask) -> TokenBitmask:
+        """A bitmask over the samplers, moved to their rows (constrained sequences draft nothing)."""
+        offsets = torch.from_numpy(self.offsets).to(bitmask.rows.device)
+        return replace(bitmask, rows=offsets[bitmask.rows])
+
+    def accept(
+        self, tokens: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> tuple[list[int], list[list[int]], list[list[TokenLogprobs | None]]]:
+        """Per sampler: its first token, and all the tokens it emits (the accepted drafts and one more) with
+        their logprobs."""
+        firsts, emitted, emitted_logprobs = [], [], []
+        for off, drafts in zip(self.offsets.tolist(), self.drafts, strict=True):
+            drawn = tokens[off : off + len(drafts) + 1]
+            accepted = 0
+            while accepted < len(drafts) and drawn[accepted] == drafts[accepted]:
+                accepted += 1
+            firsts.append(drawn[0])
+            emitted.append(drawn[: accepted + 1])
+            emitted_logprobs.append(logprobs[off : off + accepted + 1])
+        return firsts, emitted, emitted_logprobs
+
+    def apply(
+        self,
+        samplers: list[SeqState],
+        emitted: list[list[int]],
+        emitted_logprobs: list[list[TokenLogprobs | None]],
+        out: StepOutput,
+    ) -> None:
+        """After `received` appended each sampler's first token: the accepted rest joins its sequence (their
+        KV, written by this step's forward, now counts as computed), and `out` carries every emitted token."""
+        for seq, tokens in zip(samplers, emitted, strict=True):
+            if len(tokens) > 1:
+                seq.token_ids.extend(tokens[1:])
+                seq.num_computed_tokens += len(tokens) - 1
+        out.token_ids = [t for run in emitted for t in run]
+        out.logprobs = [lp for run in emitted_logprobs for lp in run]
+        out.num_tokens = [len(run) for run in emitted]
+        out.num_drafts = [len(d) for d in self.drafts]
+
+
+class Speculation:
+    """The worker's side of speculative decoding: asks the proposer for drafts, checks the plan's draft
+    slots against the sequences, and lays out the verification step (SpecBatch)."""
+
+    def __init__(self, proposer: Proposer, limits: PlanLimits) -> None:
+        self.proposer = proposer
+        self.limits = limits
+        self.num_proposed = 0  # draft tokens proposed since start (the worker's own count, for tests)
+
+    def prepare(
+        self, plan: StepPlan, seqs: list[SeqState], sampling: list[int], tables: BlockTableArray
+    ) -> SpecBatch | None:
+        """Drafts for the plan's draft slots (`seqs`: the scheduled sequences after `apply`, not yet computed;
+        `sampling`: the batch indices that sample); None when no sequence drafts a token. Raises PlanError
+        on slots that contradict the sequences."""
+        for seq_id in plan.freed_seq_ids:
+            self.proposer.free(seq_id)
+        if not plan.draft_slots:
+            return None
+        batch_of = {plan.scheduled_seq_ids[b]: b for b in sampling}
+        rows: list[ProposeRow] = []
+        batches: list[int] = []
+        bs = self.limits.block_size
+        for seq_id, k in plan.draft_slots:
+            b = batch_of.get(seq_id)
+            if b is None or plan.num_scheduled_tokens[b] != 1:
+                raise PlanError(f"draft slots for seq {seq_id}, which does not decode one token and sample")
+            seq = seqs[b]
+            end = seq.num_computed_tokens + 1 + k
+            if seq.pending or end > self.limits.max_model_len or end > int(tables.num_blocks[seq.row]) * bs:
+                raise PlanError(f"draft slots for seq {seq_id} past its known tokens, blocks or length")
+            if k and may_speculate(seq):
+                rows.append(ProposeRow(seq_id, seq.token_ids, k))
+                batches.append(b)
+        if not rows:
+            return None
+        proposed = self.proposer.propose(rows)
+        drafts_of: dict[int, list[int]] = {}
+        vocab = self.limits.vocab_size
+        for row, b, drafts in zip(rows, batches, proposed, strict=True):
+            drafts = [int(t) for t in drafts[: row.num_tokens]]
+            bad = [i for i, t in enumerate(drafts) if not 0 <= t < vocab]
+            drafts = drafts[: bad[0]] if bad else drafts  # a proposer's bad id ends its drafts there
+            if drafts:
+                drafts_of[b] = drafts
+        if not drafts_of:
+            return None
+        self.num_proposed += sum(len(d) for d in drafts_of.values())
+        num_tokens = list(plan.num_scheduled_tokens)
+        input_seqs = list(seqs)
+        for b, drafts in drafts_of.items():
+            num_tokens[b] += len(drafts)
+            input_seqs[b] = replace(seqs[b], token_ids=seqs[b].token_ids + drafts)
+        return SpecBatch(num_tokens, input_seqs, [drafts_of.get(b, []) for b in sampling])
