@@ -60,6 +60,7 @@ from scheduler.request import (
 )
 from scheduler.search import BeamSearch
 from scheduler.settings import SchedulerSettings, check_request
+from scheduler.speculation import Speculation
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
 
@@ -86,13 +87,16 @@ class Scheduler:
             enable_prefix_caching=settings.enable_prefix_caching and not settings.reserved,
         )
         self.metrics = SchedulerMetrics()
+        self._spec = Speculation(settings, self.block_manager, self.metrics)  # scheduler/speculation.py
         self._clock = clock
         self._requests: dict[tuple[bytes, str], Request] = {}
         self._seqs = SequenceTable()
         self._waiting = WaitingQueue()  # fair between requests (scheduler/waiting.py)
         self._swapped = SwappedQueue()
         self._running = RunQueue()
-        self._running_pass = RunningPass(settings, self.block_manager, self._running, preempt=self._preempt)
+        self._running_pass = RunningPass(
+            settings, self.block_manager, self._running, preempt=self._preempt, speculation=self._spec
+        )
         self._admission = Admission(
             settings, self.block_manager, self._running, self._waiting, self._swapped, self.metrics
         )
@@ -202,7 +206,8 @@ class Scheduler:
         (some may have finished or been aborted since), its token ids lie in [0, vocab_size), and the logprobs
         and beam candidates have the shape their requests asked for. None: `update` may take it."""
         sampling = self._sampling.get(step.step_id) if type(step.step_id) is int else None
-        return check_step_output(step, sampling, self._seqs, self.settings.vocab_size)
+        slotted = self._spec.slotted(step.step_id)
+        return check_step_output(step, sampling, self._seqs, self.settings.vocab_size, slotted)
 
     def fail_step(self, step_id: int) -> StepOutput:
         """For a step in flight whose output `check_output` refused: ends every request with a sequence that
@@ -267,9 +272,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._running or self._waiting or self._swapped)
 
+    @property
+    def speculating(self) -> bool:
+        """Whether the next plan would draft: plan it after the step in flight is in (docs/speculative.md)."""
+        return self._spec.active(len(self._running))
+
     def schedule(self) -> StepPlan:
         """The next step's plan. Sequences it schedules count their tokens as computed from now on."""
         step = Step(self.block_manager, self.settings)
+        if self._spec.blocks_planning():  # a drafting step in flight: its tokens first
+            self._next_step_id += 1
+            return step.plan(self._next_step_id - 1, [], [], [], [])
+        step.spec_k = self._spec.step_k(len(self._running))
         budget = self._running_pass.schedule(step, self.settings.max_num_batched_tokens)
         if not step.preempted:  # right after a preemption, admitting more would only thrash
             budget = self._admission.swap_in(step, budget)
@@ -294,6 +308,7 @@ class Scheduler:
         plan = step.plan(self._next_step_id, sampling[:num_samplers], freed, clones, appends)
         if step.scheduled:
             self._sampling[plan.step_id] = sampling
+            self._spec.planned(plan.step_id, step.draft_slots)
             if all(n == 1 for _, n in step.scheduled):
                 self._decode_only_steps.add(plan.step_id)
         self._next_step_id += 1
@@ -366,7 +381,7 @@ class Scheduler:
         live = self._seqs.get  # (bound once: the loop runs once per sampled token)
         for seq in filter(None, map(live, step.failed_seq_ids)):  # first: their EOS must not end them
             self._faults.fail_request(seq.request, "the worker could not apply the output constraint")
-        for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
+        for seq_id, token, logprobs, run in self._spec.runs(step):  # run: a drafting sequence's other tokens
             seq = live(seq_id)
             if seq is None:
                 continue  # finished (aborted, or stopped by a token of an earlier step) while in flight
@@ -376,6 +391,8 @@ class Scheduler:
                     continue
                 any_finished |= self._take_token(seq, token, logprobs, outputs, now)
                 generated += 1
+                if run is not None:
+                    any_finished |= self._spec.take_rest(seq, run, self._take_token, outputs, now)
             except Exception:
                 self._faults.fail_request(
                     seq.request, "internal error while handling the request", exc_info=True

@@ -41,7 +41,7 @@ from worker.prompt_logprobs import PromptScores, score_prompts, select_prompt_ro
 from worker.sampler import MASK64, SamplerCopy, SamplingTensors, sample_tensors
 from worker.sequences import BlockTableArray, SeqState, Sequences
 from worker.spec.factory import build_speculation
-from worker.spec.verify import SpecBatch
+from worker.spec.verify import SpecBatch, prepare_drafts
 from worker.structured import StructuredOutputs, step_tokens
 
 
@@ -208,6 +208,10 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @property
+    def num_speculative_tokens(self) -> int:  # the most drafts per sequence and step (0: off)
+        return self.spec.proposer_k if self.spec is not None else 0
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return list(self.model_config.eos_token_ids)
 
@@ -283,8 +287,8 @@ class ModelRunner:
         scores: PromptScores | None = None, rows: np.ndarray | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """Runs the batch, its pending tokens put in from `feed`; returns the logits rows of the sequences at
-        `sampling` (batch indices; `rows`: flat rows instead), or None when none samples. A decode batch that a captured graph holds
-        replays it; other steps replay the piecewise graphs when there are some (attention eagerly)."""
+        `sampling` (batch indices; `rows`: flat rows instead), or None when none samples. A decode batch a
+        captured graph holds replays it; other steps replay the piecewise graphs (attention eagerly)."""
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
             logits = self.graphs.run(inputs, feed)  # [B, V]
@@ -342,9 +346,10 @@ class ModelRunner:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return None
         sampling = _batch_indices(plan)
-        spec = self.spec.prepare(plan, seqs, sampling, self.tables) if self.spec is not None else None
+        spec = prepare_drafts(self.spec, plan, seqs, sampling, self.tables)  # None: no draft slots
         mark("plan")
-        inputs = host_inputs(self.tables, spec.input_seqs if spec else seqs, spec.num_tokens if spec else num_tokens, self.block_size)  # fmt: skip
+        batch_seqs, batch_tokens = (spec.input_seqs, spec.num_tokens) if spec else (seqs, num_tokens)
+        inputs = host_inputs(self.tables, batch_seqs, batch_tokens, self.block_size)
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
         mark("inputs")
         started = ended = None
@@ -352,7 +357,8 @@ class ModelRunner:
             started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record()
         scores = select_prompt_rows(plan, seqs, inputs.query_start_loc, self._put, self.prompt_scores)
-        logits = self._forward(inputs, sampling, feed, scores, spec.logits_rows(inputs.query_start_loc, sampling) if spec else None)  # fmt: skip
+        rows = spec.logits_rows(inputs.query_start_loc, sampling) if spec else None  # drafts: 1 + d each
+        logits = self._forward(inputs, sampling, feed, scores, rows)
         mark("forward")
         self.sequences.computed(seqs, num_tokens)
         if logits is None:
@@ -431,7 +437,7 @@ class ModelRunner:
         out = StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s, prompt_logprobs)
         out.failed_seq_ids = self.structured.take_failed(step.step_id)  # their constraint failed
         if accepted is not None and step.spec is not None:
-            step.spec.apply(step.samplers, accepted[1], accepted[2], out)
+            step.spec.apply(step.samplers, accepted[1], accepted[2], out, self.tables)
         return out
 
 

@@ -6,8 +6,8 @@ import torch
 
 from common.config import WorkerConfig
 from common.speculative import SpeculativeConfig, parse_speculative_config
-from worker.spec.ngram import NgramProposer
 from worker.plan_check import PlanLimits
+from worker.spec.ngram import NgramProposer
 from worker.spec.proposer import Proposer
 from worker.spec.verify import Speculation
 
@@ -34,5 +34,8 @@ def build_speculation(
     cfg: WorkerConfig, limits: PlanLimits, device: torch.device, dtype: torch.dtype
 ) -> Speculation | None:
     """The model runner's speculation (worker/spec/verify.py), None when `--speculative-config` is empty."""
-    proposer = build_proposer(cfg, speculative_config_of(cfg), device, dtype)
-    return Speculation(proposer, limits) if proposer is not None else None
+    spec = speculative_config_of(cfg)
+    proposer = build_proposer(cfg, spec, device, dtype)
+    if spec is None or proposer is None:
+        return None
+    return Speculation(proposer, limits, spec.num_speculative_tokens)

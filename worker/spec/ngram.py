@@ -49,7 +49,9 @@ class NgramProposer:
         for row in rows:
             tail = row.token_ids[-self.lookback :]
             tokens = np.asarray(tail, dtype=np.int64)
-            out.append(ngram_propose(tokens, row.num_tokens, self.min_n, self.max_n) if row.num_tokens else [])
+            out.append(
+                ngram_propose(tokens, row.num_tokens, self.min_n, self.max_n) if row.num_tokens else []
+            )
         return out
 
     def free(self, seq_id: int) -> None:

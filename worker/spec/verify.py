@@ -51,6 +51,8 @@ class SpecBatch:
     num_tokens: list[int]  # per scheduled sequence: the tokens its query computes (1 + drafts when drafting)
     input_seqs: list[SeqState]  # the scheduled sequences, drafting ones as copies with their drafts appended
     drafts: list[list[int]]  # per sampling sequence (the plan's sampling order), [] when it drafts none
+    slotted: list[bool]  # per sampling sequence: it had draft slots (its blocks past the accepted go)
+    block_size: int
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # logits rows per sampler
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # its first row
 
@@ -71,6 +73,7 @@ class SpecBatch:
     def add_forks(self, num_children: int) -> None:
         """Fork children sample one row each, after the samplers' rows."""
         self.drafts = self.drafts + [[] for _ in range(num_children)]
+        self.slotted = self.slotted + [False] * num_children
         self.__post_init__()
 
     def sampling_tensors(
@@ -80,7 +83,9 @@ class SpecBatch:
         P .. P + d, so each draws what an ordinary step at that position would."""
         rows = [s for s, c in zip(samplers, self.counts.tolist(), strict=True) for _ in range(c)]
         base = np.fromiter((len(s.token_ids) + s.pending for s in samplers), np.int64, len(samplers))
-        position = np.repeat(base, self.counts) + (np.arange(len(rows)) - np.repeat(self.offsets, self.counts))
+        position = np.repeat(base, self.counts) + (
+            np.arange(len(rows)) - np.repeat(self.offsets, self.counts)
+        )
         return SamplingTensors.from_params(
             [s.params for s in rows],
             seed=np.fromiter((s.seed & MASK64 for s in rows), np.uint64, len(rows)),
@@ -116,13 +121,19 @@ class SpecBatch:
         emitted: list[list[int]],
         emitted_logprobs: list[list[TokenLogprobs | None]],
         out: StepOutput,
+        tables: BlockTableArray,
     ) -> None:
         """After `received` appended each sampler's first token: the accepted rest joins its sequence (their
-        KV, written by this step's forward, now counts as computed), and `out` carries every emitted token."""
-        for seq, tokens in zip(samplers, emitted, strict=True):
+        KV, written by this step's forward, now counts as computed), the blocks past its computed tokens leave
+        its table (the scheduler releases the same ones: scheduler/speculation.py), and `out` carries every
+        emitted token."""
+        for seq, tokens, slotted in zip(samplers, emitted, self.slotted, strict=True):
             if len(tokens) > 1:
                 seq.token_ids.extend(tokens[1:])
                 seq.num_computed_tokens += len(tokens) - 1
+            if slotted:
+                keep = -(-seq.num_computed_tokens // self.block_size)
+                tables.num_blocks[seq.row] = min(int(tables.num_blocks[seq.row]), keep)
         out.token_ids = [t for run in emitted for t in run]
         out.logprobs = [lp for run in emitted_logprobs for lp in run]
         out.num_tokens = [len(run) for run in emitted]
@@ -133,9 +144,10 @@ class Speculation:
     """The worker's side of speculative decoding: asks the proposer for drafts, checks the plan's draft
     slots against the sequences, and lays out the verification step (SpecBatch)."""
 
-    def __init__(self, proposer: Proposer, limits: PlanLimits) -> None:
+    def __init__(self, proposer: Proposer, limits: PlanLimits, num_speculative_tokens: int) -> None:
         self.proposer = proposer
         self.limits = limits
+        self.proposer_k = num_speculative_tokens  # announced to the scheduler (WorkerReady)
         self.num_proposed = 0  # draft tokens proposed since start (the worker's own count, for tests)
 
     def prepare(
@@ -149,6 +161,9 @@ class Speculation:
         if not plan.draft_slots:
             return None
         batch_of = {plan.scheduled_seq_ids[b]: b for b in sampling}
+        slots = {seq_id for seq_id, _ in plan.draft_slots}
+        if len(slots) != len(plan.draft_slots):
+            raise PlanError("a sequence with draft slots twice")
         rows: list[ProposeRow] = []
         batches: list[int] = []
         bs = self.limits.block_size
@@ -163,9 +178,7 @@ class Speculation:
             if k and may_speculate(seq):
                 rows.append(ProposeRow(seq_id, seq.token_ids, k))
                 batches.append(b)
-        if not rows:
-            return None
-        proposed = self.proposer.propose(rows)
+        proposed = self.proposer.propose(rows) if rows else []
         drafts_of: dict[int, list[int]] = {}
         vocab = self.limits.vocab_size
         for row, b, drafts in zip(rows, batches, proposed, strict=True):
@@ -174,12 +187,28 @@ class Speculation:
             drafts = drafts[: bad[0]] if bad else drafts  # a proposer's bad id ends its drafts there
             if drafts:
                 drafts_of[b] = drafts
-        if not drafts_of:
-            return None
         self.num_proposed += sum(len(d) for d in drafts_of.values())
         num_tokens = list(plan.num_scheduled_tokens)
         input_seqs = list(seqs)
         for b, drafts in drafts_of.items():
             num_tokens[b] += len(drafts)
             input_seqs[b] = replace(seqs[b], token_ids=seqs[b].token_ids + drafts)
-        return SpecBatch(num_tokens, input_seqs, [drafts_of.get(b, []) for b in sampling])
+        drafts = [drafts_of.get(b, []) for b in sampling]
+        slotted = [plan.scheduled_seq_ids[b] in slots for b in sampling]
+        return SpecBatch(num_tokens, input_seqs, drafts, slotted, bs)
+
+
+def prepare_drafts(
+    spec: Speculation | None,
+    plan: StepPlan,
+    seqs: list[SeqState],
+    sampling: list[int],
+    tables: BlockTableArray,
+) -> SpecBatch | None:
+    """`Speculation.prepare` of the runner's speculation; a plan with draft slots for a worker that does not
+    speculate is refused (PlanError)."""
+    if spec is None:
+        if plan.draft_slots:
+            raise PlanError("draft slots for a worker without --speculative-config")
+        return None
+    return spec.prepare(plan, seqs, sampling, tables)
