@@ -82,8 +82,8 @@ class Speculation:
 
     def slots(self, seq: Sequence, k: int, budget: int) -> int:
         """The draft slots `seq` gets in this step (0: none): within its length and the step's budget."""
-        if seq.num_pending_tokens or not may_speculate(seq):
-            return 0
+        if seq.num_pending_tokens or seq.fork_children or not may_speculate(seq):
+            return 0  # (a fork parent's children copy its table and sample its first row: no drafts then)
         return max(0, min(k, budget - 1, seq.request.max_total_len - len(seq.token_ids) - 1))
 
     def slotted(self, step_id: int) -> set[int]:

@@ -162,6 +162,7 @@ class Speculation:
             return None
         batch_of = {plan.scheduled_seq_ids[b]: b for b in sampling}
         slots = {seq_id for seq_id, _ in plan.draft_slots}
+        parents = {fork.parent_seq_id for fork in plan.forks}
         if len(slots) != len(plan.draft_slots):
             raise PlanError("a sequence with draft slots twice")
         rows: list[ProposeRow] = []
@@ -175,7 +176,7 @@ class Speculation:
             end = seq.num_computed_tokens + 1 + k
             if seq.pending or end > self.limits.max_model_len or end > int(tables.num_blocks[seq.row]) * bs:
                 raise PlanError(f"draft slots for seq {seq_id} past its known tokens, blocks or length")
-            if k and may_speculate(seq):
+            if k and may_speculate(seq) and seq_id not in parents:  # children sample a parent's one row
                 rows.append(ProposeRow(seq_id, seq.token_ids, k))
                 batches.append(b)
         proposed = self.proposer.propose(rows) if rows else []
