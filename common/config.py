@@ -138,14 +138,14 @@ class SchedulerConfig:
     kv_trace_max_mb: float = 64.0  # the trace stops at this size (its last line says so)
     # A KV snapshot (for /dashboard viewers and --kv-trace) is built at most this often (0.05 to 60)
     kv_snapshot_interval_s: float = 0.5
-    # Speculative decoding (the worker's --speculative-config; docs/speculative.md): draft tokens verified per
+    # Speculative decoding (the worker's speculative config, docs/speculative.md): draft tokens verified per
     # step at most, shared by the decoding sequences (k each while they fit, fewer as the batch grows, none
     # past it: at high load a step is compute-bound and drafts only cost); 0: never speculate
     speculative_draft_budget: int = 64
     # accepted drafts per sequence and step (a moving average) below which speculation pauses (the pipeline
-    # runs as without it), trying again once every speculative_probe_steps steps
+    # runs as without it)
     speculative_min_accepted: float = 0.5
-    speculative_probe_steps: int = 32
+    speculative_probe_steps: int = 32  # while paused, one step in this many drafts again (to measure again)
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -88,7 +88,7 @@ class Speculation:
 
     def slotted(self, step_id: int) -> set[int]:
         """The sequences with draft slots in a step in flight."""
-        return self._in_flight.get(step_id, set())
+        return self._in_flight.get(step_id, set()) if type(step_id) is int else set()
 
     def planned(self, step_id: int, draft_slots: list[tuple[int, int]]) -> None:
         if draft_slots:
