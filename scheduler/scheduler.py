@@ -275,7 +275,7 @@ class Scheduler:
     @property
     def speculating(self) -> bool:
         """Whether the next plan would draft: plan it after the step in flight is in (docs/speculative.md)."""
-        return self._spec.active(len(self._running))
+        return self._spec.active(self._running.seqs)
 
     def schedule(self) -> StepPlan:
         """The next step's plan. Sequences it schedules count their tokens as computed from now on."""

@@ -71,10 +71,11 @@ class Speculation:
             return 0
         return k
 
-    def active(self, num_running: int) -> bool:
+    def active(self, running: list[Sequence]) -> bool:
         """Whether the next step would draft: then the server waits for the step in flight before planning
-        (drafts need every token on the host)."""
-        return self.step_k(num_running) > 0
+        (drafts need every token on the host). Only while some running sequence may speculate: a batch of
+        structured-output requests, say, keeps the pipeline."""
+        return self.step_k(len(running)) > 0 and any(may_speculate(s) for s in running)
 
     def blocks_planning(self) -> bool:
         """Whether a drafting step is in flight: no plan can be made before its update."""
