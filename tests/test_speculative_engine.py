@@ -166,3 +166,28 @@ def test_speculation_backs_off_past_the_draft_budget(tiny_model_dir, baseline):
     assert ours == expected
     assert scheduler.metrics.spec_draft_tokens_total == 0
     assert runner.num_tokens_fed > 0  # pipelined: tokens read on the device
+
+
+def test_bad_draft_slots_are_refused_by_the_worker(tiny_model_dir):
+    """Draft slots the worker cannot honour are a scheduler bug: PlanError, as for any bad plan."""
+    from common.messages import NewSequence, StepPlan
+    from worker.plan_check import PlanError
+
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = [5, 6, 7, 5, 6]
+
+    def plan(draft_slots, blocks=(0, 1)):
+        new = NewSequence(1, prompt, list(blocks), 0, params, 0)
+        return StepPlan(0, [], [new], [], [1], [len(prompt)], [1], draft_slots=draft_slots)
+
+    plain = make_runner(tiny_model_dir, 16)
+    with pytest.raises(PlanError, match="without --speculative-config"):
+        plain.execute(plan([(1, 2)]))
+    runner = make_runner(tiny_model_dir, 16, NGRAM)
+    with pytest.raises(PlanError, match="does not decode one token"):
+        runner.execute(plan([(1, 2)]))  # a 5-token prefill chunk cannot draft
+    runner = make_runner(tiny_model_dir, 16, NGRAM)
+    first = StepPlan(0, [], [NewSequence(1, prompt, [0, 1], 0, params, 0)], [], [1], [4], [])
+    assert runner.execute(first).seq_ids == []
+    with pytest.raises(PlanError, match="blocks or length"):  # 4 computed + 1 + 4 > 2 blocks of 4
+        runner.execute(StepPlan(1, [], [], [], [1], [1], [1], draft_slots=[(1, 4)]))
