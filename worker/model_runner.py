@@ -125,6 +125,7 @@ class ModelRunner:
         )
         load_weights(self.model, self.model_config, cfg.model, self.parallel)
         self.model.eval()
+        self.spec = build_speculation(cfg, self.device, self.dtype)  # before the profile: a draft's memory
         budget = 0
         # For the worker's memory line: the profile's peak (weights + one largest step), and the graphs' bytes
         self.profile_peak_bytes: int | None = None
@@ -183,7 +184,8 @@ class ModelRunner:
         self.launch_marks: dict[str, float] = {}
         eos = tuple(self.model_config.eos_token_ids)  # min_tokens bans them (with the stop ids)
         self.logits_processors = LogitsProcessors(self.model_config.vocab_size, eos, self.device)
-        self.spec = build_speculation(cfg, self.sequences.limits, self.device, self.dtype)  # None: off
+        if self.spec is not None:  # (None: no --speculative-config)
+            self.spec.with_limits(self.sequences.limits)
 
     def close(self) -> None:
         """Releases the CUDA graphs. Before a tensor-parallel group is destroyed this is required: NCCL
@@ -385,11 +387,8 @@ class ModelRunner:
             seq_ids += [fork.child_seq_id for fork in plan.forks]
             samplers += self.sequences.fork(plan)
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
-        if step.spec is not None:
-            step.spec.add_forks(len(plan.forks))
-            sampling_tensors = step.spec.sampling_tensors(samplers, self.device, self.logits_processors)
-        else:
-            sampling_tensors = _sampling_tensors(samplers, self.device, self.logits_processors)
+        make_tensors = step.spec.sampling_tensors if step.spec is not None else _sampling_tensors
+        sampling_tensors = make_tensors(samplers, self.device, self.logits_processors)
         in_flight = lambda: step_tokens(self.in_flight[-1])  # noqa: E731 (tokens pending in the step before)
         bitmask = self.structured.bitmask(plan.step_id, seq_ids, samplers, in_flight, self.device)
         bitmask = step.spec.expand_bitmask(bitmask) if bitmask and step.spec else bitmask

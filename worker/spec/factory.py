@@ -6,7 +6,6 @@ import torch
 
 from common.config import WorkerConfig
 from common.speculative import SpeculativeConfig, parse_speculative_config
-from worker.plan_check import PlanLimits
 from worker.spec.ngram import NgramProposer
 from worker.spec.proposer import Proposer
 from worker.spec.verify import Speculation
@@ -30,12 +29,12 @@ def build_proposer(
     return DraftModelProposer(cfg, spec, device, dtype)
 
 
-def build_speculation(
-    cfg: WorkerConfig, limits: PlanLimits, device: torch.device, dtype: torch.dtype
-) -> Speculation | None:
-    """The model runner's speculation (worker/spec/verify.py), None when `--speculative-config` is empty."""
+def build_speculation(cfg: WorkerConfig, device: torch.device, dtype: torch.dtype) -> Speculation | None:
+    """The model runner's speculation (worker/spec/verify.py), None when `--speculative-config` is empty.
+    Built before the target's memory profile and KV pool, so that a draft model's weights and pool are
+    counted in the profile's peak; the runner gives it the plan limits once its pool is sized."""
     spec = speculative_config_of(cfg)
     proposer = build_proposer(cfg, spec, device, dtype)
     if spec is None or proposer is None:
         return None
-    return Speculation(proposer, limits, spec.num_speculative_tokens)
+    return Speculation(proposer, None, spec.num_speculative_tokens)

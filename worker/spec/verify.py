@@ -80,7 +80,10 @@ class SpecBatch:
         self, samplers: list[SeqState], device: torch.device, processors: LogitsProcessors | None
     ) -> SamplingTensors:
         """The sampler's parameters for every row: a drafting sequence's rows are its own at positions
-        P .. P + d, so each draws what an ordinary step at that position would."""
+        P .. P + d, so each draws what an ordinary step at that position would. Samplers past the drafts'
+        are the step's fork children: one row each."""
+        if len(samplers) > len(self.drafts):
+            self.add_forks(len(samplers) - len(self.drafts))
         rows = [s for s, c in zip(samplers, self.counts.tolist(), strict=True) for _ in range(c)]
         base = np.fromiter((len(s.token_ids) + s.pending for s in samplers), np.int64, len(samplers))
         position = np.repeat(base, self.counts) + (
@@ -144,11 +147,21 @@ class Speculation:
     """The worker's side of speculative decoding: asks the proposer for drafts, checks the plan's draft
     slots against the sequences, and lays out the verification step (SpecBatch)."""
 
-    def __init__(self, proposer: Proposer, limits: PlanLimits, num_speculative_tokens: int) -> None:
+    def __init__(self, proposer: Proposer, limits: PlanLimits | None, num_speculative_tokens: int) -> None:
         self.proposer = proposer
-        self.limits = limits
+        self._limits = limits  # set by `with_limits` once the runner's pool is sized
         self.proposer_k = num_speculative_tokens  # announced to the scheduler (WorkerReady)
         self.num_proposed = 0  # draft tokens proposed since start (the worker's own count, for tests)
+
+    def with_limits(self, limits: PlanLimits) -> Speculation:
+        self._limits = limits
+        return self
+
+    @property
+    def limits(self) -> PlanLimits:
+        if self._limits is None:
+            raise RuntimeError("Speculation.with_limits was not called")
+        return self._limits
 
     def prepare(
         self, plan: StepPlan, seqs: list[SeqState], sampling: list[int], tables: BlockTableArray
