@@ -199,3 +199,17 @@ def test_greedy_acceptance_is_the_argmax_run():
         _, emitted, _ = batch.accept(tokens, logprobs)
         assert len(emitted[0]) == expected
         assert emitted[0] == [int(rows[j].argmax()) for j in range(expected)]
+
+
+def test_ngram_keeps_each_sequence_as_it_grows():
+    """The proposer converts only appended tokens; a new list under an id (a recompute) or `free` starts over."""
+    rng = np.random.default_rng(0)
+    proposer = NgramProposer(1, 3)
+    tokens = rng.integers(0, 5, size=3).tolist()
+    for _ in range(200):
+        tokens.append(int(rng.integers(0, 5)))
+        assert proposer.propose([ProposeRow(9, tokens, 3)]) == [brute_force(tokens, 3, 1, 3)]
+    other = list(reversed(tokens))
+    assert proposer.propose([ProposeRow(9, other, 3)]) == [brute_force(other, 3, 1, 3)]
+    proposer.free(9)
+    assert proposer.propose([ProposeRow(9, tokens[:7], 2)]) == [brute_force(tokens[:7], 2, 1, 3)]
