@@ -202,7 +202,7 @@ def test_greedy_acceptance_is_the_argmax_run():
 
 
 def test_ngram_keeps_each_sequence_as_it_grows():
-    """The proposer converts only appended tokens; a new list under an id (a recompute) or `free` starts over."""
+    """Only appended tokens are converted; a new list under an id (a recompute) or `free` starts over."""
     rng = np.random.default_rng(0)
     proposer = NgramProposer(1, 3)
     tokens = rng.integers(0, 5, size=3).tolist()

@@ -98,7 +98,9 @@ def baseline(tiny_model_dir):
     CASES,
     ids=[f"{c[0]}-{'pipelined' if c[3] else 'sync'}" for c in CASES],
 )
-def test_greedy_with_ngram_speculation_matches_without(tiny_model_dir, baseline, name, num_kv_blocks, policies, pipelined):  # fmt: skip
+def test_greedy_with_ngram_speculation_matches_without(
+    tiny_model_dir, baseline, name, num_kv_blocks, policies, pipelined
+):
     expected, _ = baseline
     runner = make_runner(tiny_model_dir, num_kv_blocks, NGRAM)
     params = SamplingParams(max_tokens=24, temperature=0.0)
