@@ -234,6 +234,8 @@ class ModelRunner:
         while self.in_flight:
             self.finish()
         self.sequences.clear()
+        if self.spec is not None:
+            self.spec.reset()  # the proposer forgets every sequence
         self.prompt_scores.clear()  # a step that failed between its selection and its end
         self.structured.reset()
         self._last_ended = None
@@ -309,8 +311,8 @@ class ModelRunner:
         if not sampling:
             return None
         # The last scheduled token of each sampling sequence is the row that predicts its next token.
-        last_rows = self._put(rows if rows is not None else (inputs.query_start_loc[1:][sampling] - 1))
-        return self.model.compute_logits(hidden[last_rows])  # [S, V]
+        last = (inputs.query_start_loc[1:][sampling] - 1).astype(np.int64) if rows is None else rows
+        return self.model.compute_logits(hidden[self._put(last)])  # [S, V]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -152,6 +152,13 @@ class Speculation:
         self._limits = limits  # set by `with_limits` once the runner's pool is sized
         self.proposer_k = num_speculative_tokens  # announced to the scheduler (WorkerReady)
         self.num_proposed = 0  # draft tokens proposed since start (the worker's own count, for tests)
+        self._known: set[int] = set()  # sequences the proposer was asked about and not told to free
+
+    def reset(self) -> None:
+        """The runner forgot every sequence (a new scheduler): so does the proposer."""
+        for seq_id in self._known:
+            self.proposer.free(seq_id)
+        self._known.clear()
 
     def with_limits(self, limits: PlanLimits) -> Speculation:
         self._limits = limits
@@ -170,7 +177,9 @@ class Speculation:
         `sampling`: the batch indices that sample); None when no sequence drafts a token. Raises PlanError
         on slots that contradict the sequences."""
         for seq_id in plan.freed_seq_ids:
-            self.proposer.free(seq_id)
+            if seq_id in self._known:
+                self._known.discard(seq_id)
+                self.proposer.free(seq_id)
         if not plan.draft_slots:
             return None
         batch_of = {plan.scheduled_seq_ids[b]: b for b in sampling}
@@ -192,6 +201,7 @@ class Speculation:
             if k and may_speculate(seq) and seq_id not in parents:  # children sample a parent's one row
                 rows.append(ProposeRow(seq_id, seq.token_ids, k))
                 batches.append(b)
+        self._known.update(row.seq_id for row in rows)
         proposed = self.proposer.propose(rows) if rows else []
         drafts_of: dict[int, list[int]] = {}
         vocab = self.limits.vocab_size
