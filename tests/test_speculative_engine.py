@@ -193,3 +193,59 @@ def test_bad_draft_slots_are_refused_by_the_worker(tiny_model_dir):
     assert runner.execute(first).seq_ids == []
     with pytest.raises(PlanError, match="blocks or length"):  # 4 computed + 1 + 4 > 2 blocks of 4
         runner.execute(StepPlan(1, [], [], [], [1], [1], [1], draft_slots=[(1, 4)]))
+
+
+class OracleProposer:
+    """Drafts the known greedy continuation, wrong at every `wrong_every`-th draft position: long accepted
+    runs (bonus tokens after k accepted drafts) and rejections at known places."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], wrong_every: int, vocab: int) -> None:
+        self.answers = answers
+        self.wrong_every = wrong_every
+        self.vocab = vocab
+
+    def propose(self, rows):
+        out = []
+        for row in rows:
+            tokens = list(row.token_ids)
+            drafts = []
+            for prompt, full in self.answers.items():
+                if (
+                    tokens[: len(prompt)] == list(prompt)
+                    and tokens[len(prompt) :] == full[: len(tokens) - len(prompt)]
+                ):
+                    drafts = full[len(tokens) - len(prompt) : len(tokens) - len(prompt) + row.num_tokens]
+                    break
+            out.append(
+                [
+                    (t + 1) % self.vocab if (len(tokens) + j) % self.wrong_every == 0 else t
+                    for j, t in enumerate(drafts)
+                ]
+            )
+        return out
+
+    def free(self, seq_id):
+        pass
+
+
+@pytest.mark.parametrize("wrong_every,num_kv_blocks,pipelined", [(1000, 400, False), (3, 40, True)])
+def test_long_accepted_runs_with_an_oracle_proposer(
+    tiny_model_dir, baseline, wrong_every, num_kv_blocks, pipelined
+):
+    """With drafts that are mostly right, runs of up to k + 1 tokens per step (a bonus token after k accepted
+    drafts), still identical outputs, blocks released under preemption."""
+    expected, _ = baseline
+    runner = make_runner(tiny_model_dir, num_kv_blocks, NGRAM)
+    ps = prompts(runner.vocab_size)
+    answers = {tuple(p): expected[(i, 0)] for i, p in enumerate(ps)}
+    runner.spec.proposer = OracleProposer(answers, wrong_every, runner.vocab_size)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    ours, scheduler, _ = run_engine(runner, ps, params, pipelined, preemption_mode="recompute")
+    assert ours == expected
+    hist = scheduler.metrics.spec_acceptance_length
+    if wrong_every == 1000:
+        assert hist.counts[4] > 0  # k = 4 accepted drafts and a bonus token in one step
+    else:
+        assert hist.counts[2] > 0 and hist.counts[0] > 0  # two right, then one wrong
+        assert scheduler.metrics.preemptions_total > 0
+        assert scheduler.metrics.spec_accepted_tokens_total < scheduler.metrics.spec_draft_tokens_total
