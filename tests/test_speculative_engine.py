@@ -183,9 +183,12 @@ def test_bad_draft_slots_are_refused_by_the_worker(tiny_model_dir):
         return StepPlan(0, [], [new], [], [1], [len(prompt)], [1], draft_slots=draft_slots)
 
     plain = make_runner(tiny_model_dir, 16)
+    assert "without --speculative-config" in plain.check_plan(plan([(1, 2)]))  # refused whole, before it runs
     with pytest.raises(PlanError, match="without --speculative-config"):
         plain.execute(plan([(1, 2)]))
     runner = make_runner(tiny_model_dir, 16, NGRAM)
+    assert "does not decode one token" in runner.check_plan(plan([(1, 2)]))
+    assert "twice" in runner.check_plan(plan([(1, 2), (1, 1)]))
     with pytest.raises(PlanError, match="does not decode one token"):
         runner.execute(plan([(1, 2)]))  # a 5-token prefill chunk cannot draft
     runner = make_runner(tiny_model_dir, 16, NGRAM)

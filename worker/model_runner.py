@@ -41,7 +41,7 @@ from worker.prompt_logprobs import PromptScores, score_prompts, select_prompt_ro
 from worker.sampler import MASK64, SamplerCopy, SamplingTensors, sample_tensors
 from worker.sequences import BlockTableArray, SeqState, Sequences
 from worker.spec.factory import build_speculation
-from worker.spec.verify import SpecBatch, prepare_drafts
+from worker.spec.verify import SpecBatch, check_draft_slots, prepare_drafts
 from worker.structured import StructuredOutputs, step_tokens
 
 
@@ -225,7 +225,7 @@ class ModelRunner:
     def check_plan(self, plan: StepPlan) -> str | None:
         """Why `plan` contradicts this runner's state as it will be when the plan is applied (after the step
         in flight, if any), or None when `launch` can apply it. Changes nothing (worker/plan_check.py)."""
-        return self.sequences.check_plan(plan)
+        return self.sequences.check_plan(plan) or check_draft_slots(plan, self.spec)
 
     def reset(self) -> None:
         """Finishes the steps in flight, dropping their outputs, and forgets every sequence: the runner is as

@@ -222,6 +222,26 @@ class Speculation:
         return SpecBatch(num_tokens, input_seqs, drafts, slotted, bs)
 
 
+def check_draft_slots(plan: StepPlan, spec: Speculation | None) -> str | None:
+    """Why the plan's draft slots cannot be honoured whatever the sequences' state (the runner's
+    `check_plan`, which refuses a plan whole), or None. Blocks and lengths are checked at launch."""
+    if not plan.draft_slots:
+        return None
+    if spec is None:
+        return "draft slots for a worker without --speculative-config"
+    ids = [seq_id for seq_id, _ in plan.draft_slots]
+    if len(set(ids)) != len(ids):
+        return "a sequence with draft slots twice"
+    one_token = {s for s, n in zip(plan.scheduled_seq_ids, plan.num_scheduled_tokens, strict=False) if n == 1}
+    samplers = set(plan.sampling_seq_ids)
+    for seq_id, k in plan.draft_slots:
+        if seq_id not in samplers or seq_id not in one_token:
+            return f"draft slots for seq {seq_id}, which does not decode one token and sample"
+        if k > spec.proposer_k:
+            return f"seq {seq_id}: {k} draft slots, more than the worker's {spec.proposer_k}"
+    return None
+
+
 def prepare_drafts(
     spec: Speculation | None,
     plan: StepPlan,
