@@ -25,7 +25,7 @@ import msgspec
 from msgspec import Meta
 
 from common.sampling_params import SamplingParams
-from common.speculative import DraftCount
+from common.speculative import DraftCount, DraftCounts, RunLengths
 from common.wire_types import (
     MAX_INT32,
     MAX_NUM_BLOCKS,
@@ -301,8 +301,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     failed_seq_ids: SeqIds = msgspec.field(default_factory=list)
     # speculative decoding: per sequence of seq_ids, how many of token_ids (and logprobs) are its, in order
     # (1 + its accepted drafts), and how many drafts it verified; both empty when no sequence speculated
-    num_tokens: Counts = msgspec.field(default_factory=list)
-    num_drafts: Counts = msgspec.field(default_factory=list)
+    num_tokens: RunLengths = msgspec.field(default_factory=list)
+    num_drafts: DraftCounts = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, array_like=True):
