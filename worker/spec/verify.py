@@ -151,7 +151,6 @@ class Speculation:
         self.proposer = proposer
         self._limits = limits  # set by `with_limits` once the runner's pool is sized
         self.proposer_k = num_speculative_tokens  # announced to the scheduler (WorkerReady)
-        self.num_proposed = 0  # draft tokens proposed since start (the worker's own count, for tests)
         self._known: set[int] = set()  # sequences the proposer was asked about and not told to free
 
     def reset(self) -> None:
@@ -174,8 +173,9 @@ class Speculation:
         self, plan: StepPlan, seqs: list[SeqState], sampling: list[int], tables: BlockTableArray
     ) -> SpecBatch | None:
         """Drafts for the plan's draft slots (`seqs`: the scheduled sequences after `apply`, not yet computed;
-        `sampling`: the batch indices that sample); None when no sequence drafts a token. Raises PlanError
-        on slots that contradict the sequences."""
+        `sampling`: the batch indices that sample); None when the plan has none. A batch whose proposer found
+        no draft still comes back (all rows single): its slotted sequences' spare blocks go after the step.
+        Raises PlanError on slots that contradict the sequences."""
         for seq_id in plan.freed_seq_ids:
             if seq_id in self._known:
                 self._known.discard(seq_id)
@@ -211,7 +211,6 @@ class Speculation:
             drafts = drafts[: bad[0]] if bad else drafts  # a proposer's bad id ends its drafts there
             if drafts:
                 drafts_of[b] = drafts
-        self.num_proposed += sum(len(d) for d in drafts_of.values())
         num_tokens = list(plan.num_scheduled_tokens)
         input_seqs = list(seqs)
         for b, drafts in drafts_of.items():
