@@ -27,7 +27,7 @@ def make_runner(model_dir, num_kv_blocks: int, speculative: str = "", block_size
     return ModelRunner(config)
 
 
-def run_engine(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams, pipelined: bool, **kw):
+def run_engine(runner: ModelRunner, prompts: list[list[int]], params, pipelined: bool, **kw):
     """Runs the prompts to the end as the server does (scheduler/server.py `_run_steps`): with `pipelined`,
     plan N+1 is made and launched before step N's tokens are in, except when the next plan would draft.
     Returns {(prompt, sample): tokens}, the scheduler and the number of steps."""
@@ -43,7 +43,8 @@ def run_engine(runner: ModelRunner, prompts: list[list[int]], params: SamplingPa
     )
     scheduler = Scheduler(settings)
     for i, prompt in enumerate(prompts):
-        assert scheduler.add_request(b"test", SubmitRequest(f"r{i}", prompt, params)) is None
+        p = params[i] if isinstance(params, list) else params  # one for all, or one per prompt
+        assert scheduler.add_request(b"test", SubmitRequest(f"r{i}", prompt, p)) is None
     outputs: dict[tuple[int, int], list[int]] = {}
     steps = 0
     while scheduler.has_work or runner.in_flight:
@@ -252,3 +253,26 @@ def test_long_accepted_runs_with_an_oracle_proposer(
         assert hist.counts[2] > 0 and hist.counts[0] > 0  # two right, then one wrong
         assert scheduler.metrics.preemptions_total > 0
         assert scheduler.metrics.spec_accepted_tokens_total < scheduler.metrics.spec_draft_tokens_total
+
+
+def test_structured_and_penalized_sequences_decode_beside_drafting_ones(tiny_model_dir, baseline):
+    """A constrained sequence and a penalized one in the batch draft nothing; their rows (and the bitmask)
+    sit between the drafting sequences' rows; every output is as without speculation."""
+    from common.sampling_params import StructuredOutput
+
+    expected, _ = baseline
+    runner = make_runner(tiny_model_dir, 400, NGRAM)
+    ps = prompts(runner.vocab_size)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    constrained = SamplingParams(
+        max_tokens=24, temperature=0.0, structured=StructuredOutput("regex", "[a-f]{3,8}")
+    )
+    penalized = SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=1.0)
+    params = [greedy] * len(ps)
+    params[1], params[3] = constrained, penalized
+    ours, scheduler, _ = run_engine(runner, ps, params, pipelined=False)
+    plain, _, _ = run_engine(make_runner(tiny_model_dir, 400), ps, params, pipelined=False)
+    assert ours == plain
+    assert all(ours[(i, 0)] == expected[(i, 0)] for i in range(len(ps)) if i not in (1, 3))
+    assert ours[(1, 0)] != expected[(1, 0)]  # the constraint took effect
+    assert scheduler.metrics.spec_accepted_tokens_total > 0
