@@ -140,9 +140,26 @@ class SchedulerConfig:
     kv_trace_max_mb: float = 64.0  # the trace stops at this size (its last line says so)
     # A KV snapshot (for /dashboard viewers and --kv-trace) is built at most this often (0.05 to 60)
     kv_snapshot_interval_s: float = 0.5
+    # Speculative decoding (the worker's speculative config, docs/speculative.md): draft tokens verified per
+    # step at most, shared by the decoding sequences (k each while they fit, fewer as the batch grows, none
+    # past it: at high load a step is compute-bound and drafts only cost); 0: never speculate
+    speculative_draft_budget: int = 64
+    # accepted drafts per sequence and step (a moving average) below which speculation pauses (the pipeline
+    # runs as without it)
+    speculative_min_accepted: float = 0.5
+    speculative_probe_steps: int = 32  # while paused, one step in this many drafts again (to measure again)
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if (
+            not 0 <= self.speculative_draft_budget <= 1 << 16
+            or not 1 <= self.speculative_probe_steps <= 1 << 16
+        ):
+            raise ValueError(
+                "speculative_draft_budget must be in [0, 65536], speculative_probe_steps in [1, 65536]"
+            )
+        if not 0.0 <= self.speculative_min_accepted <= 16.0:
+            raise ValueError("speculative_min_accepted must be in [0, 16]")
         if self.max_waiting_seqs < 1 or self.request_seat_quota < 0:
             raise ValueError("max_waiting_seqs must be at least 1 and request_seat_quota at least 0")
         if not 0.05 <= self.kv_snapshot_interval_s <= 60 or not 0 < self.kv_trace_max_mb <= 1 << 20:

@@ -25,6 +25,7 @@ import msgspec
 from msgspec import Meta
 
 from common.sampling_params import SamplingParams
+from common.speculative import DraftCount, DraftCounts, RunLengths
 from common.wire_types import (
     MAX_INT32,
     MAX_NUM_BLOCKS,
@@ -203,6 +204,8 @@ class WorkerReady(msgspec.Struct, array_like=True):
     # them (0: not known)
     max_num_seqs: Count = 0
     max_num_batched_tokens: Count = 0
+    # speculative decoding (--speculative-config): the most draft tokens per sequence and step (0: off)
+    num_speculative_tokens: DraftCount = 0
 
 
 class Heartbeat(msgspec.Struct, array_like=True):
@@ -274,6 +277,9 @@ class StepPlan(msgspec.Struct, array_like=True):
     forks: Annotated[list[Fork], Meta(max_length=MAX_PLAN_ITEMS)] = msgspec.field(default_factory=list)
     clones: SeqPairs = msgspec.field(default_factory=list)  # (parent seq_id, new child seq_id)
     appended_tokens: SeqTokens = msgspec.field(default_factory=list)  # (seq_id, token id)
+    # speculative decoding (docs/speculative.md): (seq_id, k) for sequences of sampling_seq_ids that compute
+    # their one known token and up to k draft tokens the worker proposes, in slots the plan's blocks hold
+    draft_slots: Annotated[list[tuple[SeqId, DraftCount]], Meta(max_length=MAX_PLAN_ITEMS)] = []
 
 
 class StepOutput(msgspec.Struct, array_like=True):
@@ -293,6 +299,10 @@ class StepOutput(msgspec.Struct, array_like=True):
     )
     # sequences of seq_ids whose output constraint failed in the worker (their token is EOS): fail the request
     failed_seq_ids: SeqIds = msgspec.field(default_factory=list)
+    # speculative decoding: per sequence of seq_ids, how many of token_ids (and logprobs) are its, in order
+    # (1 + its accepted drafts), and how many drafts it verified; both empty when no sequence speculated
+    num_tokens: RunLengths = msgspec.field(default_factory=list)
+    num_drafts: DraftCounts = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, array_like=True):

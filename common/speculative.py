@@ -11,10 +11,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
+
+from msgspec import Meta
+
+from common.wire_types import MAX_PLAN_ITEMS
 
 SpeculativeMethod = Literal["ngram", "draft_model"]
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's query tokens per sequence stay within a kernel tile
+DraftCount = Annotated[int, Meta(ge=0, le=MAX_SPECULATIVE_TOKENS)]  # draft tokens of one sequence in a step
+# StepOutput: per sequence, the tokens it emits (1 + accepted drafts) and the drafts it verified
+RunLengths = Annotated[
+    list[Annotated[int, Meta(ge=1, le=MAX_SPECULATIVE_TOKENS + 1)]], Meta(max_length=MAX_PLAN_ITEMS)
+]
+DraftCounts = Annotated[list[DraftCount], Meta(max_length=MAX_PLAN_ITEMS)]
 
 
 @dataclass(frozen=True)

@@ -254,6 +254,14 @@ class BlockManager:
         table.extend(result.new_blocks)
         return result
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Releases the sequence's blocks past those its first `num_tokens` tokens fill (the slots of
+        rejected draft tokens; their KV is garbage nobody reads)."""
+        table = self._tables.get(seq_id)
+        keep = self.blocks_for(num_tokens)
+        while table is not None and len(table) > keep:
+            self._release(table.pop())
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Gives the child the parent's blocks, by reference."""
         table = self._tables[parent_seq_id]

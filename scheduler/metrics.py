@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from scheduler.request import Sequence
 
+ACCEPTED_BUCKETS = tuple(float(n) for n in range(17))  # accepted drafts of one sequence in one step
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0
 )  # fmt: skip
@@ -64,6 +65,11 @@ class SchedulerMetrics:
     decode_step_seconds_total: float = 0.0
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
+    # speculative decoding (scheduler/speculation.py): drafts verified, of which accepted, and per drafting
+    # sequence and step the number accepted
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_acceptance_length: Histogram = field(default_factory=lambda: Histogram(buckets=ACCEPTED_BUCKETS))
 
     def observe_step(self, gpu_time_s: float, gpu_idle_before_s: float, decode_only: bool) -> None:
         """GPU time of every step; for decode-only steps also their span on the GPU's clock, from the end
@@ -134,5 +140,16 @@ class SchedulerMetrics:
         )
         lines += self.inter_token_latency.render(
             "pagedserve_inter_token_latency_seconds", "Between consecutive tokens of a sequence"
+        )
+        lines += [
+            "# HELP pagedserve_spec_draft_tokens_total Draft tokens verified (speculative decoding)",
+            "# TYPE pagedserve_spec_draft_tokens_total counter",
+            f"pagedserve_spec_draft_tokens_total {self.spec_draft_tokens_total}",
+            "# HELP pagedserve_spec_accepted_tokens_total Draft tokens accepted",
+            "# TYPE pagedserve_spec_accepted_tokens_total counter",
+            f"pagedserve_spec_accepted_tokens_total {self.spec_accepted_tokens_total}",
+        ]
+        lines += self.spec_acceptance_length.render(
+            "pagedserve_spec_acceptance_length", "Draft tokens accepted per drafting sequence and step"
         )
         return "\n".join(lines) + "\n"

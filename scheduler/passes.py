@@ -22,6 +22,7 @@ from scheduler.prompt_logprobs import cacheable_prefix
 from scheduler.queues import RunQueue, SwappedQueue
 from scheduler.request import SeqStatus, Sequence, new_sequence_message
 from scheduler.settings import SchedulerSettings
+from scheduler.speculation import Speculation
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
 
@@ -35,7 +36,9 @@ class RunningPass:
         block_manager: BlockManager,
         running: RunQueue,
         preempt: Callable[[Sequence, Step], None],
+        speculation: Speculation | None = None,
     ) -> None:
+        self._speculation = speculation  # draft slots for decodes when the step's spec_k says so
         self._settings = settings
         self._block_manager = block_manager
         self._running = running
@@ -62,7 +65,14 @@ class RunningPass:
             if num_pending_tokens and len(seq.token_ids) + num_pending_tokens >= seq.request.max_total_len:
                 continue  # the token in flight is its last
             reserve = self._settings.reserve_tokens(seq) if reserved else 0
-            allocation = allocate(seq.seq_id, seq.num_computed_tokens, 1, reserve)
+            allocation = None
+            if step.spec_k and self._speculation and (k := self._speculation.slots(seq, step.spec_k, budget)):
+                allocation = allocate(seq.seq_id, seq.num_computed_tokens, 1 + k, reserve)  # never preempts
+                if allocation is not None:
+                    step.draft_slots.append((seq.seq_id, k))
+                    budget -= k
+            if allocation is None:
+                allocation = allocate(seq.seq_id, seq.num_computed_tokens, 1, reserve)
             while allocation is None:
                 # nothing after seq is scheduled yet: the victim comes from there, or is seq itself
                 victim = self._running.pick_victim()

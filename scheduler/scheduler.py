@@ -22,7 +22,6 @@ tokens and freeing.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 
@@ -39,10 +38,10 @@ from common.messages import (
     SubmitRequest,
     TokenLogprobs,
 )
-from scheduler.beam import BeamGroup
 from scheduler.block_manager import BlockManager, KVUsage
 from scheduler.faults import RequestFaults
 from scheduler.inspection import Inspection
+from scheduler.intake import queue_request
 from scheduler.metrics import SchedulerMetrics
 from scheduler.output_check import check_step_output
 from scheduler.passes import Admission, RunningPass
@@ -61,14 +60,13 @@ from scheduler.request import (
 )
 from scheduler.search import BeamSearch
 from scheduler.settings import SchedulerSettings, check_request
+from scheduler.speculation import Speculation
 from scheduler.step import Step
 from scheduler.waiting import WaitingQueue
 
 __all__ = ["Error", "Output", "Scheduler"]
 
 log = structlog.get_logger(process="scheduler")
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) over distinct seeds
 
 
 class Scheduler:
@@ -89,13 +87,16 @@ class Scheduler:
             enable_prefix_caching=settings.enable_prefix_caching and not settings.reserved,
         )
         self.metrics = SchedulerMetrics()
+        self._spec = Speculation(settings, self.block_manager, self.metrics)  # scheduler/speculation.py
         self._clock = clock
         self._requests: dict[tuple[bytes, str], Request] = {}
         self._seqs = SequenceTable()
         self._waiting = WaitingQueue()  # fair between requests (scheduler/waiting.py)
         self._swapped = SwappedQueue()
         self._running = RunQueue()
-        self._running_pass = RunningPass(settings, self.block_manager, self._running, preempt=self._preempt)
+        self._running_pass = RunningPass(
+            settings, self.block_manager, self._running, preempt=self._preempt, speculation=self._spec
+        )
         self._admission = Admission(
             settings, self.block_manager, self._running, self._waiting, self._swapped, self.metrics
         )
@@ -155,35 +156,9 @@ class Scheduler:
         return None
 
     def _queue_request(self, request: Request) -> None:
-        params = request.params
-        prompt = request.prompt_token_ids
-        eos = frozenset() if params.ignore_eos else self._eos
-        request.stop_ids = frozenset(params.stop_token_ids) | eos
-        request.max_total_len = min(len(prompt) + params.max_tokens, self.settings.max_model_len)
-        base_seed = params.seed if params.seed is not None else random.getrandbits(63)
-        if params.beam_width:
-            request.beam = BeamGroup(params.beam_width, params.length_penalty)
-        for index in range(1 if request.beam else params.n):
-            seed = (base_seed * _SEED_MIX + index) % (1 << 63) if index else base_seed % (1 << 63)
-            seq_id = self._seqs.new_seq_id()
-            if index == 0:
-                request.order = seq_id
-            # a fork child shares the request's prompt list until it is forked (it gets its own list then)
-            shared = index > 0 and not self.settings.reserved
-            tokens = prompt if shared else list(prompt)
-            sort_key = self._preemption.sort_key(request, seq_id)
-            seq = Sequence(seq_id, request, index, seed, tokens, sort_key=sort_key)
-            request.seqs.append(seq)
-            if request.beam:
-                request.live_beams.append(seq)
-            self._seqs.add(seq)
-            if not shared:  # reserved mode shares nothing, as pre-paging servers
-                self._waiting.push(seq)
-            else:
-                seq.status = SeqStatus.FORK_PENDING
-                request.seqs[0].fork_children.append(seq)
+        queue_request(request, self.settings, self._eos, self._seqs, self._preemption, self._waiting)
         self._requests[request.key] = request
-        self.metrics.prompt_tokens_total += len(prompt)
+        self.metrics.prompt_tokens_total += len(request.prompt_token_ids)
 
     def abort(
         self, owner: bytes, request_id: str, index: int | None = None, finish_reason: str = FinishReason.ABORT
@@ -231,7 +206,8 @@ class Scheduler:
         (some may have finished or been aborted since), its token ids lie in [0, vocab_size), and the logprobs
         and beam candidates have the shape their requests asked for. None: `update` may take it."""
         sampling = self._sampling.get(step.step_id) if type(step.step_id) is int else None
-        return check_step_output(step, sampling, self._seqs, self.settings.vocab_size)
+        slotted = self._spec.slotted(step.step_id)
+        return check_step_output(step, sampling, self._seqs, self.settings.vocab_size, slotted)
 
     def fail_step(self, step_id: int) -> StepOutput:
         """For a step in flight whose output `check_output` refused: ends every request with a sequence that
@@ -296,9 +272,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._running or self._waiting or self._swapped)
 
+    @property
+    def speculating(self) -> bool:
+        """Whether the next plan would draft: plan it after the step in flight is in (docs/speculative.md)."""
+        return self._spec.active(self._running.seqs)
+
     def schedule(self) -> StepPlan:
         """The next step's plan. Sequences it schedules count their tokens as computed from now on."""
         step = Step(self.block_manager, self.settings)
+        if self._spec.blocks_planning():  # a drafting step in flight: its tokens first
+            self._next_step_id += 1
+            return step.plan(self._next_step_id - 1, [], [], [], [])
+        step.spec_k = self._spec.step_k(len(self._running))
         budget = self._running_pass.schedule(step, self.settings.max_num_batched_tokens)
         if not step.preempted:  # right after a preemption, admitting more would only thrash
             budget = self._admission.swap_in(step, budget)
@@ -323,6 +308,7 @@ class Scheduler:
         plan = step.plan(self._next_step_id, sampling[:num_samplers], freed, clones, appends)
         if step.scheduled:
             self._sampling[plan.step_id] = sampling
+            self._spec.planned(plan.step_id, step.draft_slots)
             if all(n == 1 for _, n in step.scheduled):
                 self._decode_only_steps.add(plan.step_id)
         self._next_step_id += 1
@@ -395,7 +381,7 @@ class Scheduler:
         live = self._seqs.get  # (bound once: the loop runs once per sampled token)
         for seq in filter(None, map(live, step.failed_seq_ids)):  # first: their EOS must not end them
             self._faults.fail_request(seq.request, "the worker could not apply the output constraint")
-        for seq_id, token, logprobs in zip(step.seq_ids, step.token_ids, step.logprobs, strict=True):
+        for seq_id, token, logprobs, run in self._spec.runs(step):  # run: a drafting sequence's other tokens
             seq = live(seq_id)
             if seq is None:
                 continue  # finished (aborted, or stopped by a token of an earlier step) while in flight
@@ -405,6 +391,8 @@ class Scheduler:
                     continue
                 any_finished |= self._take_token(seq, token, logprobs, outputs, now)
                 generated += 1
+                if run is not None:
+                    any_finished |= self._spec.take_rest(seq, run, self._take_token, outputs, now)
             except Exception:
                 self._faults.fail_request(
                     seq.request, "internal error while handling the request", exc_info=True

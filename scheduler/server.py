@@ -417,8 +417,10 @@ class SchedulerServer:
                 break  # nothing can run until a request arrives or ends; _wake says when
             self._to_clients.send_outputs(outputs)
             outputs = []
-            if len(in_flight) < depth and plan.scheduled_seq_ids:
-                continue  # room for one more plan at the worker: make it now
+            # Room for one more plan at the worker: make it now, unless the next would draft (it needs this
+            # step's tokens: docs/speculative.md); a drafting plan's successor waits in `schedule()` anyway
+            if len(in_flight) < depth and plan.scheduled_seq_ids and not core.speculating:
+                continue
             try:
                 step = await in_flight.pop(0)
             except asyncio.CancelledError:

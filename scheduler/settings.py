@@ -36,6 +36,11 @@ class SchedulerSettings:
     # while other requests wait, a request's first sequence takes at most this many seats with it (itself
     # and the n > 1 samples forked from its prompt); 0: max_num_seqs // 8
     request_seat_quota: int = _CONFIG.request_seat_quota
+    # speculative decoding: the worker's k (0: off) and the policy's knobs (scheduler/speculation.py)
+    num_speculative_tokens: int = 0
+    speculative_draft_budget: int = _CONFIG.speculative_draft_budget
+    speculative_min_accepted: float = _CONFIG.speculative_min_accepted
+    speculative_probe_steps: int = _CONFIG.speculative_probe_steps
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, ready: WorkerReady) -> SchedulerSettings:
@@ -68,6 +73,10 @@ class SchedulerSettings:
             kv_policy=config.kv_policy,
             max_waiting_seqs=config.max_waiting_seqs,
             request_seat_quota=config.request_seat_quota,
+            num_speculative_tokens=ready.num_speculative_tokens,
+            speculative_draft_budget=config.speculative_draft_budget,
+            speculative_min_accepted=config.speculative_min_accepted,
+            speculative_probe_steps=config.speculative_probe_steps,
             **limits,
         )
 

@@ -27,6 +27,8 @@ class Step:
         self.forks: list[Fork] = []
         self.scheduled: list[tuple[Sequence, int]] = []  # (sequence, num_scheduled_tokens), in batch order
         self.preempted = False
+        self.spec_k = 0  # draft slots a decoding sequence may get (scheduler/speculation.py)
+        self.draft_slots: list[tuple[int, int]] = []  # (seq_id, k)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> Allocation | None:
         """Slots for `num_tokens` more of `seq` (the block manager's answer; `record_allocation` it)."""
@@ -109,4 +111,5 @@ class Step:
             forks=self.forks,
             clones=clones,
             appended_tokens=appended_tokens,
+            draft_slots=self.draft_slots,
         )

@@ -217,13 +217,19 @@ def add_engine_flags(p: argparse.ArgumentParser, sample_interval: float = 1.0) -
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the worker")
     p.add_argument("--log-dir", default=None, help="the processes' logs go here; default: a temp dir")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        "--speculative-config",
+        default="",
+        help="the worker's speculative decoding config (vLLM's JSON shape, docs/speculative.md); '': off",
+    )
 
 
 def engine_settings(args: argparse.Namespace, **settings: object) -> dict[str, object]:
     """PAGEDSERVE_* settings of `add_engine_flags`'s flags, with `settings` over them. Logs at warning:
     per-request log lines would cost the processes time."""
     keys = ("device", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
-    return {k: getattr(args, k) for k in keys} | {"log_level": "warning"} | settings
+    spec = {"speculative_config": args.speculative_config} if getattr(args, "speculative_config", "") else {}
+    return {k: getattr(args, k) for k in keys} | {"log_level": "warning"} | spec | settings
 
 
 @dataclass(frozen=True)

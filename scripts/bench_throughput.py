@@ -116,6 +116,9 @@ COMPARE_KEYS: dict[str, Callable[[str], object]] = {
     "json_schema": str,  # a JSON schema file every request's output must follow ("" none)
     "tree": Path,  # another checkout (e.g. `git worktree add /tmp/base COMMIT`) whose processes run
     "sampling": str,  # a name of SAMPLING
+    # the worker's --speculative-config: its JSON (without commas: `{"num_speculative_tokens":4}` is n-gram),
+    # or @FILE holding it ("" off)
+    "speculative_config": lambda v: Path(v[1:]).read_text().strip() if v.startswith("@") else v,
 }
 # What every request of the workload samples with (`--sampling`), besides its length, ignore_eos and seed:
 # the default (temperature 1, the whole vocabulary), top-p alone, or the logits processors with top-p.

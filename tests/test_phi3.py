@@ -1,6 +1,7 @@
 """Phi-3 / Phi-4 checkpoints (worker/models/phi3.py) against transformers' Phi3ForCausalLM: fused q/k/v and
 gate/up tensors in the checkpoint, longrope scaling with a partial rotary factor, tied and untied heads, the
-sliding window on every layer, and tensor parallelism taking each rank's rows of q, k and v (and gate, up) separately."""
+sliding window on every layer, and tensor parallelism taking each rank's rows of q, k and v (and gate, up)
+separately."""
 
 from __future__ import annotations
 

@@ -107,8 +107,8 @@ def test_gpu_greedy_with_cuda_graphs_matches_transformers(phi3_96, piecewise_gra
     model_dir, hf = phi3_96
     rng = random.Random(7)
     # A short prompt only without longrope: the engine rotates every sequence with the long factors once
-    # max_model_len passes the pretraining length (worker/models/rotary.py), transformers a sequence that stays
-    # within it with the short ones.
+    # max_model_len passes the pretraining length (worker/models/rotary.py), transformers a sequence that
+    # stays within it with the short ones.
     short = 26 if (hf.config.rope_parameters or {}).get("rope_type") == "longrope" else 9
     prompts = [_random_prompt(rng, n, 300) for n in (25, 31, 40, 57, short, 70)]
     expected = transformers_generate(hf, prompts, 12)

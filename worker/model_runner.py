@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -39,59 +39,12 @@ from worker.models.registry import build_model
 from worker.parallel import ParallelContext
 from worker.plan_check import PlanLimits
 from worker.prompt_logprobs import PromptScores, score_prompts, select_prompt_rows, take_prompt_scores
-from worker.sampler import MASK64, SamplerCopy, SamplingTensors, sample_tensors
+from worker.sampler import sample_tensors
 from worker.sequences import BlockTableArray, SeqState, Sequences
+from worker.spec.factory import build_speculation
+from worker.spec.verify import check_draft_slots, prepare_drafts
+from worker.steps import ForwardedStep, LaunchedStep, batch_indices, step_sampling_tensors
 from worker.structured import StructuredOutputs, step_tokens
-
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the device whose results the host has not read yet."""
-
-    step_id: int
-    seq_ids: list[int]  # the sequences that sample, in output order
-    samplers: list[SeqState]
-    tokens: torch.Tensor | None  # [S] the sampled tokens on the device (None when nothing samples)
-    copy: SamplerCopy | None  # their way to the host
-    started: torch.cuda.Event | None  # CUDA: brackets the step's GPU work
-    ended: torch.cuda.Event | None
-    previous_ended: torch.cuda.Event | None = None  # the end of the step before it on the GPU
-    rows: dict[int, int] = field(default_factory=dict)  # seq id -> its row of `tokens`, filled when needed
-
-    def done(self) -> bool:
-        return self.ended is None or self.ended.query()
-
-    def row_of(self, seq_id: int) -> int:
-        if not self.rows:
-            self.rows = {seq_id: j for j, seq_id in enumerate(self.seq_ids)}
-        return self.rows[seq_id]
-
-
-def _sampling_tensors(
-    samplers: list[SeqState], device: torch.device, processors: LogitsProcessors | None = None
-) -> SamplingTensors:
-    """The sampler's parameters of `samplers`, a column at a time (no object per row: it runs every step)."""
-    n = len(samplers)
-    position = np.fromiter((len(s.token_ids) + s.pending for s in samplers), np.int64, n)
-    return SamplingTensors.from_params(
-        [s.params for s in samplers],
-        seed=np.fromiter((s.seed & MASK64 for s in samplers), np.uint64, n),
-        position=position,
-        device=device,
-        processors=processors.prepare(samplers, position) if processors is not None else None,
-    )
-
-
-@dataclass
-class ForwardedStep:
-    """A step whose forward pass is queued and whose sampler is not yet (`ModelRunner.launch_forward`)."""
-
-    plan: StepPlan
-    seq_ids: list[int]  # the sequences that sample, in batch order (fork children join them)
-    samplers: list[SeqState]
-    logits: torch.Tensor  # [S, V] their rows
-    started: torch.cuda.Event | None
-    ended: torch.cuda.Event | None  # recorded once the sampler is queued
 
 
 class ModelRunner:
@@ -121,6 +74,7 @@ class ModelRunner:
         )
         load_weights(self.model, self.model_config, cfg.model, self.parallel)
         self.model.eval()
+        self.spec = build_speculation(cfg, self.device, self.dtype)  # before the profile: a draft's memory
         budget = 0
         # For the worker's memory line: the profile's peak (weights + one largest step), and the graphs' bytes
         self.profile_peak_bytes: int | None = None
@@ -182,6 +136,8 @@ class ModelRunner:
         self.launch_marks: dict[str, float] = {}
         eos = tuple(self.model_config.eos_token_ids)  # min_tokens bans them (with the stop ids)
         self.logits_processors = LogitsProcessors(self.model_config.vocab_size, eos, self.device)
+        if self.spec is not None:  # (None: no --speculative-config)
+            self.spec.with_limits(self.sequences.limits)
 
     def close(self) -> None:
         """Releases the CUDA graphs. Before a tensor-parallel group is destroyed this is required: NCCL
@@ -206,6 +162,10 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @property
+    def num_speculative_tokens(self) -> int:  # the most drafts per sequence and step (0: off)
+        return self.spec.proposer_k if self.spec is not None else 0
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return list(self.model_config.eos_token_ids)
 
@@ -217,7 +177,7 @@ class ModelRunner:
     def check_plan(self, plan: StepPlan) -> str | None:
         """Why `plan` contradicts this runner's state as it will be when the plan is applied (after the step
         in flight, if any), or None when `launch` can apply it. Changes nothing (worker/plan_check.py)."""
-        return self.sequences.check_plan(plan)
+        return self.sequences.check_plan(plan) or check_draft_slots(plan, self.spec)
 
     def reset(self) -> None:
         """Finishes the steps in flight, dropping their outputs, and forgets every sequence: the runner is as
@@ -226,6 +186,8 @@ class ModelRunner:
         while self.in_flight:
             self.finish()
         self.sequences.clear()
+        if self.spec is not None:
+            self.spec.reset()  # the proposer forgets every sequence
         self.prompt_scores.clear()  # a step that failed between its selection and its end
         self.structured.reset()
         self.forwarded = None
@@ -279,11 +241,11 @@ class ModelRunner:
 
     def _forward(
         self, inputs: HostInputs, sampling: list[int], feed: tuple[torch.Tensor, torch.Tensor] | None,
-        scores: PromptScores | None = None,
+        scores: PromptScores | None = None, rows: np.ndarray | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """Runs the batch, its pending tokens put in from `feed`; returns the logits rows of the sequences at
-        `sampling` (batch indices), or None when none samples. A decode batch that a captured graph holds
-        replays it; other steps replay the piecewise graphs when there are some (attention eagerly)."""
+        `sampling` (batch indices; `rows`: flat rows instead), or None when none samples. A decode batch a
+        captured graph holds replays it; other steps replay the piecewise graphs (attention eagerly)."""
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
             logits = self.graphs.run(inputs, feed)  # [B, V]
@@ -302,8 +264,8 @@ class ModelRunner:
         if not sampling:
             return None
         # The last scheduled token of each sampling sequence is the row that predicts its next token.
-        last_rows = self._put((inputs.query_start_loc[1:][sampling] - 1).astype(np.int64))
-        return self.model.compute_logits(hidden[last_rows])  # [S, V]
+        last = (inputs.query_start_loc[1:][sampling] - 1).astype(np.int64) if rows is None else rows
+        return self.model.compute_logits(hidden[self._put(last)])  # [S, V]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -340,9 +302,11 @@ class ModelRunner:
         if not seqs:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return None
-        sampling = _batch_indices(plan)
+        sampling = batch_indices(plan)
+        spec = prepare_drafts(self.spec, plan, seqs, sampling, self.tables)  # None: no draft slots
         mark("plan")
-        inputs = host_inputs(self.tables, seqs, num_tokens, self.block_size)
+        batch_seqs, batch_tokens = (spec.input_seqs, spec.num_tokens) if spec else (seqs, num_tokens)
+        inputs = host_inputs(self.tables, batch_seqs, batch_tokens, self.block_size)
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
         mark("inputs")
         started = ended = None
@@ -350,7 +314,8 @@ class ModelRunner:
             started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record()
         scores = select_prompt_rows(plan, seqs, inputs.query_start_loc, self._put, self.prompt_scores)
-        logits = self._forward(inputs, sampling, feed, scores)
+        rows = spec.logits_rows(inputs.query_start_loc, sampling) if spec else None  # drafts: 1 + d each
+        logits = self._forward(inputs, sampling, feed, scores, rows)
         mark("forward")
         self.sequences.computed(seqs, num_tokens)
         if logits is None:
@@ -359,7 +324,9 @@ class ModelRunner:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, started, ended))
             return None
         seq_ids = [plan.scheduled_seq_ids[b] for b in sampling]
-        self.forwarded = ForwardedStep(plan, seq_ids, [seqs[b] for b in sampling], logits, started, ended)
+        self.forwarded = ForwardedStep(
+            plan, seq_ids, [seqs[b] for b in sampling], logits, started, ended, spec
+        )
         return self.forwarded
 
     @torch.inference_mode()
@@ -373,14 +340,17 @@ class ModelRunner:
         if plan.forks:
             # Each child draws from its parent's logits row (its parent samples: the plan was checked).
             row_of = {seq_id: i for i, seq_id in enumerate(seq_ids)}
-            rows = list(range(len(samplers))) + [row_of[fork.parent_seq_id] for fork in plan.forks]
+            parents = [row_of[fork.parent_seq_id] for fork in plan.forks]
+            rows = list(range(len(logits))) + (step.spec.parent_rows(parents) if step.spec else parents)
             logits = logits[self._put(np.array(rows, dtype=np.int64))]
             seq_ids += [fork.child_seq_id for fork in plan.forks]
             samplers += self.sequences.fork(plan)
         # One transfer of every row's parameters, the draws queued on the device, one copy of the results.
-        sampling_tensors = _sampling_tensors(samplers, self.device, self.logits_processors)
+        make_tensors = step.spec.sampling_tensors if step.spec is not None else step_sampling_tensors
+        sampling_tensors = make_tensors(samplers, self.device, self.logits_processors)
         in_flight = lambda: step_tokens(self.in_flight[-1])  # noqa: E731 (tokens pending in the step before)
         bitmask = self.structured.bitmask(plan.step_id, seq_ids, samplers, in_flight, self.device)
+        bitmask = step.spec.expand_bitmask(bitmask) if bitmask and step.spec else bitmask
         sampling_tensors = replace(sampling_tensors, token_bitmask=bitmask) if bitmask else sampling_tensors
         mark("sampling_params")
         out = sample_tensors(logits, sampling_tensors)
@@ -389,7 +359,9 @@ class ModelRunner:
         if step.ended is not None:
             step.ended.record()
         self.sequences.sampled(samplers)
-        self._queue(LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, step.started, step.ended))
+        launched = LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, step.started, step.ended)
+        launched.spec = step.spec
+        self._queue(launched)
 
     def _mark_launch(self, phase: str) -> None:
         if self.trace_launches:
@@ -417,7 +389,8 @@ class ModelRunner:
             gpu_s = self.last_step_gpu_s = step.started.elapsed_time(step.ended) / 1e3
             if step.previous_ended is not None:
                 idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
-        self.sequences.received(step.samplers, new_tokens)
+        accepted = step.spec.accept(new_tokens, logprobs) if step.spec is not None else None
+        self.sequences.received(step.samplers, accepted[0] if accepted else new_tokens)
         forwarded = self.forwarded
         if forwarded is not None and not self.in_flight and not forwarded.plan.forks:
             # Its tokens all on the host: the grammars of the step forwarded behind it can advance and fill
@@ -426,12 +399,6 @@ class ModelRunner:
         prompt_logprobs = take_prompt_scores(self.prompt_scores, step.step_id)
         out = StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s, prompt_logprobs)
         out.failed_seq_ids = self.structured.take_failed(step.step_id)  # their constraint failed
+        if accepted is not None and step.spec is not None:
+            step.spec.apply(step.samplers, accepted[1], accepted[2], out, self.tables)
         return out
-
-
-def _batch_indices(plan: StepPlan) -> list[int]:
-    """The batch index of each of the plan's `sampling_seq_ids`: the logits rows the step keeps."""
-    if plan.sampling_seq_ids == plan.scheduled_seq_ids:  # every scheduled sequence samples: most steps
-        return list(range(len(plan.scheduled_seq_ids)))
-    index = {seq_id: b for b, seq_id in enumerate(plan.scheduled_seq_ids)}
-    return [index[seq_id] for seq_id in plan.sampling_seq_ids]

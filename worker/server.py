@@ -201,6 +201,7 @@ def serve(cfg: WorkerConfig) -> int:
         worker_id=uuid.uuid4().hex,
         max_num_seqs=runner.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
+        num_speculative_tokens=runner.num_speculative_tokens,
     )
     heartbeat = HeartbeatThread(cfg.worker_address, ready.worker_id, cfg.heartbeat_interval_s, key).start()
     log.info(

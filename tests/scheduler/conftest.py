@@ -62,7 +62,9 @@ class Harness:
         else:
             if plan.scheduled_seq_ids:  # an empty plan is not sent
                 self.in_flight.append(self.worker.execute(plan))
-            if len(self.in_flight) > 1 or (self.in_flight and not plan.scheduled_seq_ids):
+            # (as the server: a plan that would draft waits for the tokens in flight)
+            ahead = plan.scheduled_seq_ids and not self.scheduler.speculating
+            if len(self.in_flight) > 1 or (self.in_flight and not ahead):
                 self.record(self.scheduler.update(self.in_flight.popleft()))
         self.scheduler.check_invariants()
         self.steps += 1

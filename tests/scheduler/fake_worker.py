@@ -18,6 +18,16 @@ def fake_next_token(seed: int, token_ids: list[int], vocab_size: int) -> int:
     return hash((seed, len(token_ids), token_ids[-1], token_ids[len(token_ids) // 2])) % vocab_size
 
 
+def fake_drafts(seed: int, token_ids: list[int], k: int, vocab_size: int) -> list[int]:
+    """A proposer right about 60% of the time (and proposing nothing now and then), deterministic."""
+    drafts: list[int] = []
+    for _ in range(hash((seed, len(token_ids), "k")) % (k + 1)):
+        token = fake_next_token(seed, token_ids + drafts, vocab_size)
+        right = hash((seed, len(token_ids) + len(drafts), "right")) % 10 < 6
+        drafts.append(token if right else (token + 1) % vocab_size)
+    return drafts
+
+
 def fake_candidates(token_ids: list[int], k: int, vocab_size: int) -> tuple[list[int], list[float]]:
     """A beam's k best next tokens and their logprobs: distinct tokens, strictly falling logprobs, no ties."""
     h = hash(tuple(token_ids))
@@ -87,6 +97,9 @@ class FakeWorker:
             self._check_context(new.seq_id, self.seqs[new.seq_id], new.num_computed_tokens)
         out = StepOutput(plan.step_id, [], [], [])
         forked: list[tuple[int, _SeqState]] = []
+        draft_slots = dict(plan.draft_slots)
+        assert len(draft_slots) == len(plan.draft_slots), "draft slots twice"
+        runs: dict[int, tuple[int, int]] = {}  # seq id -> (tokens emitted, drafts verified)
         sampling = set(plan.sampling_seq_ids)
         assert sampling <= set(plan.scheduled_seq_ids), "a sampling sequence is not scheduled"
         for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.num_scheduled_tokens, strict=True):
@@ -101,7 +114,13 @@ class FakeWorker:
             self._check_context(seq_id, state, end)  # attention reads the context through the block table
             samples = seq_id in sampling
             assert not samples or end == len(state.token_ids), "sampling before the last known token"
-            if samples:
+            k = draft_slots.get(seq_id, 0)
+            if k:
+                assert samples and num_tokens == 1 and not state.beam, (
+                    "draft slots for a sequence that cannot"
+                )
+                runs[seq_id] = self._verify(seq_id, state, k, out)
+            elif samples:
                 self._sample(seq_id, state, out)
             for fork in (f for f in plan.forks if f.parent_seq_id == seq_id):
                 assert samples, "a fork's parent must sample in the same step"
@@ -112,7 +131,36 @@ class FakeWorker:
                 forked.append((fork.child_seq_id, child))
         for child_id, child in forked:
             self._sample(child_id, child, out)
+        if draft_slots:
+            out.num_tokens = [runs.get(s, (1, 0))[0] for s in out.seq_ids]
+            out.num_drafts = [runs.get(s, (1, 0))[1] for s in out.seq_ids]
         return out
+
+    def _verify(self, seq_id: int, state: _SeqState, k: int, out: StepOutput) -> tuple[int, int]:
+        """Speculative decoding as the real worker does it: the drafts' KV written into the slots the plan
+        allocated, the target's token drawn at each position, drafts accepted while they equal it, the
+        accepted drafts' KV counted as computed and the blocks past it dropped from the table."""
+        end = state.num_computed_tokens
+        drafts = fake_drafts(state.seed, state.token_ids, k, self.vocab_size)
+        assert len(state.block_table) * self.block_size >= end + k, "no slots for the drafts"
+        extended = _SeqState(state.token_ids + drafts, state.block_table, end, state.seed, state.num_logprobs)
+        for pos in range(end, end + len(drafts)):
+            self.slots[self._slot(state, pos)] = self._kv(extended, pos)
+        emitted: list[int] = []
+        for j in range(len(drafts) + 1):
+            emitted.append(fake_next_token(state.seed, state.token_ids + emitted, self.vocab_size))
+            if j == len(drafts) or emitted[-1] != drafts[j]:
+                break
+        state.token_ids += emitted
+        state.num_computed_tokens = end + len(emitted) - 1
+        del state.block_table[-(-state.num_computed_tokens // self.block_size) :]
+        out.seq_ids.append(seq_id)
+        out.token_ids += emitted
+        lp = None
+        if state.num_logprobs >= 0:
+            lp = TokenLogprobs(-1.0, list(range(state.num_logprobs)), [-1.0] * state.num_logprobs)
+        out.logprobs += [lp] * len(emitted)
+        return len(emitted), len(drafts)
 
     @staticmethod
     def _kv(state: _SeqState, pos: int) -> tuple:

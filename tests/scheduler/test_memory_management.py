@@ -316,11 +316,21 @@ def test_differential_fuzz_caching_swap_and_pool_size_change_nothing(trial):
         dict(num_blocks=24, enable_prefix_caching=True, pipelined=True),
         dict(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64, pipelined=True),
         dict(num_blocks=24, preemption_mode="auto", num_cpu_blocks=8, pipelined=True),
+        # speculative decoding: draft slots, accepted runs, rejected slots released (FakeWorker._verify)
+        dict(num_blocks=1024, enable_prefix_caching=True, num_speculative_tokens=3),
+        dict(num_blocks=24, enable_prefix_caching=True, num_speculative_tokens=4, pipelined=True),
+        dict(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64, num_speculative_tokens=2),
+        dict(
+            num_blocks=24, preemption_mode="auto", num_cpu_blocks=8, num_speculative_tokens=3, pipelined=True
+        ),
     ]
     for config in configs:
         h = _run_arrivals(arrivals, aborts=True, **config)
         if config["num_blocks"] < 1024:
             assert h.scheduler.metrics.preemptions_total > 0, config
+        if config.get("num_speculative_tokens"):
+            m = h.scheduler.metrics
+            assert 0 < m.spec_accepted_tokens_total < m.spec_draft_tokens_total, config
         for key, tokens in reference.tokens.items():
             if key[0] in aborted:
                 assert h.tokens[key] == tokens[: len(h.tokens[key])], (config, key)
