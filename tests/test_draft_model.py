@@ -131,7 +131,7 @@ def test_a_full_pool_proposes_nothing_for_rows_that_do_not_fit_and_fails_nothing
 ) -> None:
     draft = draft_dirs["tiny-draft"]
     proposer, ref = _proposer(tiny_model_dir, draft, num_blocks=6), Reference(draft)  # 24 tokens
-    a, b = list(range(10, 22)), list(range(30, 45))  # 12 + 3 and 15 + 3 tokens of KV with their drafts
+    a, b = list(range(10, 22)), list(range(30, 45))  # 12 + 4 and 15 + 4 tokens of KV with their drafts
     drafts = proposer.propose([ProposeRow(1, a, K), ProposeRow(2, b, K)])
     assert drafts[0] == ref.greedy(a, K) and drafts[1] == []
     proposer.pool.check_invariants()
@@ -198,3 +198,39 @@ def test_unusable_drafts_are_refused_with_the_reason(
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bare / name).unlink()
     assert _proposer(tiny_model_dir, bare, num_blocks=8).propose([ProposeRow(1, [1, 2, 3], 2)])[0]
+
+
+def test_the_triton_backend_drafts_what_the_torch_reference_drafts(
+    tiny_model_dir: Path, draft_dirs: dict[str, Path]
+) -> None:
+    # On the CPU under TRITON_INTERPRET=1 (the suite's setting); eager, as on CUDA with --enforce-eager.
+    draft = draft_dirs["tiny-draft"]
+    torch_ref = _proposer(tiny_model_dir, draft, num_blocks=64)
+    triton = _proposer(tiny_model_dir, draft, num_blocks=64, attention_backend="triton")
+    seqs = {1: list(range(200, 209)), 2: [3], 3: list(range(40, 62))}
+    for _ in range(2):
+        rows = [ProposeRow(seq_id, tokens, K) for seq_id, tokens in seqs.items()]
+        drafts = triton.propose(rows)
+        assert drafts == torch_ref.propose(rows)
+        for tokens, draft_tokens in zip(seqs.values(), drafts, strict=True):
+            tokens += draft_tokens[:2] + [11]
+
+
+def test_after_the_first_call_every_forward_is_a_decode_step_whatever_the_target_accepts(
+    tiny_model_dir: Path, draft_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every draft's KV is written, so a sequence lacks only the target's own token: the step that catches
+    # up is a decode step, which CUDA replays from a graph.
+    proposer = _proposer(tiny_model_dir, draft_dirs["tiny-draft"], num_blocks=64)
+    query_lens: list[int] = []
+    run = proposer._run
+    monkeypatch.setattr(
+        proposer, "_run", lambda inputs, *a: query_lens.append(inputs.max_query_len) or run(inputs, *a)
+    )
+    seqs = {1: list(range(300, 310)), 2: list(range(20, 27))}
+    for accepted in (K, 0, 2, K, 1):
+        rows = [ProposeRow(seq_id, tokens, K) for seq_id, tokens in seqs.items()]
+        for tokens, drafts in zip(seqs.values(), proposer.propose(rows), strict=True):
+            tokens += drafts[:accepted] + [9]
+    assert query_lens[0] == 10 and set(query_lens[1:]) == {1}
+    assert len(query_lens) == 5 * (K + 1)  # the first forward, k - 1 drafting steps, one writing KV

@@ -30,9 +30,13 @@ A `propose` call: per row, the draft's KV is compared with the row's tokens (the
 their common prefix (rejected drafts, recomputes); the tokens it lacks are computed in one batched forward
 whose total is bounded by `max_prefill_tokens` (a row that cannot catch up in this call computes a chunk
 and proposes nothing yet, so one long prompt never stalls a step); each row that caught up gets its first
-draft from that forward's last logits row, then k - 1 greedy decode steps batched over the rows (CUDA
-graphs on CUDA, worker/cuda_graphs.py `DecodeGraphs`, for batches up to MAX_GRAPH_BATCH). The drafts'
-own KV (all but the last draft's) stays written: the next call keeps what the target accepted.
+draft from that forward's last logits row, then greedy decode steps batched over the rows (CUDA graphs on
+CUDA, worker/cuda_graphs.py `DecodeGraphs`, for batches up to MAX_GRAPH_BATCH): k - 1 that draft, and one
+more that writes the last draft's KV. That step's logits are wasted, but with every draft's KV written the
+next call lacks one token whatever the target accepted (the target's own token after the accepted
+drafts), so its first forward is a decode step too and replays a graph; otherwise a sequence whose drafts
+were all accepted would lack two tokens, and the happy path would run eagerly. The drafts' KV stays
+written: the next call keeps what the target accepted.
 """
 
 from __future__ import annotations
@@ -180,7 +184,7 @@ class DraftModelProposer:
         tokens = self._decode(drafting, first).tolist()  # [D, max drafts]: the one sync of the call
         for p, row_tokens in zip(drafting, tokens, strict=True):
             drafts[p.index] = row_tokens[: p.num_drafts]
-            p.seq.computed += drafts[p.index][:-1]  # the last draft's KV is never written
+            p.seq.computed += drafts[p.index]
         return drafts
 
     # -----------------------------------------------------------------------------------------------------
@@ -215,8 +219,7 @@ class DraftModelProposer:
             if max(new) >= self.model_config.vocab_size:
                 continue  # an id the draft has no embedding for (a target with a larger vocabulary)
             num_drafts = num_drafts if chunk == missing else 0
-            # KV of the chunk, then of every draft but the last
-            if not self.pool.grow(seq, start + chunk + max(0, num_drafts - 1)):
+            if not self.pool.grow(seq, start + chunk + num_drafts):  # KV of the chunk, then the drafts
                 continue
             budget -= chunk
             planned.append(_Planned(i, seq, new, start, num_drafts, len(token_ids)))
@@ -273,18 +276,18 @@ class DraftModelProposer:
         return self._run(inputs, None, last).argmax(-1)
 
     def _decode(self, drafting: list[_Planned], first: torch.Tensor) -> torch.Tensor:
-        """The drafts [D, max num_drafts] on the device: `first`, then greedy decode steps, each over the
-        rows that still draft (a prefix of `drafting`, whose num_drafts only fall)."""
+        """The drafts [D, max num_drafts] on the host: `first`, then greedy decode steps, each over the rows
+        that still draft or still lack their last draft's KV (a prefix of `drafting`, whose num_drafts only
+        fall)."""
         assert self.pool is not None
         most = drafting[0].num_drafts
-        tokens = torch.zeros((len(drafting), most), dtype=torch.int64, device=self.device)
+        tokens = torch.zeros((len(drafting), most + 1), dtype=torch.int64, device=self.device)
         tokens[:, 0] = first
         rows = np.array([p.seq.row for p in drafting], dtype=np.int64)
         lengths = np.array([p.length for p in drafting], dtype=np.int64)
         num_drafts = np.array([p.num_drafts for p in drafting], dtype=np.int64)
-        for j in range(1, most):
-            batch = int((num_drafts > j).sum())
-            # draft j-1 sits at position length + j - 1; its KV is written now, draft j comes out
+        for j in range(1, most + 1):
+            batch = int((num_drafts >= j).sum())  # rows whose draft j (at position length + j - 1) exists
             inputs = build_inputs(
                 self.pool.tables,
                 rows[:batch],
@@ -293,9 +296,11 @@ class DraftModelProposer:
                 np.zeros(batch, dtype=np.int64),
                 self.block_size,
             )
-            logits = self._run(inputs, tokens[:batch, j - 1].clone(), np.arange(batch, dtype=np.int64))
-            tokens[:batch, j] = logits.argmax(-1)
-        return tokens.cpu()
+            wanted = np.arange(int((num_drafts > j).sum()), dtype=np.int64)  # rows that draft j + 1
+            logits = self._run(inputs, tokens[:batch, j - 1].clone(), wanted)
+            if len(wanted):
+                tokens[: len(wanted), j] = logits.argmax(-1)
+        return tokens[:, :most].cpu()
 
 
 def _common_prefix(seq: DraftSeq, truth: object) -> int:
