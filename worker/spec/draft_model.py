@@ -18,7 +18,8 @@ the KV budget is split between the two pools in proportion to their bytes per bl
 makes worker/kv_cache.py size the target's pool by (target + draft) bytes per block. An engine that skips
 `allocate_kv` gets, at the first `propose`, a pool of `--num-kv-blocks` blocks where that is set, else
 enough for max_num_seqs sequences of max_model_len within DEFAULT_POOL_FRACTION of the device's memory
-(on CUDA then out of the headroom that --gpu-memory-utilization leaves: a fallback, not the way to run).
+(on CUDA at most half of what is free then, out of the headroom that --gpu-memory-utilization leaves: a
+fallback, not the way to run).
 
 Tensor parallelism: the draft runs whole and replicated on every rank (it is small: its weights and pool
 are a few percent of a rank's memory). Every rank runs the same program on the same token ids with the
@@ -127,9 +128,10 @@ class DraftModelProposer:
         if self.cfg.num_kv_blocks > 0:
             return self.cfg.num_kv_blocks
         wanted = self.cfg.max_num_seqs * self.max_blocks_per_seq
-        if self.device.type == "cuda":
-            total = torch.cuda.mem_get_info(self.device)[1]
-            return max(1, min(wanted, int(total * DEFAULT_POOL_FRACTION) // self.kv_block_bytes))
+        if self.device.type == "cuda":  # and never more than half of what is free now
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = min(int(total * DEFAULT_POOL_FRACTION), free // 2)
+            return max(1, min(wanted, budget // self.kv_block_bytes))
         cpu = determine_num_kv_blocks(
             self.cfg, self.model_config, self.max_model_len, self.device, self.dtype
         )
