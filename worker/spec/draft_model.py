@@ -214,7 +214,8 @@ class DraftModelProposer:
         for missing, i, seq, num_drafts in sorted(wanted, key=lambda w: w[0]):
             token_ids = rows[i].token_ids
             start = len(seq.computed)
-            chunk = min(missing, budget)
+            # A row lacking one token (the steady state) always computes it: the budget bounds catch-ups.
+            chunk = 1 if missing == 1 else min(missing, budget)
             if chunk < 1:
                 break
             new = list(token_ids[start : start + chunk])
@@ -223,7 +224,7 @@ class DraftModelProposer:
             num_drafts = num_drafts if chunk == missing else 0
             if not self.pool.grow(seq, start + chunk + num_drafts):  # KV of the chunk, then the drafts
                 continue
-            budget -= chunk
+            budget -= chunk if missing > 1 else 0
             planned.append(_Planned(i, seq, new, start, num_drafts, len(token_ids)))
         planned.sort(key=lambda p: len(p.token_ids) != 1)  # decodes first, as the target's plans
         return planned
