@@ -33,11 +33,11 @@ whose total is bounded by `max_prefill_tokens` (a row that cannot catch up in th
 and proposes nothing yet, so one long prompt never stalls a step); each row that caught up gets its first
 draft from that forward's last logits row, then greedy decode steps batched over the rows (CUDA graphs on
 CUDA, worker/cuda_graphs.py `DecodeGraphs`, for batches up to MAX_GRAPH_BATCH): k - 1 that draft, and one
-more that writes the last draft's KV. That step's logits are wasted, but with every draft's KV written the
-next call lacks one token whatever the target accepted (the target's own token after the accepted
-drafts), so its first forward is a decode step too and replays a graph; otherwise a sequence whose drafts
-were all accepted would lack two tokens, and the happy path would run eagerly. The drafts' KV stays
-written: the next call keeps what the target accepted.
+more that writes the last draft's KV (`KVWriteGraphs`: no LM head). That step costs a little, but with
+every draft's KV written the next call lacks one token whatever the target accepted (the target's own
+token after the accepted drafts), so its first forward is a decode step too and replays a graph; else a
+sequence whose drafts were all accepted would lack two tokens, and the happy path would run eagerly. The
+drafts' KV stays written: the next call keeps what the target accepted.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ class DraftModelProposer:
         self.kv: KVPools | None = None
         self.pool: DraftBlockPool | None = None
         self.graphs: DecodeGraphs | None = None
+        self.kv_graphs: KVWriteGraphs | None = None  # the step that only writes the last drafts' KV
 
     @property
     def kv_block_bytes(self) -> int:
@@ -147,15 +148,15 @@ class DraftModelProposer:
         self.kv = KVPools(self.model_config, num_blocks, 0, self.block_size, self.dtype, self.device)
         self.pool = DraftBlockPool(num_blocks, self.block_size, self.max_blocks_per_seq)
         if self.device.type == "cuda" and not self.cfg.enforce_eager and self.backend.graph_safe:
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.kv.layers,
-                max_num_seqs=min(self.cfg.max_num_seqs, MAX_GRAPH_BATCH),
-                max_blocks_per_seq=self.max_blocks_per_seq,
-                max_model_len=self.max_model_len,
-                device=self.device,
-                show_progress=False,
-            )
+            sizes = {
+                "max_num_seqs": min(self.cfg.max_num_seqs, MAX_GRAPH_BATCH),
+                "max_blocks_per_seq": self.max_blocks_per_seq,
+                "max_model_len": self.max_model_len,
+                "device": self.device,
+                "show_progress": False,
+            }
+            self.graphs = DecodeGraphs(self.model, self.kv.layers, **sizes)  # type: ignore[arg-type]
+            self.kv_graphs = KVWriteGraphs(self.model, self.kv.layers, **sizes)  # type: ignore[arg-type]
 
     def free(self, seq_id: int) -> None:
         """Returns the sequence's blocks; unknown ids are ignored."""
@@ -242,7 +243,11 @@ class DraftModelProposer:
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
             index = torch.arange(batch, device=self.device)
-            logits = self.graphs.run(inputs, None if feed is None else (index, feed))  # [B, V]
+            fed = None if feed is None else (index, feed)
+            if not len(rows) and self.kv_graphs is not None:  # the KV is all this step is for
+                self.kv_graphs.run(inputs, fed)
+                return torch.empty((0, self.model_config.vocab_size), dtype=self.dtype, device=self.device)
+            logits = self.graphs.run(inputs, fed)  # [B, V]
             return logits if len(rows) == batch else logits[self._put(rows)]
         token_ids = feed if feed is not None else self._put(inputs.token_ids)
         meta = AttentionMetadata(
@@ -304,6 +309,15 @@ class DraftModelProposer:
             if len(wanted):
                 tokens[: len(wanted), j] = logits.argmax(-1)
         return tokens[:, :most].cpu()
+
+
+class KVWriteGraphs(DecodeGraphs):
+    """Decode graphs that write the batch's KV and stop at the final norm: the draft's last decode step,
+    whose logits nobody reads (the LM head is most of a small draft's decode step). `run` returns the
+    hidden states."""
+
+    def _forward(self, size: int) -> torch.Tensor:  # [size, H]
+        return self.model(self.token_ids[:size], self.positions[:size], self._meta(size), self.kv_layers)
 
 
 def _common_prefix(seq: DraftSeq, truth: object) -> int:
