@@ -161,6 +161,13 @@ PRESETS: dict[str, Preset] = {
     "llama-3.2-1b": _preset(
         "llama", 2048, 16, 32, 8, 64, 8192, 128256, 131072, "bfloat16", 0.02, _llama3_scaling(32.0, 8192)
     ),
+    # Drafts for speculative decoding (worker/spec/draft_model.py): the shape above them with fewer, narrower
+    # layers, the same vocabulary and tokenizer, so that scripts/train_synthetic.py (same seed) teaches both
+    # the same language. llama-3.2-1b-draft: about 220M parameters, 197M of them the embedding and LM head.
+    "tiny-draft": _preset("llama", 64, 2, 2, 1, 32, 172, 0, 2048, "float32", 0.08, _llama3_scaling(8.0, 256)),
+    "llama-3.2-1b-draft": _preset(
+        "llama", 768, 4, 12, 4, 64, 2048, 128256, 131072, "bfloat16", 0.02, _llama3_scaling(32.0, 8192)
+    ),
     "llama-3-8b": _preset("llama", 4096, 32, 32, 8, 128, 14336, 128256, 8192, "bfloat16", 0.02),
     "qwen2-tiny": _preset("qwen2", 128, 4, 4, 2, 32, 344, 0, 2048, "float32", 0.08),
     # head_dim 64 with 4 heads: q_size (256) differs from hidden_size, as in the real Qwen3 shapes.

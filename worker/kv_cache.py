@@ -44,17 +44,20 @@ def determine_num_kv_blocks(
     device: torch.device,
     dtype: torch.dtype,
     cuda_budget_bytes: int = 0,
+    extra_block_bytes: int = 0,
 ) -> int:
     """How many device KV blocks to allocate: the configured number, else what the memory budget holds.
 
     CPU: `kv_cache_memory_gib`, or a quarter of the available memory, capped at what MAX_SEQS_FOR_CPU_POOL
     sequences of max_model_len need. CUDA: `cuda_budget_bytes`, what the memory profile left for the cache
     (`cuda_kv_budget`). Never more than the wire's MAX_NUM_BLOCKS, which the scheduler would refuse (only a
-    tiny model on a large GPU comes near it).
+    tiny model on a large GPU comes near it). `extra_block_bytes`: another pool of as many blocks shares the
+    budget (a draft model's, worker/spec/draft_model.py), so each block counts its bytes too.
     """
-    return min(
-        _num_kv_blocks(cfg, model_cfg, max_model_len, device, dtype, cuda_budget_bytes), MAX_NUM_BLOCKS
+    num_blocks = _num_kv_blocks(
+        cfg, model_cfg, max_model_len, device, dtype, cuda_budget_bytes, extra_block_bytes
     )
+    return min(num_blocks, MAX_NUM_BLOCKS)
 
 
 def _num_kv_blocks(
@@ -64,10 +67,11 @@ def _num_kv_blocks(
     device: torch.device,
     dtype: torch.dtype,
     cuda_budget_bytes: int,
+    extra_block_bytes: int = 0,
 ) -> int:
     if cfg.num_kv_blocks > 0:
         return cfg.num_kv_blocks
-    per_block = kv_block_bytes(model_cfg, cfg.block_size, dtype)
+    per_block = kv_block_bytes(model_cfg, cfg.block_size, dtype) + extra_block_bytes
     if device.type == "cuda":
         if cuda_budget_bytes < per_block:
             raise RuntimeError(

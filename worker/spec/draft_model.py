@@ -1,0 +1,339 @@
+"""The draft model proposer: a small checkpoint with the target's tokenizer drafts each sequence's next
+tokens greedily, from its own paged KV pool in the target's worker.
+
+How the engine builds it (the worker's speculative factory, `method == "draft_model"`):
+
+    proposer = DraftModelProposer(worker_config, spec_config, device, dtype)  # loads, checks the draft
+    # CUDA, before the target's memory profile: the draft's weights are allocated now, so the profile's
+    # peak (torch's max_memory_allocated) counts them and `cuda_kv_budget` leaves them out of the KV budget.
+    num_blocks = determine_num_kv_blocks(..., extra_block_bytes=proposer.kv_block_bytes)
+    proposer.allocate_kv(num_blocks)  # the draft's pool: as many blocks as the target's
+    ...
+    drafts = proposer.propose(rows)  # each step, for the sequences that speculate
+    proposer.free(seq_id)  # finished, aborted, preempted, swapped out
+
+The pool-size rule: the draft's pool holds as many tokens as the target's (it drafts only for sequences
+the target holds, and a sequence needs in the draft's pool at most the slots it has in the target's), so
+the KV budget is split between the two pools in proportion to their bytes per block: `extra_block_bytes`
+makes worker/kv_cache.py size the target's pool by (target + draft) bytes per block. An engine that skips
+`allocate_kv` gets, at the first `propose`, a pool of `--num-kv-blocks` blocks where that is set, else
+enough for max_num_seqs sequences of max_model_len within DEFAULT_POOL_FRACTION of the device's memory
+(on CUDA at most half of what is free then, out of the headroom that --gpu-memory-utilization leaves: a
+fallback, not the way to run).
+
+Tensor parallelism: the draft runs whole and replicated on every rank (it is small: its weights and pool
+are a few percent of a rank's memory). Every rank runs the same program on the same token ids with the
+same weights on the same kind of GPU, so every rank drafts the same tokens, with no collective on the
+step's path and the same memory on each rank (the group's pools take the smallest size; rank 0 alone
+holding a draft would shrink them all).
+
+A `propose` call: per row, the draft's KV is compared with the row's tokens (the truth) and cut back to
+their common prefix (rejected drafts, recomputes); the tokens it lacks are computed in one batched forward
+whose total is bounded by `max_prefill_tokens` (a row that cannot catch up in this call computes a chunk
+and proposes nothing yet, so one long prompt never stalls a step); each row that caught up gets its first
+draft from that forward's last logits row, then greedy decode steps batched over the rows (CUDA graphs on
+CUDA, worker/cuda_graphs.py `DecodeGraphs`, for batches up to MAX_GRAPH_BATCH): k - 1 that draft, and one
+more that writes the last draft's KV (`KVWriteGraphs`: no LM head). That step costs a little, but with
+every draft's KV written the next call lacks one token whatever the target accepted (the target's own
+token after the accepted drafts), so its first forward is a decode step too and replays a graph; else a
+sequence whose drafts were all accepted would lack two tokens, and the happy path would run eagerly. The
+drafts' KV stays written: the next call keeps what the target accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.config import WorkerConfig
+from common.model_source import resolve_model
+from common.speculative import SpeculativeConfig
+from worker.attention import AttentionMetadata, get_attention_backend
+from worker.cuda_graphs import DecodeGraphs
+from worker.inputs import HostInputs, build_inputs
+from worker.kv_cache import KVPools, determine_num_kv_blocks, kv_block_bytes
+from worker.loader import load_model_config, load_weights
+from worker.model_config import resolve_max_model_len
+from worker.models.registry import build_model
+from worker.parallel import ParallelContext
+from worker.spec.draft_checks import check_draft
+from worker.spec.draft_pool import DraftBlockPool, DraftSeq
+from worker.spec.proposer import ProposeRow
+
+MAX_GRAPH_BATCH = 64  # decode graphs up to this batch: speculation backs off well before it at high load
+DEFAULT_POOL_FRACTION = 0.05  # of the device's memory, for a pool that `allocate_kv` did not size
+
+
+@dataclass
+class _Planned:
+    """A row that computes in this call."""
+
+    index: int  # its row of the call
+    seq: DraftSeq
+    token_ids: list[int]  # the tokens it computes in the first forward
+    start: int  # the position of the first
+    num_drafts: int  # 0: catching up only
+    length: int  # the row's token count (the first draft's position)
+
+
+class DraftModelProposer:
+    """Drafts up to `num_speculative_tokens` greedy tokens per sequence with a small model (module doc)."""
+
+    def __init__(
+        self,
+        worker_config: WorkerConfig,
+        spec_config: SpeculativeConfig,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        max_prefill_tokens: int = 0,  # per call; 0: the target's max_num_batched_tokens
+    ) -> None:
+        self.cfg = worker_config
+        self.num_speculative_tokens = spec_config.num_speculative_tokens
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = worker_config.block_size
+        self.max_prefill_tokens = max_prefill_tokens or worker_config.max_num_batched_tokens
+        draft_dir = resolve_model(spec_config.model).path
+        target_config = load_model_config(worker_config.model)
+        self.model_config = load_model_config(draft_dir)
+        check_draft(draft_dir, self.model_config, worker_config.model, target_config)
+        # Drafts never pass the target's length, nor the positions the draft's RoPE covers.
+        target_len = resolve_max_model_len(worker_config, target_config)
+        self.max_model_len = min(target_len, self.model_config.max_position_embeddings)
+        self.backend = get_attention_backend(worker_config.resolved_attention_backend)
+        whole = ParallelContext()  # replicated on every tensor-parallel rank (module doc)
+        self.model = build_model(
+            self.model_config, self.max_model_len, self.backend, dtype, self.device, whole,
+            fused_ops=worker_config.resolved_fused_ops,
+        )  # fmt: skip
+        load_weights(self.model, self.model_config, draft_dir, whole)
+        self.model.eval()
+        self.kv: KVPools | None = None
+        self.pool: DraftBlockPool | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.kv_graphs: KVWriteGraphs | None = None  # the step that only writes the last drafts' KV
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one block of the draft's pool takes (all layers, K and V)."""
+        return kv_block_bytes(self.model_config, self.block_size, self.dtype)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def default_num_blocks(self) -> int:
+        """The pool's size when `allocate_kv` was not called (module doc)."""
+        if self.cfg.num_kv_blocks > 0:
+            return self.cfg.num_kv_blocks
+        wanted = self.cfg.max_num_seqs * self.max_blocks_per_seq
+        if self.device.type == "cuda":  # and never more than half of what is free now
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = min(int(total * DEFAULT_POOL_FRACTION), free // 2)
+            return max(1, min(wanted, budget // self.kv_block_bytes))
+        cpu = determine_num_kv_blocks(
+            self.cfg, self.model_config, self.max_model_len, self.device, self.dtype
+        )
+        return max(1, min(wanted, cpu))
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocates the draft's pool of `num_blocks` blocks and, on CUDA unless --enforce-eager, captures
+        its decode graphs. Once."""
+        if self.kv is not None:
+            raise RuntimeError("the draft's KV pool is allocated already")
+        if num_blocks < 1:
+            raise ValueError(f"the draft's KV pool needs at least one block, got {num_blocks}")
+        self.kv = KVPools(self.model_config, num_blocks, 0, self.block_size, self.dtype, self.device)
+        self.pool = DraftBlockPool(num_blocks, self.block_size, self.max_blocks_per_seq)
+        if self.device.type == "cuda" and not self.cfg.enforce_eager and self.backend.graph_safe:
+            sizes = {
+                "max_num_seqs": min(self.cfg.max_num_seqs, MAX_GRAPH_BATCH),
+                "max_blocks_per_seq": self.max_blocks_per_seq,
+                "max_model_len": self.max_model_len,
+                "device": self.device,
+                "show_progress": False,
+            }
+            self.graphs = DecodeGraphs(self.model, self.kv.layers, **sizes)  # type: ignore[arg-type]
+            self.kv_graphs = KVWriteGraphs(self.model, self.kv.layers, **sizes)  # type: ignore[arg-type]
+
+    def free(self, seq_id: int) -> None:
+        """Returns the sequence's blocks; unknown ids are ignored."""
+        if self.pool is not None:
+            self.pool.free(seq_id)
+
+    @torch.inference_mode()
+    def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
+        """Each row's greedy drafts (at most its num_tokens, at most num_speculative_tokens); none for a row
+        still catching up, one the pool has no blocks for, one at max_model_len, or one whose tokens the
+        draft's vocabulary lacks."""
+        drafts: list[list[int]] = [[] for _ in rows]
+        if not rows:
+            return drafts
+        if self.pool is None:
+            self.allocate_kv(self.default_num_blocks())
+        planned = self._plan(rows)
+        if not planned:
+            return drafts
+        # Drafting rows, most drafts first: the decode steps run on a shrinking prefix of them.
+        drafting = sorted((p for p in planned if p.num_drafts), key=lambda p: -p.num_drafts)
+        first = self._first_forward(planned, drafting)  # [D] the first draft of each drafting row
+        for p in planned:
+            p.seq.computed += p.token_ids
+            p.seq.num_truth = len(p.seq.computed)
+        if not drafting:
+            return drafts
+        tokens = self._decode(drafting, first).tolist()  # [D, max drafts]: the one sync of the call
+        for p, row_tokens in zip(drafting, tokens, strict=True):
+            drafts[p.index] = row_tokens[: p.num_drafts]
+            p.seq.computed += drafts[p.index]
+        return drafts
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def _plan(self, rows: list[ProposeRow]) -> list[_Planned]:
+        """Syncs each row's KV with its tokens and picks what it computes now: rows that need fewest tokens
+        first, within the prefill budget and the free blocks."""
+        assert self.pool is not None
+        pool = self.pool
+        wanted: list[tuple[int, int, DraftSeq, int]] = []  # (missing, index, seq, num_drafts)
+        seen: set[int] = set()
+        for i, row in enumerate(rows):
+            length = len(row.token_ids)
+            num_drafts = min(row.num_tokens, self.num_speculative_tokens, self.max_model_len - length)
+            if num_drafts < 1 or length < 1 or row.seq_id in seen:
+                continue
+            seen.add(row.seq_id)
+            seq = pool.get(row.seq_id)
+            kept = min(_common_prefix(seq, row.token_ids), length - 1)  # the last token gives the logits
+            pool.truncate(seq, kept)
+            seq.num_truth = kept
+            wanted.append((length - kept, i, seq, num_drafts))
+        budget = self.max_prefill_tokens
+        planned: list[_Planned] = []
+        for missing, i, seq, num_drafts in sorted(wanted, key=lambda w: w[0]):
+            token_ids = rows[i].token_ids
+            start = len(seq.computed)
+            # A row lacking one token (the steady state) always computes it: the budget bounds catch-ups.
+            chunk = 1 if missing == 1 else min(missing, budget)
+            if chunk < 1:
+                break
+            new = list(token_ids[start : start + chunk])
+            if max(new) >= self.model_config.vocab_size:
+                continue  # an id the draft has no embedding for (a target with a larger vocabulary)
+            num_drafts = num_drafts if chunk == missing else 0
+            if not self.pool.grow(seq, start + chunk + num_drafts):  # KV of the chunk, then the drafts
+                continue
+            budget -= chunk if missing > 1 else 0
+            planned.append(_Planned(i, seq, new, start, num_drafts, len(token_ids)))
+        planned.sort(key=lambda p: len(p.token_ids) != 1)  # decodes first, as the target's plans
+        return planned
+
+    def _put(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _run(self, inputs: HostInputs, feed: torch.Tensor | None, rows: np.ndarray) -> torch.Tensor:
+        """Logits [len(rows), V] at the batch's flat token indices `rows`; `feed` [B] (on the device) replaces
+        the token ids of a decode batch."""
+        assert self.kv is not None
+        batch = len(inputs.seq_lens)
+        if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
+            index = torch.arange(batch, device=self.device)
+            fed = None if feed is None else (index, feed)
+            if not len(rows) and self.kv_graphs is not None:  # the KV is all this step is for
+                self.kv_graphs.run(inputs, fed)
+                return torch.empty((0, self.model_config.vocab_size), dtype=self.dtype, device=self.device)
+            logits = self.graphs.run(inputs, fed)  # [B, V]
+            return logits if len(rows) == batch else logits[self._put(rows)]
+        token_ids = feed if feed is not None else self._put(inputs.token_ids)
+        meta = AttentionMetadata(
+            slot_mapping=self._put(inputs.slot_mapping),
+            block_tables=self._put(inputs.block_tables),
+            seq_lens=self._put(inputs.seq_lens),
+            query_start_loc=self._put(inputs.query_start_loc),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+            num_decode_seqs=inputs.num_decode_seqs,
+        )
+        hidden = self.model(token_ids, self._put(inputs.positions), meta, self.kv.layers)  # [T, H]
+        return self.model.compute_logits(hidden[self._put(rows)])
+
+    def _first_forward(self, planned: list[_Planned], drafting: list[_Planned]) -> torch.Tensor:
+        """Computes every planned row's tokens; returns the first drafts [D] of `drafting` (planned rows, in
+        that order) on the device."""
+        assert self.pool is not None
+        num_tokens = np.array([len(p.token_ids) for p in planned], dtype=np.int64)
+        inputs = build_inputs(
+            self.pool.tables,
+            np.array([p.seq.row for p in planned], dtype=np.int64),
+            np.array([p.start for p in planned], dtype=np.int64),
+            num_tokens,
+            np.array([t for p in planned for t in p.token_ids], dtype=np.int64),
+            self.block_size,
+        )
+        batch_index = {id(p): b for b, p in enumerate(planned)}
+        last_rows = inputs.query_start_loc[1:].astype(np.int64) - 1
+        last = last_rows[np.array([batch_index[id(p)] for p in drafting], dtype=np.int64)]
+        if not drafting:
+            self._run(inputs, None, last)  # catching up only: the KV is what counts
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return self._run(inputs, None, last).argmax(-1)
+
+    def _decode(self, drafting: list[_Planned], first: torch.Tensor) -> torch.Tensor:
+        """The drafts [D, max num_drafts] on the host: `first`, then greedy decode steps, each over the rows
+        that still draft or still lack their last draft's KV (a prefix of `drafting`, whose num_drafts only
+        fall)."""
+        assert self.pool is not None
+        most = drafting[0].num_drafts
+        tokens = torch.zeros((len(drafting), most + 1), dtype=torch.int64, device=self.device)
+        tokens[:, 0] = first
+        rows = np.array([p.seq.row for p in drafting], dtype=np.int64)
+        lengths = np.array([p.length for p in drafting], dtype=np.int64)
+        num_drafts = np.array([p.num_drafts for p in drafting], dtype=np.int64)
+        for j in range(1, most + 1):
+            batch = int((num_drafts >= j).sum())  # rows whose draft j (at position length + j - 1) exists
+            inputs = build_inputs(
+                self.pool.tables,
+                rows[:batch],
+                lengths[:batch] + j - 1,
+                np.ones(batch, dtype=np.int64),
+                np.zeros(batch, dtype=np.int64),
+                self.block_size,
+            )
+            wanted = np.arange(int((num_drafts > j).sum()), dtype=np.int64)  # rows that draft j + 1
+            logits = self._run(inputs, tokens[:batch, j - 1].clone(), wanted)
+            if len(wanted):
+                tokens[: len(wanted), j] = logits.argmax(-1)
+        return tokens[:, :most].cpu()
+
+
+class KVWriteGraphs(DecodeGraphs):
+    """Decode graphs that write the batch's KV and stop at the final norm: the draft's last decode step,
+    whose logits nobody reads (the LM head is most of a small draft's decode step). `run` returns the
+    hidden states."""
+
+    def _forward(self, size: int) -> torch.Tensor:  # [size, H]
+        return self.model(self.token_ids[:size], self.positions[:size], self._meta(size), self.kv_layers)
+
+
+def _common_prefix(seq: DraftSeq, truth: object) -> int:
+    """How many leading tokens of `seq.computed` equal the sequence's tokens `truth` (a Sequence[int]).
+
+    The tokens that were the truth at the last call (`num_truth`) only grow while the sequence lives, so
+    only what the draft proposed past them is compared, unless the truth shrank below them or its last
+    such token changed (then everything is)."""
+    computed = seq.computed
+    truth_len = len(truth)  # type: ignore[arg-type]
+    same = seq.num_truth
+    if same > truth_len or (same and truth[same - 1] != computed[same - 1]):  # type: ignore[index]
+        same = 0
+    limit = min(len(computed), truth_len)
+    if computed[same:limit] == list(truth[same:limit]):  # type: ignore[index]
+        return limit
+    while computed[same] == truth[same]:  # type: ignore[index]
+        same += 1
+    return same
