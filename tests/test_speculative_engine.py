@@ -276,3 +276,55 @@ def test_structured_and_penalized_sequences_decode_beside_drafting_ones(tiny_mod
     assert all(ours[(i, 0)] == expected[(i, 0)] for i in range(len(ps)) if i not in (1, 3))
     assert ours[(1, 0)] != expected[(1, 0)]  # the constraint took effect
     assert scheduler.metrics.spec_accepted_tokens_total > 0
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    from scripts.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("draft") / "tiny-draft", preset="tiny-draft", seed=1)
+
+
+DRAFT_CASES = [c for c in CASES if c[0] in ("roomy", "recompute", "swap")]
+
+
+@pytest.mark.parametrize(
+    "name,num_kv_blocks,policies,pipelined",
+    DRAFT_CASES,
+    ids=[f"{c[0]}-{'pipelined' if c[3] else 'sync'}" for c in DRAFT_CASES],
+)
+def test_greedy_with_a_draft_model_matches_without(
+    tiny_model_dir, draft_dir, baseline, name, num_kv_blocks, policies, pipelined
+):
+    """The draft-model proposer (worker/spec/draft_model.py, its own pool sized with the target's) through
+    the engine: a different random model, so most drafts are rejected and its KV rolled back; the outputs
+    stay the target's, under preemption and swap too, and every block of both pools returns."""
+    expected, _ = baseline
+    spec = json.dumps({"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3})
+    runner = make_runner(tiny_model_dir, num_kv_blocks, spec)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    ours, scheduler, _ = run_engine(runner, prompts(runner.vocab_size), params, pipelined, **policies)
+    assert ours == expected
+    m = scheduler.metrics
+    assert m.spec_draft_tokens_total > 0
+    if name != "roomy":
+        assert m.preemptions_total >= 1
+    if name == "swap":
+        assert m.swap_outs_total >= 1
+    pool = runner.spec.proposer.pool
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_blocks and not pool.seqs  # finished sequences freed theirs
+
+
+def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_model_dir, baseline):
+    """With the target itself as the draft, every greedy draft is the target's own next token: all are
+    accepted, and a step emits up to k + 1 tokens (fewer steps than without)."""
+    expected, plain_steps = baseline
+    spec = json.dumps({"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 4})
+    runner = make_runner(tiny_model_dir, 400, spec)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    ours, scheduler, steps = run_engine(runner, prompts(runner.vocab_size), params, pipelined=False)
+    assert ours == expected
+    m = scheduler.metrics
+    assert m.spec_accepted_tokens_total == m.spec_draft_tokens_total > 0
+    assert steps < plain_steps

@@ -82,8 +82,9 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.num_kv_blocks <= 0:
             self.profile_peak_bytes = profile_peak_memory(self, cfg)
             budget = cuda_kv_budget(self.device, cfg.gpu_memory_utilization, self.profile_peak_bytes)
+        draft_bytes = self.spec.kv_block_bytes if self.spec is not None else 0  # a draft model's pool
         num_blocks = determine_num_kv_blocks(
-            cfg, self.shard_config, self.max_model_len, self.device, self.kv_dtype, budget
+            cfg, self.shard_config, self.max_model_len, self.device, self.kv_dtype, budget, draft_bytes
         )
         num_cpu_blocks = determine_num_cpu_blocks(cfg, self.shard_config, self.kv_dtype)
         # Every rank runs the same plans on the same block ids: the group's pools take the smallest size.
@@ -92,6 +93,8 @@ class ModelRunner:
         self.kv = KVPools(
             self.shard_config, num_blocks, num_cpu_blocks, self.block_size, self.kv_dtype, self.device
         )
+        if self.spec is not None:
+            self.spec.allocate_kv(num_blocks)
         # the largest decode batch (what the worker announces); by default it follows the pool
         self.max_num_seqs = resolve_max_num_seqs(cfg.max_num_seqs, self.kv.num_blocks, self.block_size)
         self.sequences = Sequences(

@@ -164,6 +164,19 @@ class Speculation:
         return self
 
     @property
+    def kv_block_bytes(self) -> int:
+        """Bytes a proposer with a KV pool of its own (a draft model) takes per block of the target's pool:
+        the target's pool is sized with them counted (0 for the n-gram proposer)."""
+        return int(getattr(self.proposer, "kv_block_bytes", 0))
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """The proposer's own pool, as many blocks as the target's (it drafts only for the target's
+        sequences), allocated once the target's is sized; nothing for a proposer without one."""
+        allocate = getattr(self.proposer, "allocate_kv", None)
+        if allocate is not None:
+            allocate(num_blocks)
+
+    @property
     def limits(self) -> PlanLimits:
         if self._limits is None:
             raise RuntimeError("Speculation.with_limits was not called")
