@@ -45,6 +45,7 @@ from worker.spec.factory import build_speculation
 from worker.spec.verify import check_draft_slots, prepare_drafts
 from worker.steps import ForwardedStep, LaunchedStep, batch_indices, step_sampling_tensors
 from worker.structured import StructuredOutputs, step_tokens
+from worker.warmup import warm_up_sampling_kernels
 
 
 class ModelRunner:
@@ -141,6 +142,7 @@ class ModelRunner:
         self.logits_processors = LogitsProcessors(self.model_config.vocab_size, eos, self.device)
         if self.spec is not None:  # (None: no --speculative-config)
             self.spec.with_limits(self.sequences.limits)
+        warm_up_sampling_kernels(self.model, self.model_config.hidden_size, self.device)  # CUDA: compiled now
 
     def close(self) -> None:
         """Releases the CUDA graphs. Before a tensor-parallel group is destroyed this is required: NCCL
