@@ -281,6 +281,17 @@ class StepPlan(msgspec.Struct, array_like=True):
     # their one known token and up to k draft tokens the worker proposes, in slots the plan's blocks hold
     draft_slots: Annotated[list[tuple[SeqId, DraftCount]], Meta(max_length=MAX_PLAN_ITEMS)] = []
 
+    @property
+    def is_noop(self) -> bool:
+        """Nothing to compute and nothing to change: the one kind of plan that need not reach the worker. A
+        plan that only swaps, frees or copies must (a swap-out left unsent left the CPU blocks that a later
+        swap-in reads unwritten, and the worker's freed sequences never freed)."""
+        return not (
+            self.scheduled_seq_ids or self.freed_seq_ids or self.new_seqs or self.new_block_ids
+            or self.swap_out or self.swap_in or self.new_block_tables or self.block_copies or self.forks
+            or self.clones or self.appended_tokens
+        )  # fmt: skip
+
 
 class StepOutput(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.STEP_OUTPUT

@@ -407,7 +407,7 @@ class SchedulerServer:
         core = self.core
         while core is not None and (core.has_work or in_flight):
             plan = core.schedule()
-            if plan.scheduled_seq_ids:
+            if not plan.is_noop:  # (a plan that only swaps or frees must reach the worker too)
                 assert self._worker_id is not None and self._watch is not None
                 future = self._pending_steps[plan.step_id] = asyncio.get_running_loop().create_future()
                 in_flight.append(future)

@@ -53,7 +53,7 @@ def _run_engine(
         if not pipelined:
             done = [runner.execute(plan)]
         else:
-            if plan.scheduled_seq_ids:
+            if not plan.is_noop:  # a plan that only swaps or frees reaches the worker too
                 runner.launch(plan)
             last = not plan.scheduled_seq_ids
             done = [runner.finish() for _ in range(len(runner.in_flight) - (0 if last else 1))]

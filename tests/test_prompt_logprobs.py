@@ -66,9 +66,9 @@ def _run(runner: ModelRunner, requests: list[tuple[list[int], SamplingParams]], 
         plan = scheduler.schedule()
         scheduler.check_invariants()
         if not pipelined:
-            done = [runner.execute(plan)] if plan.scheduled_seq_ids else []
+            done = [runner.execute(plan)] if not plan.is_noop else []
         else:
-            if plan.scheduled_seq_ids:
+            if not plan.is_noop:
                 runner.launch(plan)
             last = not plan.scheduled_seq_ids
             done = [runner.finish() for _ in range(len(runner.in_flight) - (0 if last else 1))]

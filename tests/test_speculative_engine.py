@@ -50,7 +50,7 @@ def run_engine(runner: ModelRunner, prompts: list[list[int]], params, pipelined:
     while scheduler.has_work or runner.in_flight:
         plan = scheduler.schedule()
         scheduler.check_invariants()
-        if plan.scheduled_seq_ids:
+        if not plan.is_noop:
             runner.launch(plan)
             if pipelined and len(runner.in_flight) < 2 and not scheduler.speculating:
                 continue

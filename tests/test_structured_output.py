@@ -59,13 +59,13 @@ def _run(runner: ModelRunner, prompts, params_list, pipelined: bool | str = Fals
         if not pipelined:
             done = [runner.execute(plan)]
         elif pipelined == "worker":
-            forwarded = runner.launch_forward(plan) if plan.scheduled_seq_ids else None
+            forwarded = runner.launch_forward(plan) if not plan.is_noop else None
             keep = 0 if forwarded is not None or not plan.scheduled_seq_ids else 1
             done = [runner.finish() for _ in range(len(runner.in_flight) - keep)]
             if forwarded is not None:
                 runner.launch_sampling(forwarded)
         else:
-            if plan.scheduled_seq_ids:
+            if not plan.is_noop:
                 runner.launch(plan)
             last = not plan.scheduled_seq_ids
             done = [runner.finish() for _ in range(len(runner.in_flight) - (0 if last else 1))]

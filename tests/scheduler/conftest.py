@@ -60,7 +60,7 @@ class Harness:
         if not self.pipelined:
             self.record(self.scheduler.update(self.worker.execute(plan)))
         else:
-            if plan.scheduled_seq_ids:  # an empty plan is not sent
+            if not plan.is_noop:  # a plan that changes nothing is not sent
                 self.in_flight.append(self.worker.execute(plan))
             # (as the server: a plan that would draft waits for the tokens in flight)
             ahead = plan.scheduled_seq_ids and not self.scheduler.speculating

@@ -349,3 +349,15 @@ def test_a_priority_under_fcfs_is_refused_not_ignored():
     assert error.message == "Got priority 3 but Priority scheduling is not enabled."
     assert h.scheduler.add_request(OWNER, SubmitRequest("z", [1, 2], SamplingParams(max_tokens=2))) is None
     h.run()  # the harness checks the invariants after every step
+
+
+def test_a_plan_that_only_swaps_reaches_the_worker():
+    """Found by the fuzz (pipelined, swap, arrivals of seed 3011): a step swapped a sequence out and had
+    nothing to run, the plan was not sent, and the later swap-in read CPU blocks never written (the fake
+    worker's KV check caught a slot of another sequence). Plans that only swap, free or copy are sent."""
+    arrivals = _random_arrivals(random.Random(3011))
+    h = _run_arrivals(
+        arrivals, aborts=True, num_blocks=24, preemption_mode="swap", num_cpu_blocks=64, pipelined=True
+    )
+    assert any(not p.scheduled_seq_ids and not p.is_noop for p in h.worker.plans)  # the case happened
+    assert h.scheduler.metrics.swap_outs_total > 0
