@@ -89,7 +89,19 @@ def _locate(row_ptr, offs, vocab, temperature, m, above_key, target, BLOCK: tl.c
     return tl.maximum(tl.minimum(first, last), 0)
 
 
-@triton.jit
+# The per-row columns arrive as views into one packed transfer, at offsets that change from step to
+# step: specialized on their 16-byte alignment, each new combination compiled again inside a step
+# (worker/warmup.py compiles the one variant at start).
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "out_ptr",
+        "rows_ptr",
+        "temperature_ptr",
+        "top_k_ptr",
+        "top_p_ptr",
+        "uniforms_ptr",
+    ]
+)
 def _nucleus_kernel(
     out_ptr,  # [n] int64 drawn token ids
     logits_ptr,  # [R, V] any float dtype

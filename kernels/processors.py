@@ -14,7 +14,18 @@ import triton.language as tl
 BLOCK = 2048
 
 
-@triton.jit
+# The per-row columns arrive as views into one packed transfer, at offsets that change from step to
+# step: specialized on their 16-byte alignment, each new combination compiled again inside a step
+# (worker/warmup.py compiles the one variant at start).
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "rows_ptr",
+        "slots_ptr",
+        "presence_ptr",
+        "frequency_ptr",
+        "repetition_ptr",
+    ]
+)
 def _penalize_kernel(
     out_ptr,  # [R, V] float32
     stride_out,
@@ -53,7 +64,15 @@ def _penalize_kernel(
         tl.store(row_ptr + ids, x, mask=seen)
 
 
-@triton.jit
+# The per-row columns arrive as views into one packed transfer, at offsets that change from step to
+# step: specialized on their 16-byte alignment, each new combination compiled again inside a step
+# (worker/warmup.py compiles the one variant at start).
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "rows_ptr",
+        "shift_ptr",
+    ]
+)
 def _min_p_kernel(
     out_ptr,  # [R, V] float32
     stride_out,

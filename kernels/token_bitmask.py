@@ -16,7 +16,16 @@ import triton.language as tl
 BLOCK_TOKENS = 4096  # tokens per program: 128 words of the bitmask
 
 
-@triton.jit
+# The per-row columns arrive as views into one packed transfer, at offsets that change from step to
+# step: specialized on their 16-byte alignment, each new combination compiled again inside a step
+# (worker/warmup.py compiles the one variant at start).
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "bitmask_ptr",
+        "rows_ptr",
+        "kinds_ptr",
+    ]
+)
 def _apply_token_bitmask_kernel(
     logits_ptr,  # [R, stride_logits] float (any dtype): rows of the step's logits
     bitmask_ptr,  # [n, num_words] int32, contiguous
