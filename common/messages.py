@@ -18,7 +18,6 @@ Processes and directions:
 
 from __future__ import annotations
 
-from enum import IntEnum
 from typing import Annotated, ClassVar, Literal
 
 import msgspec
@@ -26,7 +25,7 @@ from msgspec import Meta
 
 from common.sampling_params import SamplingParams
 from common.speculative import DraftCount, DraftCounts, RunLengths
-from common.wire_types import (
+from common.wire_types import (  # MsgType and FinishReason are re-exported too (they were defined here)
     MAX_INT32,
     MAX_NUM_BLOCKS,
     MAX_PLAN_ITEMS,
@@ -38,10 +37,12 @@ from common.wire_types import (
     Count,
     Counts,
     ErrorKindValue,
+    FinishReason,
     FinishReasonValue,
     Index,
     Int64,
     Logprob,
+    MsgType,
     Name,
     NumBlocks,
     RequestId,
@@ -56,37 +57,7 @@ from common.wire_types import (
     TokenId,
     TokenIds,
 )
-
-
-class MsgType(IntEnum):
-    SUBMIT = 1
-    ABORT = 2
-    INFO_REQUEST = 3
-    REQUEST_OUTPUTS = 10
-    REQUEST_ERROR = 11
-    INFO_REPLY = 12
-    WORKER_READY = 20
-    STEP_OUTPUT = 21
-    HEARTBEAT = 22
-    STEP_PLAN = 30
-    SHUTDOWN = 31
-    KV_SNAPSHOT_REQUEST = 40
-    KV_SNAPSHOT = 41
-
-
-class ErrorKind:
-    """Values of RequestError.kind (strings, so clients in any language can read them)."""
-
-    INVALID_REQUEST = "invalid_request_error"  # the request can never be served as sent (HTTP 400)
-    UNAVAILABLE = "service_unavailable"  # no worker is ready yet, or it went away (HTTP 503)
-    INTERNAL = "internal_error"  # a bug on our side (HTTP 500)
-
-
-class FinishReason:
-    STOP = "stop"  # EOS, a stop token id, or a stop string
-    LENGTH = "length"  # max_tokens or max_model_len reached
-    ABORT = "abort"  # the client aborted or went away
-
+from common.wire_types import ErrorKind as ErrorKind  # re-exported: clients import it from here
 
 # ---------------------------------------------------------------------------------------------------------
 # client <-> scheduler

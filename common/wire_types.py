@@ -3,6 +3,7 @@ so each has a bound that no honest sender reaches (common/messages.py uses them 
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Annotated, Literal
 
 from msgspec import Meta
@@ -55,3 +56,33 @@ BlockPairs = Annotated[list[tuple[BlockId, BlockId]], Meta(max_length=MAX_PLAN_I
 SeqPairs = Annotated[list[tuple[SeqId, SeqId]], Meta(max_length=MAX_PLAN_ITEMS)]
 SeqTokens = Annotated[list[tuple[SeqId, TokenId]], Meta(max_length=MAX_PLAN_ITEMS)]
 SeqBlocks = Annotated[list[tuple[SeqId, BlockIds]], Meta(max_length=MAX_PLAN_ITEMS)]
+
+
+class MsgType(IntEnum):
+    SUBMIT = 1
+    ABORT = 2
+    INFO_REQUEST = 3
+    REQUEST_OUTPUTS = 10
+    REQUEST_ERROR = 11
+    INFO_REPLY = 12
+    WORKER_READY = 20
+    STEP_OUTPUT = 21
+    HEARTBEAT = 22
+    STEP_PLAN = 30
+    SHUTDOWN = 31
+    KV_SNAPSHOT_REQUEST = 40
+    KV_SNAPSHOT = 41
+
+
+class ErrorKind:
+    """Values of RequestError.kind (strings, so clients in any language can read them)."""
+
+    INVALID_REQUEST = "invalid_request_error"  # the request can never be served as sent (HTTP 400)
+    UNAVAILABLE = "service_unavailable"  # no worker is ready yet, or it went away (HTTP 503)
+    INTERNAL = "internal_error"  # a bug on our side (HTTP 500)
+
+
+class FinishReason:
+    STOP = "stop"  # EOS, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # the client aborted or went away
