@@ -38,7 +38,7 @@ class Step:
     def record_allocation(self, seq: Sequence, allocation: Allocation) -> None:
         self.block_copies += allocation.copies
         if allocation.replaced:  # a private copy took a shared block's place
-            self.new_block_tables.append((seq.seq_id, list(self._block_manager.block_table(seq.seq_id))))
+            self.new_block_tables.append((seq.seq_id, self._block_manager.wire_table(seq.seq_id)))
         elif allocation.new_blocks:
             self.new_block_ids.append((seq.seq_id, allocation.new_blocks))
 
@@ -69,6 +69,9 @@ class Step:
                     min(num_computed_tokens, num_known_tokens),
                     seq.request.cache_salt,
                 )
+            # Sliding windows: blocks behind the window of this step's first query are read no more. (Not
+            # this step's last: rejected drafts roll back to no earlier than `before`.)
+            self._block_manager.free_behind_window(seq.seq_id, before)
             if seq.fork_children and samples:
                 sampling += [child.seq_id for child in seq.fork_children]
                 self._fork_children(seq, running)
