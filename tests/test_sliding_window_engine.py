@@ -133,9 +133,7 @@ def test_only_a_model_whose_every_layer_slides_announces_a_window(mistral):
     assert freeing_window(replace(config, layer_windows=(16, 8))) == 8  # the smallest
     assert freeing_window(replace(config, layer_windows=(8, 0))) == 0  # Gemma-like: a global layer reads all
     assert freeing_window(replace(config, layer_windows=())) == 0  # every layer global
-    # a draft model reads the same block tables: a global draft keeps every block
-    draft = SimpleNamespace(proposer=SimpleNamespace(model_config=replace(config, layer_windows=())))
+    # a draft model keeps every sequence's whole context in a pool of the target's size: no freeing
+    draft = SimpleNamespace(proposer=SimpleNamespace(model_config=config))
     assert freeing_window(config, draft) == 0
-    draft.proposer.model_config = replace(config, layer_windows=(4, 4))
-    assert freeing_window(config, draft) == 4
     assert freeing_window(config, SimpleNamespace(proposer=object())) == WINDOW  # n-gram: reads no KV
