@@ -206,9 +206,7 @@ class WorkerReady(msgspec.Struct, array_like=True):
     max_num_batched_tokens: Count = 0
     # speculative decoding (--speculative-config): the most draft tokens per sequence and step (0: off)
     num_speculative_tokens: DraftCount = 0
-    # every layer of the model slides over a window of at least this many tokens, so the scheduler frees the
-    # blocks behind it (docs/scheduler.md, "Sliding windows"); 0: some layer reads the whole context
-    sliding_window: Annotated[int, Meta(ge=0, le=1 << 24)] = 0
+    sliding_window: Count = 0  # every layer slides over this many tokens or more: blocks behind go (0: none)
 
 
 class Heartbeat(msgspec.Struct, array_like=True):

@@ -8,7 +8,11 @@ import random
 
 import pytest
 
+from common.config import SchedulerConfig
+from common.messages import CodecError, WorkerReady, decode, encode
 from scheduler.block_manager import HOLE, NULL_BLOCK, BlockManager
+from scheduler.scheduler import Scheduler
+from scheduler.settings import SchedulerSettings
 from tests.scheduler.conftest import make_harness
 from tests.scheduler.test_memory_management import _assert_nothing_left, _random_arrivals, _run_arrivals
 
@@ -227,3 +231,16 @@ def test_differential_fuzz_with_a_sliding_window_changes_nothing(trial):
     for config in configs:
         h = _run_arrivals(arrivals, aborts=False, sliding_window=window, **config)
         assert h.tokens == reference.tokens and h.finish == reference.finish, config
+
+
+def test_the_window_comes_from_the_worker_and_the_reserved_policies_do_not_free():
+    ready = WorkerReady(64, 4, 256, 1000, [2], "/m", "m", sliding_window=12)
+    decoded = decode(encode(ready))
+    assert decoded == ready and decoded.sliding_window == 12
+    with pytest.raises(CodecError):
+        decode(encode(WorkerReady(64, 4, 256, 1000, [2], "/m", "m", sliding_window=-1)))
+    settings = SchedulerSettings.from_config(SchedulerConfig(), ready)
+    assert settings.sliding_window == settings.freeing_window == 12
+    assert Scheduler(settings).block_manager.sliding_window == 12
+    reserved = SchedulerSettings.from_config(SchedulerConfig(kv_policy="reserved"), ready)
+    assert reserved.freeing_window == 0 and Scheduler(reserved).block_manager.sliding_window == 0
