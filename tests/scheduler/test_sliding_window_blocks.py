@@ -13,6 +13,7 @@ from common.messages import CodecError, WorkerReady, decode, encode
 from scheduler.block_manager import HOLE, NULL_BLOCK, BlockManager
 from scheduler.scheduler import Scheduler
 from scheduler.settings import SchedulerSettings
+from scheduler.step import Step
 from tests.scheduler.conftest import make_harness
 from tests.scheduler.test_memory_management import _assert_nothing_left, _random_arrivals, _run_arrivals
 
@@ -244,3 +245,31 @@ def test_the_window_comes_from_the_worker_and_the_reserved_policies_do_not_free(
     assert Scheduler(settings).block_manager.sliding_window == 12
     reserved = SchedulerSettings.from_config(SchedulerConfig(kv_policy="reserved"), ready)
     assert reserved.freeing_window == 0 and Scheduler(reserved).block_manager.sliding_window == 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_chunked_prefill_and_its_recompute_free_as_they_pass(caching):
+    """A 60-token prompt in chunks of 8, preempted for recompute after 3 chunks: each step holds the window,
+    the last chunk and this one, never the whole prompt, the re-prefill too (with the prefix cache, the hits
+    behind the window come back as holes); the metrics count live blocks only."""
+    h = make_harness(
+        num_blocks=64, block_size=4, max_num_batched_tokens=8, sliding_window=6,
+        preemption_mode="recompute", enable_prefix_caching=caching,
+    )  # fmt: skip
+    assert h.submit("p", list(range(1, 61)), max_tokens=4, seed=3) is None
+    held = []
+    for _ in range(3):
+        h.step()
+        held.append(h.scheduler.kv_usage().blocks_used)
+    s = h.scheduler
+    s._preempt(s._running.pick_victim(), Step(s.block_manager, s.settings))
+    assert s.block_manager.num_used_blocks == 0
+    h.step()  # admitted again: from 24 with the cache's hits (holes up to the window), else from 0
+    assert s.block_manager.num_holes(0) == (4 if caching else 0)
+    while h.busy:
+        h.step()
+        held.append(s.kv_usage().blocks_used)
+        assert f"pagedserve_kv_blocks_used {held[-1]}" in s.metrics_text()
+    assert max(held) <= -(-(6 + 8 + 8) // 4) + 2 and len(held) >= (8 if caching else 11)
+    assert s.metrics.preemptions_total == 1 and len(h.tokens[("p", 0)]) == 4
+    _assert_nothing_left(h)
