@@ -57,7 +57,7 @@ def _request_row(request: Request, state: str, bm: BlockManager, now: float) -> 
     if state != "waiting":  # a waiting request holds no block
         for seq in live:
             blocks.update(bm.live_blocks(seq.seq_id))  # holes behind a sliding window hold nothing
-            num_cpu_blocks += len(bm.cpu_block_table(seq.seq_id)) - bm.num_holes(seq.seq_id)
+            num_cpu_blocks += len(bm.cpu_block_table(seq.seq_id)[bm.num_holes(seq.seq_id) :])
     ref = bm.ref_counts()
     first = request.seqs[0] if request.seqs else None
     return KVRequestRow(

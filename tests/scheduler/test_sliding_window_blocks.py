@@ -273,3 +273,30 @@ def test_a_chunked_prefill_and_its_recompute_free_as_they_pass(caching):
     assert max(held) <= -(-(6 + 8 + 8) // 4) + 2 and len(held) >= (8 if caching else 11)
     assert s.metrics.preemptions_total == 1 and len(h.tokens[("p", 0)]) == 4
     _assert_nothing_left(h)
+
+
+def test_the_dashboard_snapshot_counts_live_blocks_of_running_and_swapped_sequences():
+    h = make_harness(
+        num_blocks=64, block_size=4, max_num_batched_tokens=64, sliding_window=8,
+        preemption_mode="swap", num_cpu_blocks=16,
+    )  # fmt: skip
+    h.submit("a", list(range(1, 41)), max_tokens=20, seed=2)
+    h.submit("b", list(range(41, 61)), max_tokens=20, seed=3)
+    h.step()
+    h.step()  # a: 41 tokens computed, blocks 0..7 freed; b: 21, blocks 0..2 freed
+    s = h.scheduler
+    rows = {r.request_id: r for r in decode(encode(s.kv_snapshot(4096))).requests}
+    assert (rows["a"].num_blocks, rows["a"].num_cpu_blocks) == (3, 0)
+    assert (rows["b"].num_blocks, rows["b"].num_cpu_blocks) == (3, 0)
+    victim = s._running.pick_victim()
+    step = Step(s.block_manager, s.settings)
+    s._preempt(victim, step)
+    h.worker.execute(step.plan(999, [], [], [], []))  # the swap-out reaches the worker
+    rows = {r.request_id: r for r in decode(encode(s.kv_snapshot(4096))).requests}
+    assert (rows[victim.request.request_id].num_blocks, rows[victim.request.request_id].num_cpu_blocks) == (
+        0,
+        3,
+    )
+    assert s.kv_snapshot(4096).num_blocks == 64
+    h.run()
+    _assert_nothing_left(h)
