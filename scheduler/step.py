@@ -47,6 +47,7 @@ class Step:
         forks the children of prompts that complete. Returns who samples: the scheduled sequences that
         sample (the first `num_samplers`, in batch order), then their fork children."""
         bs = self._settings.block_size
+        windowed = self._block_manager.sliding_window > 0
         sampling: list[int] = []
         num_samplers = 0
         for seq, num_tokens in self.scheduled:
@@ -71,7 +72,8 @@ class Step:
                 )
             # Sliding windows: blocks behind the window of this step's first query are read no more. (Not
             # this step's last: rejected drafts roll back to no earlier than `before`.)
-            self._block_manager.free_behind_window(seq.seq_id, before)
+            if windowed:
+                self._block_manager.free_behind_window(seq.seq_id, before)
             if seq.fork_children and samples:
                 sampling += [child.seq_id for child in seq.fork_children]
                 self._fork_children(seq, running)
