@@ -177,6 +177,7 @@ class WorkerReady(msgspec.Struct, array_like=True):
     max_num_batched_tokens: Count = 0
     # speculative decoding (--speculative-config): the most draft tokens per sequence and step (0: off)
     num_speculative_tokens: DraftCount = 0
+    sliding_window: Count = 0  # every layer slides over this many tokens or more: blocks behind go (0: none)
 
 
 class Heartbeat(msgspec.Struct, array_like=True):

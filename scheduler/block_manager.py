@@ -17,6 +17,13 @@ tail goes before its prefix), and blocks without cached content join at the fron
 
 Swapping. A CPU pool of `num_cpu_blocks` holds the KV of swapped-out sequences; `swap_out` and `swap_in`
 move a whole table and return the (from, to) block pairs the worker copies.
+
+Sliding windows (`sliding_window` W > 0: every layer of the model slides, the smallest window). A query at
+position p reads the keys at p - W + 1 .. p, so once a sequence's next position is c, the blocks wholly
+before c - W + 1 are never read again: `free_behind_window` releases them and their table entries become
+holes (`HOLE`). Holes are always a leading run of the table (their count is `num_holes`); they hold no
+ref count, move in no swap and are never copied. On the wire a hole is block `NULL_BLOCK` (`wire_table`):
+a valid id the worker's kernels never read (they start at the window's first block).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ class Allocation:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (shared source, private destination)
     replaced: bool = False  # the table changed in place (a copy replaced a shared block)
 
+
+HOLE = -1  # a table entry whose block was freed behind the sliding window
+NULL_BLOCK = 0  # what the worker is sent for a hole: any valid id, never read
 
 _NOTHING_NEW = Allocation()  # shared result for allocations that change nothing; callers only read it
 
@@ -64,10 +74,17 @@ class BlockManager:
     """Owns every KV block of the worker's GPU and CPU pools and the block table of every sequence."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        sliding_window: int = 0,
     ) -> None:
-        if num_blocks < 1 or block_size < 1:
+        if num_blocks < 1 or block_size < 1 or sliding_window < 0:
             raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
+        self.sliding_window = sliding_window  # > 0: blocks behind it are freed (module docstring)
+        self._holes: dict[int, int] = {}  # seq_id -> leading holes of its GPU (and CPU) table; absent: 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
@@ -106,7 +123,27 @@ class BlockManager:
         return self._tables.get(seq_id, [])
 
     def cpu_block_table(self, seq_id: int) -> list[int]:
+        """The sequence's CPU blocks while swapped out (its holes stay `HOLE`). Do not mutate."""
         return self._cpu_tables.get(seq_id, [])
+
+    def num_holes(self, seq_id: int) -> int:
+        """Leading entries of the sequence's table freed behind the sliding window."""
+        return self._holes.get(seq_id, 0)
+
+    def live_blocks(self, seq_id: int) -> list[int]:
+        """The sequence's GPU blocks that hold something (its table without the holes)."""
+        return self._tables.get(seq_id, [])[self._holes.get(seq_id, 0) :]
+
+    def wire_table(self, seq_id: int) -> list[int]:
+        """The sequence's table as the worker is sent it: holes as `NULL_BLOCK`."""
+        holes = self._holes.get(seq_id, 0)
+        return [NULL_BLOCK] * holes + self._tables.get(seq_id, [])[holes:]
+
+    def num_dead_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query at position `num_computed_tokens` or later reads (0 without a window)."""
+        if self.sliding_window <= 0:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -160,7 +197,7 @@ class BlockManager:
             return
         table = self._tables[seq_id]
         hashes = self._hashes(seq_id, token_ids, num_full, salt)
-        for i in range(start, num_full):
+        for i in range(max(start, self._holes.get(seq_id, 0)), num_full):
             block_id = table[i]
             if self._hash_of[block_id] is None and hashes[i] not in self._cached:
                 self._hash_of[block_id] = hashes[i]
@@ -187,21 +224,42 @@ class BlockManager:
                 self._free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse it first
 
     def allocate_prefix(self, seq_id: int, blocks: list[int]) -> None:
-        """Starts a sequence's table with cached blocks, taken by reference. Must precede `allocate_slots`
-        for the same sequence, so that no new block can evict one of its hits."""
+        """Starts a sequence's table with cached blocks, taken by reference (those behind the sliding window
+        of the first token left to compute stay holes). Must precede `allocate_slots` for the same sequence,
+        so that no new block can evict one of its hits."""
         assert seq_id not in self._tables
-        for block_id in blocks:
+        holes = min(len(blocks), self.num_dead_blocks(len(blocks) * self.block_size))
+        for block_id in blocks[holes:]:
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
-        self._tables[seq_id] = list(blocks)
+        self._tables[seq_id] = [HOLE] * holes + blocks[holes:]
+        if holes:
+            self._holes[seq_id] = holes
         self._num_registered[seq_id] = len(blocks)
 
     def num_blocks_to_admit(self, hits: list[int], num_tokens: int) -> int:
-        """Free blocks a new sequence takes: its cache hits that sit in the free queue, and new blocks for the
-        rest of `num_tokens`."""
-        free_hits = sum(1 for block_id in hits if self._ref_counts[block_id] == 0)
+        """Free blocks a new sequence takes: its cache hits that sit in the free queue (those it keeps), and
+        new blocks for the rest of `num_tokens`."""
+        holes = min(len(hits), self.num_dead_blocks(len(hits) * self.block_size))
+        free_hits = sum(1 for block_id in hits[holes:] if self._ref_counts[block_id] == 0)
         return free_hits + max(0, self.blocks_for(num_tokens) - len(hits))
+
+    def free_behind_window(self, seq_id: int, num_computed_tokens: int) -> int:
+        """Releases the sequence's blocks that no query at `num_computed_tokens` or later reads (sliding
+        window); their entries become holes. Returns how many it released. Pass a count that no rollback
+        (rejected drafts) goes below: the blocks are gone for good."""
+        table = self._tables.get(seq_id)
+        dead = self.num_dead_blocks(num_computed_tokens)
+        holes = self._holes.get(seq_id, 0)
+        if table is None or dead <= holes:
+            return 0
+        dead = min(dead, len(table))
+        for i in range(dead - 1, holes - 1, -1):  # the later block goes first, as `free` does
+            self._release(table[i])
+            table[i] = HOLE
+        self._holes[seq_id] = dead
+        return dead - holes
 
     def num_blocks_needed(
         self, seq_id: int, num_computed_tokens: int, num_new_tokens: int, reserve: int = 0
@@ -239,6 +297,7 @@ class BlockManager:
         copy = num_new_tokens > 0 and index < len(table) and self._ref_counts[table[index]] > 1
         if missing <= 0 and not copy:
             return _NOTHING_NEW  # the common decode step: room in the last block
+        assert index >= self._holes.get(seq_id, 0) or num_new_tokens == 0, "a write into a hole"
         if max(0, missing) + copy > len(self._free):
             return None
         result = Allocation()
@@ -258,24 +317,28 @@ class BlockManager:
         """Releases the sequence's blocks past those its first `num_tokens` tokens fill (the slots of
         rejected draft tokens; their KV is garbage nobody reads)."""
         table = self._tables.get(seq_id)
-        keep = self.blocks_for(num_tokens)
+        keep = max(self.blocks_for(num_tokens), self._holes.get(seq_id, 0))
         while table is not None and len(table) > keep:
             self._release(table.pop())
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Gives the child the parent's blocks, by reference."""
         table = self._tables[parent_seq_id]
-        for block_id in table:
+        holes = self._holes.get(parent_seq_id, 0)
+        for block_id in table[holes:]:
             self._ref_counts[block_id] += 1
         self._tables[child_seq_id] = list(table)
+        if holes:
+            self._holes[child_seq_id] = holes
         self._seq_hashes[child_seq_id] = list(self._seq_hashes.get(parent_seq_id, ()))
         self._num_registered[child_seq_id] = self._num_registered.get(parent_seq_id, 0)
 
     def free(self, seq_id: int) -> None:
         """Releases the sequence's GPU and CPU blocks; its cached content stays reusable until evicted."""
-        for block_id in reversed(self._tables.pop(seq_id, [])):
+        holes = self._holes.pop(seq_id, 0)
+        for block_id in reversed(self._tables.pop(seq_id, [])[holes:]):
             self._release(block_id)
-        self._cpu_free.extend(reversed(self._cpu_tables.pop(seq_id, [])))
+        self._cpu_free.extend(reversed(self._cpu_tables.pop(seq_id, [])[holes:]))
         self._seq_hashes.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
 
@@ -283,32 +346,35 @@ class BlockManager:
     # swapping
 
     def can_swap_out(self, seq_id: int) -> bool:
-        return len(self._tables.get(seq_id, ())) <= len(self._cpu_free)
+        return len(self.live_blocks(seq_id)) <= len(self._cpu_free)
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
-        """Moves the sequence's table to the CPU pool; returns (gpu block, cpu block) pairs to copy."""
-        table = self._tables.pop(seq_id)
-        cpu_table = [self._cpu_free.pop() for _ in table]
-        self._cpu_tables[seq_id] = cpu_table
-        for block_id in reversed(table):
+        """Moves the sequence's table to the CPU pool (its live blocks; holes stay holes); returns
+        (gpu block, cpu block) pairs to copy."""
+        holes = self._holes.get(seq_id, 0)
+        live = self._tables.pop(seq_id)[holes:]
+        cpu_live = [self._cpu_free.pop() for _ in live]
+        self._cpu_tables[seq_id] = [HOLE] * holes + cpu_live
+        for block_id in reversed(live):
             self._release(block_id)
         self._num_registered[seq_id] = 0
-        return list(zip(table, cpu_table, strict=True))
+        return list(zip(live, cpu_live, strict=True))
 
     def num_blocks_to_swap_in(self, seq_id: int) -> int:
-        return len(self._cpu_tables[seq_id])
+        return len(self._cpu_tables[seq_id]) - self._holes.get(seq_id, 0)
 
     def swap_in(self, seq_id: int) -> list[tuple[int, int]] | None:
         """Moves the sequence back to new GPU blocks; returns (cpu block, gpu block) pairs to copy, or
         None (changing nothing) when too few GPU blocks are free."""
-        cpu_table = self._cpu_tables[seq_id]
-        if len(cpu_table) > len(self._free):
+        holes = self._holes.get(seq_id, 0)
+        cpu_live = self._cpu_tables[seq_id][holes:]
+        if len(cpu_live) > len(self._free):
             return None
         del self._cpu_tables[seq_id]
-        table = [self._take_free_block() for _ in cpu_table]
-        self._tables[seq_id] = table
-        self._cpu_free.extend(reversed(cpu_table))
-        return list(zip(cpu_table, table, strict=True))
+        live = [self._take_free_block() for _ in cpu_live]
+        self._tables[seq_id] = [HOLE] * holes + live
+        self._cpu_free.extend(reversed(cpu_live))
+        return list(zip(cpu_live, live, strict=True))
 
     # ----------------------------------------------------------------------------------------------------
     # accounting and checks
@@ -321,15 +387,17 @@ class BlockManager:
         bs = self.block_size
         ref = self._ref_counts
         used = set().union(*self._tables.values())
+        used.discard(HOLE)
         shared = {b for b in used if ref[b] > 1}
         slots_used = 0
         shared_fill: dict[int, int] = {}  # a shared block holds as many tokens as its fullest holder says
         for seq_id, table in self._tables.items():
             n = num_tokens_of.get(seq_id, 0)
+            holes = self._holes.get(seq_id, 0)
             if shared.isdisjoint(table):  # block i holds min(bs, n - i * bs) tokens: these add up to this
-                slots_used += min(n, len(table) * bs)
+                slots_used += max(0, min(n, len(table) * bs) - holes * bs)
                 continue
-            for i, block_id in enumerate(table):
+            for i, block_id in enumerate(table[holes:], holes):
                 fill = min(bs, max(0, n - i * bs))
                 if block_id in shared:
                     shared_fill[block_id] = max(shared_fill.get(block_id, 0), fill)
@@ -349,9 +417,14 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raises AssertionError when the pool's bookkeeping is inconsistent. For tests and idle checks."""
         counts = [0] * self.num_blocks
-        for table in self._tables.values():
-            for block_id in table:
+        for seq_id, table in self._tables.items():
+            holes = self._holes.get(seq_id, 0)
+            assert self.sliding_window > 0 or not holes, f"seq {seq_id} has holes without a sliding window"
+            assert table[:holes] == [HOLE] * holes and HOLE not in table[holes:], f"seq {seq_id}: stray hole"
+            for block_id in table[holes:]:
                 counts[block_id] += 1
+        for seq_id, holes in self._holes.items():
+            assert holes > 0 and (seq_id in self._tables or seq_id in self._cpu_tables), "stale hole count"
         assert counts == self._ref_counts, "a ref count differs from the number of tables holding the block"
         for block_id, count in enumerate(counts):
             assert (count == 0) == (block_id in self._free), (
@@ -362,7 +435,8 @@ class BlockManager:
         for h, block_id in self._cached.items():
             assert self._hash_of[block_id] == h, f"cache map and block {block_id} disagree"
         assert sum(1 for h in self._hash_of if h is not None) == len(self._cached), "stray block hash"
-        cpu_used = [b for t in self._cpu_tables.values() for b in t]
+        cpu_used = [b for s, t in self._cpu_tables.items() for b in t[self._holes.get(s, 0) :]]
+        assert HOLE not in cpu_used, "a stray hole in a CPU table"
         assert len(set(cpu_used)) == len(cpu_used), "a CPU block is in two tables"
         assert not set(cpu_used) & set(self._cpu_free), "a CPU block is both used and free"
         assert len(cpu_used) + len(self._cpu_free) == self.num_cpu_blocks, "CPU blocks leaked"

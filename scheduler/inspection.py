@@ -101,6 +101,8 @@ class Inspection:
         for seq in running:
             slots = len(bm.block_table(seq.seq_id)) * self._settings.block_size
             assert slots >= seq.num_computed_tokens, f"seq {seq.seq_id} computed past its blocks"
+            dead = bm.num_dead_blocks(seq.num_computed_tokens)  # holes only behind the window
+            assert bm.num_holes(seq.seq_id) <= dead, f"seq {seq.seq_id} freed a block it may still read"
         for seq in waiting + parked + fork_pending:
             assert not bm.block_table(seq.seq_id), f"queued seq {seq.seq_id} holds blocks"
         for seq in swapped:

@@ -141,7 +141,7 @@ class Admission:
                 break
             self._swapped.pop()
             step.swap_in += bm.swap_in(seq.seq_id)
-            step.new_block_tables.append((seq.seq_id, list(bm.block_table(seq.seq_id))))
+            step.new_block_tables.append((seq.seq_id, bm.wire_table(seq.seq_id)))
             running.add(seq)
             self._metrics.swap_ins_total += 1
             num_tokens = min(seq.num_uncomputed_tokens, budget)
@@ -186,7 +186,7 @@ class Admission:
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_computed_tokens
             self._running.add(seq)
-            step.new_seqs.append(new_sequence_message(seq, bm.block_table(seq.seq_id)))
+            step.new_seqs.append(new_sequence_message(seq, bm.wire_table(seq.seq_id)))
             seq.on_worker = True
             step.scheduled.append((seq, num_tokens))
             budget -= num_tokens

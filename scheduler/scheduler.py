@@ -85,6 +85,7 @@ class Scheduler:
             settings.block_size,
             num_cpu_blocks=settings.num_cpu_blocks if self._preemption.uses_cpu_pool else 0,
             enable_prefix_caching=settings.enable_prefix_caching and not settings.reserved,
+            sliding_window=settings.freeing_window,
         )
         self.metrics = SchedulerMetrics()
         self._spec = Speculation(settings, self.block_manager, self.metrics)  # scheduler/speculation.py

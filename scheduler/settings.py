@@ -41,6 +41,8 @@ class SchedulerSettings:
     speculative_draft_budget: int = _CONFIG.speculative_draft_budget
     speculative_min_accepted: float = _CONFIG.speculative_min_accepted
     speculative_probe_steps: int = _CONFIG.speculative_probe_steps
+    # the worker's model slides every layer over at least this many tokens (0: some layer reads everything)
+    sliding_window: int = 0
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, ready: WorkerReady) -> SchedulerSettings:
@@ -77,6 +79,7 @@ class SchedulerSettings:
             speculative_draft_budget=config.speculative_draft_budget,
             speculative_min_accepted=config.speculative_min_accepted,
             speculative_probe_steps=config.speculative_probe_steps,
+            sliding_window=ready.sliding_window,
             **limits,
         )
 
@@ -84,6 +87,21 @@ class SchedulerSettings:
     def watermark_blocks(self) -> int:
         # Admission leaves this many blocks free so running sequences can grow a while before preempting.
         return self.num_kv_blocks // 100
+
+    @property
+    def freeing_window(self) -> int:
+        """The window behind which the block manager frees blocks: the model's, under the paged policy (the
+        reserved ones claim a sequence's whole room by design); 0: no freeing."""
+        return 0 if self.reserved else self.sliding_window
+
+    def peak_tokens(self, room: int) -> int:
+        """The KV slots a sequence of `room` tokens holds at once. With blocks freed behind the window (after
+        each step, behind its first query: the block manager's `free_behind_window`): the window, the chunks
+        of this step and the last (max_num_batched_tokens each at most) and two partial blocks."""
+        if not self.freeing_window:
+            return room
+        peak = self.freeing_window + 2 * self.max_num_batched_tokens + 2 * self.block_size
+        return min(room, peak)
 
     @property
     def seat_quota(self) -> int:
@@ -138,7 +156,7 @@ def check_request(settings: SchedulerSettings, msg: SubmitRequest) -> str | None
             f"this request makes {num_seqs(msg.params)} sequences; at most "
             f"{settings.max_waiting_seqs} may wait in the scheduler"
         )
-    room = settings.room(len(prompt), msg.params.max_tokens)
+    room = settings.peak_tokens(settings.room(len(prompt), msg.params.max_tokens))
     num_kv_blocks = -(-room // settings.block_size)
     if num_kv_blocks > settings.num_kv_blocks:
         pool = settings.num_kv_blocks

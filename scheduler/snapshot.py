@@ -56,8 +56,8 @@ def _request_row(request: Request, state: str, bm: BlockManager, now: float) -> 
     num_cpu_blocks = 0
     if state != "waiting":  # a waiting request holds no block
         for seq in live:
-            blocks.update(bm.block_table(seq.seq_id))
-            num_cpu_blocks += len(bm.cpu_block_table(seq.seq_id))
+            blocks.update(bm.live_blocks(seq.seq_id))  # holes behind a sliding window hold nothing
+            num_cpu_blocks += len(bm.cpu_block_table(seq.seq_id)[bm.num_holes(seq.seq_id) :])
     ref = bm.ref_counts()
     first = request.seqs[0] if request.seqs else None
     return KVRequestRow(
@@ -95,6 +95,7 @@ def _cell_map(bm: BlockManager, owner_of_seq: dict[int, int], per_cell: int) -> 
     used: list[int] = []
     used_owner: list[int] = []
     for seq_id, table in bm.tables().items():
+        table = table[bm.num_holes(seq_id) :]  # holes behind a sliding window hold nothing
         used.extend(table)
         used_owner.extend([owner_of_seq.get(seq_id, 0)] * len(table))
     used_ids = np.asarray(used, np.int64)

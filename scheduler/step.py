@@ -38,7 +38,7 @@ class Step:
     def record_allocation(self, seq: Sequence, allocation: Allocation) -> None:
         self.block_copies += allocation.copies
         if allocation.replaced:  # a private copy took a shared block's place
-            self.new_block_tables.append((seq.seq_id, list(self._block_manager.block_table(seq.seq_id))))
+            self.new_block_tables.append((seq.seq_id, self._block_manager.wire_table(seq.seq_id)))
         elif allocation.new_blocks:
             self.new_block_ids.append((seq.seq_id, allocation.new_blocks))
 
@@ -47,6 +47,7 @@ class Step:
         forks the children of prompts that complete. Returns who samples: the scheduled sequences that
         sample (the first `num_samplers`, in batch order), then their fork children."""
         bs = self._settings.block_size
+        windowed = self._block_manager.sliding_window > 0
         sampling: list[int] = []
         num_samplers = 0
         for seq, num_tokens in self.scheduled:
@@ -69,6 +70,10 @@ class Step:
                     min(num_computed_tokens, num_known_tokens),
                     seq.request.cache_salt,
                 )
+            # Sliding windows: blocks behind the window of this step's first query are read no more. (Not
+            # this step's last: rejected drafts roll back to no earlier than `before`.)
+            if windowed:
+                self._block_manager.free_behind_window(seq.seq_id, before)
             if seq.fork_children and samples:
                 sampling += [child.seq_id for child in seq.fork_children]
                 self._fork_children(seq, running)

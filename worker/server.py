@@ -35,6 +35,7 @@ from common.model_source import ModelSourceError, resolve_config
 from common.monitor import open_monitor
 from common.security import ClusterKey, ClusterKeyError, load_cluster_key, secure_client
 from worker.heartbeat import HeartbeatThread
+from worker.kv_window import freeing_window
 from worker.loader import load_model_config
 from worker.model_runner import ModelRunner
 from worker.parallel import ParallelContext, init_parallel
@@ -202,6 +203,7 @@ def serve(cfg: WorkerConfig) -> int:
         max_num_seqs=runner.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         num_speculative_tokens=runner.num_speculative_tokens,
+        sliding_window=freeing_window(runner.model_config, runner.spec),
     )
     heartbeat = HeartbeatThread(cfg.worker_address, ready.worker_id, cfg.heartbeat_interval_s, key).start()
     log.info(

@@ -100,7 +100,13 @@ def make_harness(
         max_num_batched_tokens=max_num_batched_tokens,
         **policies,
     )
-    worker = FakeWorker(num_blocks, block_size, vocab_size, policies.get("num_cpu_blocks", 0))
+    worker = FakeWorker(
+        num_blocks,
+        block_size,
+        vocab_size,
+        policies.get("num_cpu_blocks", 0),
+        policies.get("sliding_window", 0),
+    )
     return Harness(Scheduler(settings, clock=FakeClock()), worker, pipelined=pipelined)
 
 

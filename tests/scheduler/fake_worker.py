@@ -5,6 +5,10 @@ array through each sequence's block table, runs swaps and copy-on-write copies o
 "sampling" reads back every slot of the sequence's context: a block written by two sequences with different
 content, a table that lost a block, a wrong prefix-cache hit, a missed copy or swap fails at once. Its next
 token depends only on the sequence's seed and its tokens so far, as a seeded model's would.
+
+With a sliding window W (every layer windowed) a query at position p reads positions p - W + 1 .. p only: the
+check reads just those, so a block the scheduler freed too early (and gave to another sequence) fails, and
+the table entries of holes (sent as a valid null id) are never read.
 """
 
 from __future__ import annotations
@@ -51,7 +55,15 @@ class _SeqState:
 
 
 class FakeWorker:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, num_cpu_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        num_cpu_blocks: int = 0,
+        sliding_window: int = 0,
+    ) -> None:
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.vocab_size = vocab_size
         # A slot holds (position, token, the token ids before it): what a real KV entry depends on.
@@ -94,7 +106,8 @@ class FakeWorker:
             self.seqs[seq_id].block_table.extend(blocks)
         self._copy_blocks(self.slots, self.slots, plan.block_copies)
         for new in plan.new_seqs:  # a prefix-cache hit must hold exactly this sequence's KV
-            self._check_context(new.seq_id, self.seqs[new.seq_id], new.num_computed_tokens)
+            c = new.num_computed_tokens
+            self._check_context(new.seq_id, self.seqs[new.seq_id], c, self._window_start(c))
         out = StepOutput(plan.step_id, [], [], [])
         forked: list[tuple[int, _SeqState]] = []
         draft_slots = dict(plan.draft_slots)
@@ -106,12 +119,13 @@ class FakeWorker:
             state = self.seqs[seq_id]
             assert num_tokens >= 1
             end = state.num_computed_tokens + num_tokens
+            first = self._window_start(state.num_computed_tokens)  # what this step's first query reads
             assert end <= len(state.token_ids), "scheduled past the known tokens"
             assert len(state.block_table) * self.block_size >= end, "block table too short"
             for pos in range(state.num_computed_tokens, end):
                 self.slots[self._slot(state, pos)] = self._kv(state, pos)
             state.num_computed_tokens = end
-            self._check_context(seq_id, state, end)  # attention reads the context through the block table
+            self._check_context(seq_id, state, end, first)  # attention reads the context through the table
             samples = seq_id in sampling
             assert not samples or end == len(state.token_ids), "sampling before the last known token"
             k = draft_slots.get(seq_id, 0)
@@ -166,8 +180,12 @@ class FakeWorker:
     def _kv(state: _SeqState, pos: int) -> tuple:
         return (pos, state.token_ids[pos], hash(tuple(state.token_ids[:pos])))
 
-    def _check_context(self, seq_id: int, state: _SeqState, num_tokens: int) -> None:
-        for pos in range(num_tokens):
+    def _window_start(self, position: int) -> int:
+        """The first position a query at `position` reads."""
+        return max(0, position - self.sliding_window + 1) if self.sliding_window else 0
+
+    def _check_context(self, seq_id: int, state: _SeqState, num_tokens: int, first: int = 0) -> None:
+        for pos in range(first, num_tokens):
             held = self.slots[self._slot(state, pos)]
             assert held == self._kv(state, pos), f"seq {seq_id} position {pos}: KV slot holds {held}"
 

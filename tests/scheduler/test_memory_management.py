@@ -20,6 +20,7 @@ def _assert_nothing_left(h) -> None:
     assert s.num_requests == 0 and not s._seqs and not s._running and s._running.pending_forks == 0
     assert bm.num_free_blocks == bm.num_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks
     assert not bm._tables and not bm._cpu_tables and not bm._seq_hashes and not bm._num_registered
+    assert not bm._holes
 
 
 def test_parallel_samples_prefill_once_and_share_the_prompt_blocks():
