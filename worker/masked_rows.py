@@ -17,20 +17,23 @@ no rule masks anything.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # (the sampler imports this module)
-    from worker.sampler import SamplingTensors
-    from worker.spec.verify import SpecBatch
+
+class DraftRows(Protocol):
+    """Where each drafting sequence's rows lie (worker/spec/verify.py SpecBatch)."""
+
+    offsets: np.ndarray  # [S] each sequence's first row
+    counts: np.ndarray  # [S] its rows: 1 + its drafts
 
 
-def masked_rows(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor | None:
+def masked_rows(logits: torch.Tensor, masking: bool) -> torch.Tensor | None:
     """[R] bool on the device: the rows of the processed `logits` ([R, V]) with no token left to draw (all
-    -inf, or NaN); None when the step has neither a grammar bitmask nor logits processors."""
-    if tensors.token_bitmask is None and tensors.processors is None:
+    -inf, or NaN); None when nothing in the step masks tokens (no grammar bitmask, no logits processors)."""
+    if not masking:
         return None
     # NaN > -inf is False: a NaN row is flagged with the all -inf ones.
     return ~(logits.amax(dim=-1) > float("-inf"))
@@ -49,7 +52,7 @@ def unpack_flags(host: torch.Tensor, num_rows: int, flagged: bool) -> tuple[np.n
     return values[:-num_rows], np.flatnonzero(values[-num_rows:]).tolist()
 
 
-def masked_seq_ids(seq_ids: list[int], rows: list[int], spec: SpecBatch | None = None) -> list[int]:
+def masked_seq_ids(seq_ids: list[int], rows: list[int], spec: DraftRows | None = None) -> list[int]:
     """The sequences of the flagged `rows`: row i is seq_ids[i], or with drafts (worker/spec/verify.py)
     sequence j's rows start at spec.offsets[j] and the fork children's one row each follow the last of them.
     """

@@ -296,7 +296,7 @@ def sample_tensors(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOut
     raw = logits  # logprobs are the raw distribution's
     if tensors.processors is not None:
         logits = apply_processors(logits, tensors.processors)
-    masked = masked_rows(logits, tensors)  # (their draw below is never sent)
+    masked = masked_rows(logits, tensors.token_bitmask is not None or tensors.processors is not None)
     if tensors.any_greedy:
         tokens = logits.argmax(dim=-1)
     else:
