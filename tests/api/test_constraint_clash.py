@@ -51,14 +51,14 @@ def _post(server, body: dict) -> tuple[int, bytes]:
 
 def _clash(model_dir, **extra) -> dict:
     return {
-        "model": str(model_dir), "prompt": "Number:", "max_tokens": 10, "temperature": 1.0,
+        "model": "tiny-llama", "prompt": "Number:", "max_tokens": 10, "temperature": 1.0,
         "structured_outputs": {"regex": REGEX}, "allowed_token_ids": _letters(model_dir), **extra,
     }  # fmt: skip
 
 
 def test_the_clash_is_a_400_and_its_batch_mate_completes(real_server, tiny_model_dir):
     valid = {
-        "model": str(tiny_model_dir),
+        "model": "tiny-llama",
         "prompt": "Number:",
         "max_tokens": 10,
         "temperature": 1.0,
@@ -94,5 +94,5 @@ def test_a_streamed_clash_ends_with_an_error_event(real_server, tiny_model_dir):
         json.loads(e).get("choices", [{}])[0].get("text") for e in events if e != "[DONE]" and "choices" in e
     )
     # the server serves on
-    status, body = _post(real_server, {"model": str(tiny_model_dir), "prompt": "a", "max_tokens": 2})
+    status, body = _post(real_server, {"model": "tiny-llama", "prompt": "a", "max_tokens": 2})
     assert status == 200, body
