@@ -1,6 +1,7 @@
 """A fault fails one request, never the scheduler: the request's sequences end (by force when their
 ordinary ending fails half way), its blocks go back, the seat counts are recounted, and its client gets one
-INTERNAL error, which the server collects with `Scheduler.take_errors()`."""
+error, which the server collects with `Scheduler.take_errors()`: INTERNAL for a bug, INVALID_REQUEST (a 400)
+when the worker reports that the request's own constraints cannot be met (`CONSTRAINT_FAILED`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from scheduler.queues import RunQueue
 from scheduler.request import Error, Request, SeqStatus, Sequence, SequenceTable
 
 log = structlog.get_logger(process="scheduler")
+
+# StepOutput.failed_seq_ids: the request's grammar failed to compile, or its grammar and its own token rules
+# together masked every token of its row (worker/masked_rows.py); the request as sent cannot be served.
+CONSTRAINT_FAILED = (
+    "the request's output constraint cannot be met: its grammar could not be applied, or it and the "
+    "request's own token rules (allowed_token_ids, bad_words, logit_bias, min_tokens) leave no token allowed"
+)
 
 
 class RequestFaults:
@@ -40,8 +48,10 @@ class RequestFaults:
         errors, self._errors = self._errors, []
         return errors
 
-    def fail_request(self, request: Request, message: str, exc_info: bool = False) -> None:
-        """Ends every sequence of `request`, frees its blocks and queues an INTERNAL error for its client.
+    def fail_request(
+        self, request: Request, message: str, exc_info: bool = False, kind: str = ErrorKind.INTERNAL
+    ) -> None:
+        """Ends every sequence of `request`, frees its blocks and queues a `kind` error for its client.
         Works on state that the failure may have left half changed: a sequence that cannot be finished the
         ordinary way is dropped by force, and the seat counts are recounted."""
         log.error("request_failed", request_id=request.request_id, reason=message, exc_info=exc_info)
@@ -58,7 +68,7 @@ class RequestFaults:
         self._running.prune()
         searches = {s.request.key: s.request for s in self._seqs.values() if s.request.beam}
         self._running.recount_seats(searches.values())
-        self._errors.append((request.owner, RequestError(request.request_id, ErrorKind.INTERNAL, message)))
+        self._errors.append((request.owner, RequestError(request.request_id, kind, message)))
 
     def _drop(self, seq: Sequence) -> None:
         """Forgets a sequence whose ordinary ending failed half way."""

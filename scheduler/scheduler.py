@@ -39,7 +39,7 @@ from common.messages import (
     TokenLogprobs,
 )
 from scheduler.block_manager import BlockManager, KVUsage
-from scheduler.faults import RequestFaults
+from scheduler.faults import CONSTRAINT_FAILED, RequestFaults
 from scheduler.inspection import Inspection
 from scheduler.intake import queue_request
 from scheduler.metrics import SchedulerMetrics
@@ -381,7 +381,7 @@ class Scheduler:
         generated = 0
         live = self._seqs.get  # (bound once: the loop runs once per sampled token)
         for seq in filter(None, map(live, step.failed_seq_ids)):  # first: their EOS must not end them
-            self._faults.fail_request(seq.request, "the worker could not apply the output constraint")
+            self._faults.fail_request(seq.request, CONSTRAINT_FAILED, kind=ErrorKind.INVALID_REQUEST)
         for seq_id, token, logprobs, run in self._spec.runs(step):  # run: a drafting sequence's other tokens
             seq = live(seq_id)
             if seq is None:

@@ -14,9 +14,8 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from common.config import WorkerConfig
-from common.messages import SamplingParams, SubmitRequest
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from common.messages import SamplingParams
+from tests.engine_loop import run_engine
 from worker.model_runner import ModelRunner
 
 MAX_TOKENS = 24
@@ -27,43 +26,14 @@ def _run_engine(
     prompts: list[list[int]],
     params: SamplingParams,
     pipelined: bool = False,
-    **settings_kw,
+    **settings,
 ):
-    """Runs the prompts to the end; returns {(prompt index, sample index): tokens} and the scheduler.
-
-    `pipelined` runs the steps as the server and the worker do: the scheduler makes plan N+1 before step
-    N's tokens are in, and the runner launches step N+1 before it finishes step N, so the tokens of step N
-    reach step N+1 on the device."""
-    settings = SchedulerSettings(
-        num_kv_blocks=runner.num_kv_blocks,
-        block_size=runner.block_size,
-        max_model_len=runner.max_model_len,
-        vocab_size=runner.vocab_size,
-        eos_token_ids=tuple(runner.eos_token_ids),
-        **settings_kw,
-    )
-    scheduler = Scheduler(settings)
-    for i, prompt in enumerate(prompts):
-        assert scheduler.add_request(b"test", SubmitRequest(f"r{i}", prompt, params)) is None
-    outputs: dict[tuple[int, int], list[int]] = {}
-    steps = 0
-    while scheduler.has_work or runner.in_flight:
-        plan = scheduler.schedule()
-        scheduler.check_invariants()
-        if not pipelined:
-            done = [runner.execute(plan)]
-        else:
-            if not plan.is_noop:  # a plan that only swaps or frees reaches the worker too
-                runner.launch(plan)
-            last = not plan.scheduled_seq_ids
-            done = [runner.finish() for _ in range(len(runner.in_flight) - (0 if last else 1))]
-        for step in done:
-            for _, out in scheduler.update(step):
-                outputs.setdefault((int(out.request_id[1:]), out.index), []).extend(out.token_ids)
-        steps += 1
-        assert steps < 5000
-    assert scheduler.block_manager.num_free_blocks == runner.num_kv_blocks
-    return outputs, scheduler
+    """Runs the prompts to the end (tests/engine_loop.py); returns {(prompt index, sample index): tokens}
+    and the scheduler. `pipelined` runs the steps as the server and the worker do: the scheduler makes plan
+    N+1 before step N's tokens are in, and the runner launches step N+1 before it finishes step N, so the
+    tokens of step N reach step N+1 on the device."""
+    run = run_engine(runner, [(prompt, params) for prompt in prompts], pipelined, **settings)
+    return run.tokens, run.scheduler
 
 
 def _prompts(vocab: int) -> list[list[int]]:

@@ -10,9 +10,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from common.config import WorkerConfig
-from common.messages import SamplingParams, SubmitRequest
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from common.messages import SamplingParams
+from tests.engine_loop import run_engine
 from tests.test_engine_correctness import _run_engine
 from worker.cuda_graphs import capture_sizes
 from worker.model_runner import ModelRunner
@@ -40,21 +39,14 @@ def _runner(model_dir, enforce_eager: bool, dtype: str, piecewise_graphs: bool =
 
 def _generate(runner: ModelRunner, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Greedy tokens of every prompt, batched by a scheduler core, each with its own output length."""
-    scheduler = Scheduler(
-        SchedulerSettings(
-            num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size,
-            max_model_len=runner.max_model_len, vocab_size=runner.vocab_size, eos_token_ids=(),
-            max_num_seqs=16, max_num_batched_tokens=256,
-        )
-    )  # fmt: skip
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        assert scheduler.add_request(b"t", SubmitRequest(f"r{i}", prompt, params)) is None
-    outputs: list[list[int]] = [[] for _ in prompts]
-    while scheduler.has_work:
-        for _, out in scheduler.update(runner.execute(scheduler.schedule())):
-            outputs[int(out.request_id[1:])].extend(out.token_ids)
-    return outputs
+    requests = [
+        (prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        for prompt, n in zip(prompts, max_tokens, strict=True)
+    ]
+    run = run_engine(
+        runner, requests, owner=b"t", eos_token_ids=(), max_num_seqs=16, max_num_batched_tokens=256
+    )
+    return [run.tokens.get((i, 0), []) for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

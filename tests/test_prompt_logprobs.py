@@ -14,17 +14,15 @@ from transformers import LlamaForCausalLM
 from common.config import WorkerConfig
 from common.messages import (
     PromptLogprobs,
-    RequestOutputs,
     SamplingParams,
     SeqOutput,
     StepOutput,
     SubmitRequest,
     TokenLogprobs,
-    decode,
-    encode,
 )
 from scheduler.scheduler import Scheduler
 from scheduler.settings import SchedulerSettings
+from tests.engine_loop import idle, run_engine
 from worker.model_runner import ModelRunner
 from worker.prompt_logprobs import MAX_SCORED_ELEMENTS, PromptScores
 
@@ -45,47 +43,10 @@ def _reference(model, prompt: list[int]) -> torch.Tensor:
 
 def _run(runner: ModelRunner, requests: list[tuple[list[int], SamplingParams]], pipelined=False, **kw):
     """Runs the requests to the end (each submitted when the one before it is done when `sequential`);
-    returns each request's outputs in order and the scheduler."""
-    sequential = kw.pop("sequential", False)
-    settings = SchedulerSettings(
-        num_kv_blocks=runner.num_kv_blocks,
-        block_size=runner.block_size,
-        max_model_len=runner.max_model_len,
-        vocab_size=runner.vocab_size,
-        eos_token_ids=tuple(runner.eos_token_ids),
-        **kw,
-    )
-    scheduler = Scheduler(settings)
-    outputs: dict[int, list[SeqOutput]] = {i: [] for i in range(len(requests))}
-    pending = list(enumerate(requests))
-    steps = 0
-    while pending or scheduler.has_work or runner.in_flight:
-        while pending and (not sequential or not (scheduler.has_work or runner.in_flight)):
-            i, (prompt, params) = pending.pop(0)
-            assert scheduler.add_request(b"t", SubmitRequest(f"r{i}", prompt, params)) is None
-        plan = scheduler.schedule()
-        scheduler.check_invariants()
-        if not pipelined:
-            done = [runner.execute(plan)] if not plan.is_noop else []
-        else:
-            if not plan.is_noop:
-                runner.launch(plan)
-            last = not plan.scheduled_seq_ids
-            done = [runner.finish() for _ in range(len(runner.in_flight) - (0 if last else 1))]
-        for step in done:
-            step = decode(encode(step))  # through the wire format, as between the processes
-            assert scheduler.check_output(step) is None
-            for _, out in scheduler.update(step):
-                outputs[int(out.request_id[1:])].append(decode(encode(_wrap(out))).outputs[0])
-        steps += 1
-        assert steps < 5000
-    assert scheduler.block_manager.num_free_blocks == runner.num_kv_blocks
-    assert not runner.prompt_scores
-    return outputs, scheduler
-
-
-def _wrap(out: SeqOutput) -> RequestOutputs:
-    return RequestOutputs([out])
+    returns each request's outputs in order and the scheduler (tests/engine_loop.py)."""
+    arrive = idle if kw.pop("sequential", False) else None
+    run = run_engine(runner, requests, pipelined, arrive=arrive, owner=b"t", **kw)
+    return run.outputs, run.scheduler
 
 
 def _prompt_logprobs(outputs: list[SeqOutput]) -> tuple[list[TokenLogprobs], list[int]]:

@@ -11,9 +11,8 @@ import random
 import pytest
 
 from common.config import WorkerConfig
-from common.messages import SamplingParams, SubmitRequest
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from common.messages import SamplingParams
+from tests import engine_loop
 from worker.model_runner import ModelRunner
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
@@ -28,43 +27,17 @@ def make_runner(model_dir, num_kv_blocks: int, speculative: str = "", block_size
 
 
 def run_engine(runner: ModelRunner, prompts: list[list[int]], params, pipelined: bool, **kw):
-    """Runs the prompts to the end as the server does (scheduler/server.py `_run_steps`): with `pipelined`,
-    plan N+1 is made and launched before step N's tokens are in, except when the next plan would draft.
-    Returns {(prompt, sample): tokens}, the scheduler and the number of steps."""
-    settings = SchedulerSettings(
-        num_kv_blocks=runner.num_kv_blocks,
-        block_size=runner.block_size,
-        max_model_len=runner.max_model_len,
-        vocab_size=runner.vocab_size,
-        eos_token_ids=tuple(runner.eos_token_ids),
-        num_cpu_blocks=runner.num_cpu_blocks,
+    """Runs the prompts to the end as the server does (tests/engine_loop.py, scheduler/server.py
+    `_run_steps`): with `pipelined`, plan N+1 is made and launched before step N's tokens are in, except
+    when the next plan would draft. Returns {(prompt, sample): tokens}, the scheduler and the number of
+    steps."""
+    each = params if isinstance(params, list) else [params] * len(prompts)  # one for all, or one per prompt
+    run = engine_loop.run_engine(
+        runner, list(zip(prompts, each, strict=True)), pipelined, num_cpu_blocks=runner.num_cpu_blocks,
         num_speculative_tokens=runner.num_speculative_tokens,
         **{"max_num_seqs": 8, "max_num_batched_tokens": 48, **kw},
-    )
-    scheduler = Scheduler(settings)
-    for i, prompt in enumerate(prompts):
-        p = params[i] if isinstance(params, list) else params  # one for all, or one per prompt
-        assert scheduler.add_request(b"test", SubmitRequest(f"r{i}", prompt, p)) is None
-    outputs: dict[tuple[int, int], list[int]] = {}
-    steps = 0
-    while scheduler.has_work or runner.in_flight:
-        plan = scheduler.schedule()
-        scheduler.check_invariants()
-        if not plan.is_noop:
-            runner.launch(plan)
-            if pipelined and len(runner.in_flight) < 2 and not scheduler.speculating:
-                continue
-        elif not runner.in_flight:
-            raise AssertionError("nothing runs and nothing is in flight")
-        step = runner.finish()
-        assert scheduler.check_output(step) is None, scheduler.check_output(step)
-        for _, out in scheduler.update(step):
-            outputs.setdefault((int(out.request_id[1:]), out.index), []).extend(out.token_ids)
-        scheduler.check_invariants()
-        steps += 1
-        assert steps < 5000
-    assert scheduler.block_manager.num_free_blocks == runner.num_kv_blocks
-    return outputs, scheduler, steps
+    )  # fmt: skip
+    return run.tokens, run.scheduler, run.steps
 
 
 def prompts(vocab: int) -> list[list[int]]:

@@ -15,11 +15,10 @@ import torch
 from transformers import AutoTokenizer
 
 from common.config import WorkerConfig
-from common.messages import SamplingParams, SubmitRequest
+from common.messages import SamplingParams
 from common.sampling_params import StructuredOutput
 from kernels.reference_bitmask import unpack_bitmask as _unpack
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from tests.engine_loop import EngineRun, run_engine
 from tests.structured_schemas import random_schema
 from worker.model_runner import ModelRunner
 from worker.sequences import SeqState
@@ -38,46 +37,23 @@ def _runner(model_dir, num_kv_blocks: int) -> ModelRunner:
 
 def _run(runner: ModelRunner, prompts, params_list, pipelined: bool | str = False, **settings):
     """Runs one request per (prompt, params) in one scheduler, so that they share batches; returns
-    {(request index, sample index): tokens} and the scheduler. `pipelined`: as the worker runs steps, step
-    N+1 launched before step N finishes (tests/test_engine_correctness.py `_run_engine`); "worker": in the
-    worker loop's order (worker/server.py), step N+1's forward queued, step N finished, step N+1's sampler."""
-    scheduler = Scheduler(
-        SchedulerSettings(
-            num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size,
-            max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
-            eos_token_ids=tuple(runner.eos_token_ids), num_cpu_blocks=runner.num_cpu_blocks, **settings,
-        )
+    {(request index, sample index): tokens} and the scheduler (`_run_all`)."""
+    run = _run_all(runner, prompts, params_list, pipelined, **settings)
+    return run.tokens, run.scheduler
+
+
+def _run_all(
+    runner: ModelRunner, prompts, params_list, pipelined: bool | str = False, **settings
+) -> EngineRun:
+    """Runs one request per (prompt, params) in one scheduler (tests/engine_loop.py). `pipelined`: step N+1
+    launched whole before step N finishes (a tensor-parallel follower's order); "worker": in the worker
+    loop's order (worker/server.py), step N+1's forward queued, step N finished, step N+1's sampler."""
+    requests = list(zip(prompts, params_list, strict=True))
+    run = run_engine(
+        runner, requests, bool(pipelined), split_launch=pipelined == "worker", owner=b"t", max_steps=20000,
+        num_cpu_blocks=runner.num_cpu_blocks, **settings,
     )  # fmt: skip
-    for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-        assert scheduler.add_request(b"t", SubmitRequest(f"r{i}", prompt, params)) is None
-    outputs: dict[tuple[int, int], list[int]] = {}
-    for _ in range(20000):
-        if not (scheduler.has_work or runner.in_flight):
-            break
-        plan = scheduler.schedule()
-        scheduler.check_invariants()
-        if not pipelined:
-            done = [runner.execute(plan)]
-        elif pipelined == "worker":
-            forwarded = runner.launch_forward(plan) if not plan.is_noop else None
-            keep = 0 if forwarded is not None or not plan.scheduled_seq_ids else 1
-            done = [runner.finish() for _ in range(len(runner.in_flight) - keep)]
-            if forwarded is not None:
-                runner.launch_sampling(forwarded)
-        else:
-            if not plan.is_noop:
-                runner.launch(plan)
-            last = not plan.scheduled_seq_ids
-            done = [runner.finish() for _ in range(len(runner.in_flight) - (0 if last else 1))]
-        for step in done:
-            assert scheduler.check_output(step) is None
-            for _, out in scheduler.update(step):
-                outputs.setdefault((int(out.request_id[1:]), out.index), []).extend(out.token_ids)
-    else:
-        raise AssertionError("the requests did not finish")
-    assert scheduler.block_manager.num_free_blocks == runner.num_kv_blocks
-    assert set(runner.structured.matchers) <= set(runner.sequences.seqs)  # freed with their sequences
-    return outputs, scheduler
+    return run
 
 
 def _texts(runner: ModelRunner, outputs: dict, model_dir) -> dict[tuple[int, int], str]:
@@ -190,9 +166,10 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_sequence(tiny_model_dir):
     runner = _runner(tiny_model_dir, 400)
     bad = SamplingParams(max_tokens=50, temperature=1.0, structured=StructuredOutput("regex", "[a-"))
     good = SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
-    outputs, scheduler = _run(runner, _prompts(2, 4), [bad, good], max_num_seqs=8, max_num_batched_tokens=64)
+    run = _run_all(runner, _prompts(2, 4), [bad, good], max_num_seqs=8, max_num_batched_tokens=64)
+    outputs = run.tokens
     assert (0, 0) not in outputs
-    ((_, error),) = scheduler.take_errors()
+    (error,) = run.errors.values()  # (as the client gets it)
     assert error.request_id == "r0" and "constraint" in error.message
     assert len(outputs[(1, 0)]) == 8
 

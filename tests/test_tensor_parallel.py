@@ -24,11 +24,10 @@ from safetensors.torch import load_file, save_file
 
 from common.config import WorkerConfig
 from common.log import get_logger
-from common.messages import SamplingParams, Shutdown, StepOutput, SubmitRequest, encode
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from common.messages import SamplingParams, Shutdown, StepOutput, encode
 from scripts._servers import free_port
 from scripts.make_model import make_model
+from tests.engine_loop import run_engine
 from tests.test_engine_correctness import _prompts
 from tests.test_moe import make_tiny_moe
 from worker import server
@@ -132,28 +131,20 @@ class Recorder:
 
 
 def _run_engine(runner: ModelRunner, parallel: ParallelContext) -> dict[tuple[int, int], list[int]]:
-    """Greedy and seeded requests through the scheduler core, each plan forwarded to the other ranks."""
-    settings = SchedulerSettings(
-        num_kv_blocks=runner.num_kv_blocks, block_size=runner.block_size, max_model_len=runner.max_model_len,
-        vocab_size=runner.vocab_size, eos_token_ids=tuple(runner.eos_token_ids), max_num_seqs=8,
-        max_num_batched_tokens=48, num_cpu_blocks=NUM_CPU_BLOCKS, preemption_mode="auto",
-    )  # fmt: skip
-    scheduler = Scheduler(settings)
+    """Greedy and seeded requests through the scheduler core (tests/engine_loop.py), each plan forwarded to
+    the other ranks."""
     prompts = _prompts(runner.vocab_size)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    for i, prompt in enumerate(prompts):
-        assert scheduler.add_request(b"test", SubmitRequest(f"{i}", prompt, greedy)) is None
     seeded = SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=7)
-    assert scheduler.add_request(b"test", SubmitRequest(f"{len(prompts)}", prompts[4], seeded)) is None
-    outputs: dict[tuple[int, int], list[int]] = {}
-    while scheduler.has_work:
-        plan = scheduler.schedule()
-        parallel.forward_to_followers(encode(plan))
-        for _, out in scheduler.update(runner.execute(plan)):
-            outputs.setdefault((int(out.request_id), out.index), []).extend(out.token_ids)
-        assert plan.step_id < 2000
-    assert scheduler.metrics.preemptions_total >= 2 and scheduler.metrics.prefix_cache_hits_total > 0
-    return outputs
+    requests = [(prompt, greedy) for prompt in prompts] + [(prompts[4], seeded)]
+    forward = lambda plan: parallel.forward_to_followers(encode(plan))  # noqa: E731
+    run = run_engine(
+        runner, requests, prefix="", max_steps=2000, on_plan=forward,
+        max_num_seqs=8, max_num_batched_tokens=48, num_cpu_blocks=NUM_CPU_BLOCKS, preemption_mode="auto",
+    )  # fmt: skip
+    metrics = run.scheduler.metrics
+    assert metrics.preemptions_total >= 2 and metrics.prefix_cache_hits_total > 0
+    return run.tokens
 
 
 def _rank_main(rank: int, checkpoints: dict[str, Path], init_method: str, out_dir: Path, device: str) -> None:

@@ -33,6 +33,7 @@ from worker.inputs import HostInputs, host_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
 from worker.loader import load_model_config, load_weights
 from worker.logits_processors import LogitsProcessors
+from worker.masked_rows import masked_seq_ids
 from worker.memory_profile import profile_peak_memory
 from worker.model_config import resolve_max_model_len
 from worker.models.registry import build_model
@@ -403,7 +404,9 @@ class ModelRunner:
             self.structured.prefetch(forwarded.plan.step_id, forwarded.seq_ids, forwarded.samplers)
         prompt_logprobs = take_prompt_scores(self.prompt_scores, step.step_id)
         out = StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s, prompt_logprobs)
-        out.failed_seq_ids = self.structured.take_failed(step.step_id)  # their constraint failed
+        masked = masked_seq_ids(step.seq_ids, step.copy.masked_rows, step.spec) if step.copy else []
+        # their constraint failed, or their rows had no token left to draw (worker/masked_rows.py)
+        out.failed_seq_ids = list(dict.fromkeys(self.structured.take_failed(step.step_id) + masked))
         if accepted is not None and step.spec is not None:
             step.spec.apply(step.samplers, accepted[1], accepted[2], out, self.tables)
         return out

@@ -19,7 +19,7 @@ through has a shape that depends on its own parameters, not on its batch-mates':
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -27,42 +27,13 @@ import torch
 
 from common.messages import SamplingParams, TokenLogprobs
 from worker.logits_processors import ProcessorTensors, apply_processors, record_sampled
+from worker.masked_rows import masked_rows, pack_flags, unpack_flags
 from worker.nucleus_draw import device_round_uniforms, draw_nucleus_into
 from worker.structured import TokenBitmask, apply_token_bitmask
+from worker.uniforms import MASK64, uniform_for, uniforms_for  # noqa: F401 (uniform_for: imported from here)
 
-MASK64 = (1 << 64) - 1  # a seed's low 64 bits: what its draws depend on
 _MIN_TOP_K_WIDTH = 64  # narrower candidate sets save nothing on a GPU, and 64 columns reduce like wider ones
 _MAX_TOP_K_WIDTH = 4096  # rows with a larger top_k take the full sort
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def uniform_for(seed: int, position: int) -> float:
-    """A number in [0, 1) that depends only on (seed, position), well mixed in both."""
-    bits = _splitmix64(_splitmix64(seed & MASK64) ^ (position & MASK64))
-    return (bits >> 11) / float(1 << 53)
-
-
-def _splitmix64_array(x: np.ndarray) -> np.ndarray:
-    # uint64 arithmetic wraps modulo 2**64 and `>>` shifts zeros in, which is exactly what `_splitmix64` does.
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def uniforms_for(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
-    """`uniform_for` over arrays, bit for bit, on the host: seed [N] uint64 (or int64 holding the same bits),
-    position [N] non-negative integers; float64 [N]."""
-    seed = np.asarray(seed)
-    seed = seed.view(np.uint64) if seed.dtype == np.int64 else seed.astype(np.uint64, copy=False)
-    bits = _splitmix64_array(_splitmix64_array(seed) ^ np.asarray(position).astype(np.uint64))
-    return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 @dataclass(frozen=True)
@@ -252,6 +223,7 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [L, K] float32
     logprob_rows: np.ndarray  # [L] rows that asked for logprobs
     num_logprobs: np.ndarray  # [L] how many of the K each of them asked for
+    masked: torch.Tensor | None = None  # [R] bool: rows with nothing left to draw (worker/masked_rows.py)
 
     def start_copy(self) -> SamplerCopy:
         """Starts the one device-to-host transfer of everything (into pinned memory on CUDA)."""
@@ -264,6 +236,7 @@ class SamplerOutput:
             packed = torch.cat([p.double() for p in parts])
         else:
             packed = self.tokens
+        packed = pack_flags(packed, self.masked)  # (the flags ride along: no transfer of their own)
         ready = None
         if packed.device.type == "cuda":
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -272,7 +245,8 @@ class SamplerOutput:
             ready.record()
         else:
             host = packed
-        return SamplerCopy(host, ready, len(self.tokens), self.logprob_rows, self.num_logprobs)
+        flagged = self.masked is not None
+        return SamplerCopy(host, ready, len(self.tokens), self.logprob_rows, self.num_logprobs, flagged)
 
 
 @dataclass(frozen=True)
@@ -284,12 +258,14 @@ class SamplerCopy:
     num_rows: int
     logprob_rows: np.ndarray  # [L]
     num_logprobs: np.ndarray  # [L]
+    flagged: bool = False  # `host` ends with the [R] masked-row flags
+    masked_rows: list[int] = field(default_factory=list)  # the rows they flag, once `wait` returned
 
     def wait(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The token of each row and, for the rows that asked, its logprobs."""
         if self.ready is not None:
             self.ready.synchronize()
-        values = self.host.numpy()
+        values, self.masked_rows[:] = unpack_flags(self.host, self.num_rows, self.flagged)
         num_rows, num_wanted = self.num_rows, len(self.logprob_rows)
         out: list[TokenLogprobs | None] = [None] * num_rows
         if not num_wanted:
@@ -320,6 +296,7 @@ def sample_tensors(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOut
     raw = logits  # logprobs are the raw distribution's
     if tensors.processors is not None:
         logits = apply_processors(logits, tensors.processors)
+    masked = masked_rows(logits, tensors.token_bitmask is not None or tensors.processors is not None)
     if tensors.any_greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -352,7 +329,7 @@ def sample_tensors(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOut
     if len(tensors.logprob_rows_host):
         chosen, top_ids, top_logprobs = _logprobs(raw, tokens, tensors)
     return SamplerOutput(
-        tokens, chosen, top_ids, top_logprobs, tensors.logprob_rows_host, tensors.num_logprobs
+        tokens, chosen, top_ids, top_logprobs, tensors.logprob_rows_host, tensors.num_logprobs, masked
     )
 
 
