@@ -90,15 +90,30 @@ class StopChecker:
         if self.stopped:
             return ""
         buf = self._pending + text
-        hits = [(i, len(s)) for i, s in ((buf.find(s), s) for s in self._stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            self._pending = ""
-            at, length = min(hits)  # the earliest; of two starting there, the shorter ends first
-            return buf[: at + length] if self._include else buf[:at]
+        stopped = self._stop_in(buf, final=False)
+        if stopped is not None:
+            return stopped
         hold = self._partial_match(buf)
         self._pending = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]
+
+    def _stop_in(self, buf: str, final: bool) -> str | None:
+        """What to emit when `buf` holds a stop string that ends the text (as a search of the whole text
+        would find it first); None when it holds none yet. A stop found past the start of another that the
+        next text may still complete waits: the earlier one wins if it completes ("🙂Sa" before "S")."""
+        hits = [(i, len(s)) for i, s in ((buf.find(s), s) for s in self._stop) if i >= 0]
+        if not hits:
+            return None
+        at, length = min(hits)  # the earliest; of two starting there, the shorter ends first
+        if not final:
+            for i in range(max(0, len(buf) - self._hold), at):
+                tail = buf[i:]
+                if any(len(s) > len(tail) and s.startswith(tail) for s in self._stop):
+                    self._pending = tail  # (the hit lies inside it: found again, or beaten, next time)
+                    return buf[:i]
+        self.stopped = True
+        self._pending = ""
+        return buf[: at + length] if self._include else buf[:at]
 
     def _partial_match(self, buf: str) -> int:
         """Length of the longest end of `buf` that starts a stop string (and so must wait)."""
@@ -109,9 +124,13 @@ class StopChecker:
         return 0
 
     def flush(self) -> str:
-        """What is held back, for when the sequence ended without completing a stop string."""
+        """What is held back, for when the sequence ended: up to a stop string found in it (one that waited
+        for a longer, earlier one that never completed), else all of it."""
+        if self.stopped:
+            return ""
         out, self._pending = self._pending, ""
-        return "" if self.stopped else out
+        stopped = self._stop_in(out, final=True)
+        return out if stopped is None else stopped
 
 
 class SequenceText:
