@@ -64,22 +64,10 @@ def _reasoning(begin: str, end: str) -> xgr.Grammar:
 
 
 def compile_grammar(compiler: xgr.GrammarCompiler, structured: StructuredOutput) -> xgr.CompiledGrammar:
-    """`structured` compiled against `compiler`'s vocabulary. Raises GrammarError."""
-    if structured.reasoning_end or (structured.kind == "grammar" and is_lark(structured.spec)):
-        grammar = grammar_of(structured)
-        try:
-            return compiler.compile_grammar(grammar)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise GrammarError(_LOCATION.sub("", str(e).strip())[:500]) from e
+    """`structured` compiled against `compiler`'s vocabulary: the grammar `grammar_of` builds, so the api's
+    check and the worker's compile read each kind the same way. Raises GrammarError."""
+    grammar = grammar_of(structured)
     try:
-        if structured.kind == "json_schema":
-            return compiler.compile_json_schema(structured.spec, any_whitespace=structured.any_whitespace)
-        if structured.kind == "json_object":
-            return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=structured.any_whitespace)
-        if structured.kind == "regex":
-            return compiler.compile_regex(structured.spec)
-        if structured.kind == "choice":
-            return compiler.compile_grammar(choice_ebnf(structured.choices))
-        return compiler.compile_grammar(structured.spec)
+        return compiler.compile_grammar(grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(_LOCATION.sub("", str(e).strip())[:500]) from e
