@@ -255,14 +255,10 @@ class StepPlan(msgspec.Struct, array_like=True):
 
     @property
     def is_noop(self) -> bool:
-        """Nothing to compute and nothing to change: the one kind of plan that need not reach the worker. A
-        plan that only swaps, frees or copies must (a swap-out left unsent left the CPU blocks that a later
-        swap-in reads unwritten, and the worker's freed sequences never freed)."""
-        return not (
-            self.scheduled_seq_ids or self.freed_seq_ids or self.new_seqs or self.new_block_ids
-            or self.swap_out or self.swap_in or self.new_block_tables or self.block_copies or self.forks
-            or self.clones or self.appended_tokens
-        )  # fmt: skip
+        """Nothing to compute and nothing to change (every field but step_id empty): the one kind of plan that
+        need not reach the worker. A plan that only swaps, frees or copies must (a swap-out left unsent left
+        the CPU blocks that a later swap-in reads unwritten, and the worker's freed sequences never freed)."""
+        return not any(getattr(self, name) for name in self.__struct_fields__[1:])
 
 
 class StepOutput(msgspec.Struct, array_like=True):
