@@ -307,8 +307,9 @@ class Scheduler:
             freed, self._freed_seq_ids = self._freed_seq_ids, []
             clones, appends = self._beam_search.take_ops()
         plan = step.plan(self._next_step_id, sampling[:num_samplers], freed, clones, appends)
-        if step.scheduled:
+        if not plan.is_noop:  # sent, so answered: a plan that only swaps is in flight too (sampling nothing)
             self._sampling[plan.step_id] = sampling
+        if step.scheduled:
             self._spec.planned(plan.step_id, step.draft_slots)
             if all(n == 1 for _, n in step.scheduled):
                 self._decode_only_steps.add(plan.step_id)

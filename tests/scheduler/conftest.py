@@ -58,16 +58,23 @@ class Harness:
         plan = self.scheduler.schedule()
         self.scheduler.check_invariants()
         if not self.pipelined:
-            self.record(self.scheduler.update(self.worker.execute(plan)))
+            output = self.worker.execute(plan)
+            self.record(self.scheduler.update(output if plan.is_noop else self._checked(output)))
         else:
             if not plan.is_noop:  # a plan that changes nothing is not sent
                 self.in_flight.append(self.worker.execute(plan))
             # (as the server: a plan that would draft waits for the tokens in flight)
             ahead = plan.scheduled_seq_ids and not self.scheduler.speculating
             if len(self.in_flight) > 1 or (self.in_flight and not ahead):
-                self.record(self.scheduler.update(self.in_flight.popleft()))
+                self.record(self.scheduler.update(self._checked(self.in_flight.popleft())))
         self.scheduler.check_invariants()
         self.steps += 1
+
+    def _checked(self, output: StepOutput) -> StepOutput:
+        """As the server: every answer of a sent plan passes the scheduler's check."""
+        problem = self.scheduler.check_output(output)
+        assert problem is None, problem
+        return output
 
     @property
     def busy(self) -> bool:
