@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--speculative-draft-budget", type=int, default=None, help="the scheduler's; default its own"
     )
     p.add_argument("--speculative-min-accepted", type=float, default=None, help="the scheduler's")
+    p.add_argument(
+        "--step-trace",
+        default="",
+        help="a directory: the worker traces each step of config i to DIR/config-i.jsonl (worker/step_trace)",
+    )
     args = p.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -172,6 +177,9 @@ async def run_config(
     for name in ("speculative_draft_budget", "speculative_min_accepted"):
         if getattr(args, name) is not None:
             extra[name] = getattr(args, name)
+    if args.step_trace:
+        Path(args.step_trace).mkdir(parents=True, exist_ok=True)
+        extra["step_trace"] = str(Path(args.step_trace) / f"config-{args.configs.index(config)}.jsonl")
     settings = engine_settings(args, **extra)
     base_url = f"http://127.0.0.1:{port}"
     url = base_url + "/v1/completions"

@@ -51,6 +51,7 @@ from common.config import WorkerConfig
 from common.model_source import resolve_model
 from common.speculative import SpeculativeConfig
 from worker.attention import AttentionMetadata, get_attention_backend
+from worker.batch_limits import profile_max_num_seqs, resolve_max_num_seqs
 from worker.cuda_graphs import DecodeGraphs
 from worker.inputs import HostInputs, build_inputs
 from worker.kv_cache import KVPools, determine_num_kv_blocks, kv_block_bytes
@@ -128,7 +129,7 @@ class DraftModelProposer:
         """The pool's size when `allocate_kv` was not called (module doc)."""
         if self.cfg.num_kv_blocks > 0:
             return self.cfg.num_kv_blocks
-        wanted = self.cfg.max_num_seqs * self.max_blocks_per_seq
+        wanted = profile_max_num_seqs(self.cfg.max_num_seqs) * self.max_blocks_per_seq
         if self.device.type == "cuda":  # and never more than half of what is free now
             free, total = torch.cuda.mem_get_info(self.device)
             budget = min(int(total * DEFAULT_POOL_FRACTION), free // 2)
@@ -149,7 +150,10 @@ class DraftModelProposer:
         self.pool = DraftBlockPool(num_blocks, self.block_size, self.max_blocks_per_seq)
         if self.device.type == "cuda" and not self.cfg.enforce_eager and self.backend.graph_safe:
             sizes = {
-                "max_num_seqs": min(self.cfg.max_num_seqs, MAX_GRAPH_BATCH),
+                # (the target's seats; 0, the default, follows its pool, whose size the draft's mirrors)
+                "max_num_seqs": min(
+                    resolve_max_num_seqs(self.cfg.max_num_seqs, num_blocks, self.block_size), MAX_GRAPH_BATCH
+                ),
                 "max_blocks_per_seq": self.max_blocks_per_seq,
                 "max_model_len": self.max_model_len,
                 "device": self.device,
