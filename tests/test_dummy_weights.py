@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from common.config import WorkerConfig, parse_config
+from scripts._servers import Honcho
+from scripts.bench_throughput import main as bench_main
+from scripts.bench_throughput import parse_args, parse_side
 from scripts.make_model import make_model
 from tests.test_model_runner import Driver, _random_prompt, make_runner
 from worker.dummy_weights import DUMMY_STD, init_dummy_weights
@@ -209,3 +212,43 @@ def test_a_bad_load_format_fails_at_parse_time_with_one_line(
     for name in env:
         monkeypatch.delenv(name)
     assert parse_config(WorkerConfig, ["--model", str(tiny_model_dir), "--load-format", "dummy"]).load_format
+
+
+@pytest.mark.e2e
+def test_the_procfile_serves_a_directory_without_weights(
+    model_dirs: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """scripts/start's way (honcho on the Procfile, PAGEDSERVE_* settings): PAGEDSERVE_LOAD_FORMAT=dummy
+    serves a config-and-tokenizer directory (gemma2-tiny's), and the memory line counts the drawn weights."""
+    stack = Honcho(
+        model_dirs["gemma2-tiny"][1], tmp_path / "honcho.log", num_kv_blocks=24, load_format="dummy"
+    )
+    try:
+        stack.wait_healthy()
+        status, body = stack.post({"prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        logs = stack.logs()
+        assert '"load_format": "dummy"' in logs and '"weights_gib"' in logs and '"kv_blocks": 24' in logs
+    finally:
+        stack.stop()
+
+
+@pytest.mark.e2e
+def test_bench_throughput_runs_fp8_weights_on_dummy_weights(
+    model_dirs: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """The lead's GPU command in small: --quantization fp8 on random weights of the MoE, from a directory
+    without weights; every request gets its tokens. (--compare's sides take load_format too.)"""
+    out = tmp_path / "bench.json"
+    model = str(model_dirs["qwen3-moe-tiny"][1])
+    argv = ["--model", model, "--load-format", "dummy", "--quantization", "fp8", "--device", "cpu"]
+    argv += ["--num-requests", "6", "--min-prompt-len", "8", "--max-prompt-len", "32"]
+    argv += ["--min-output-len", "8", "--max-output-len", "8", "--num-warmup", "2"]
+    argv += ["--num-kv-blocks", "32", "--max-model-len", "128", "--runs", "paged", "--json-out", str(out)]
+    bench_main(argv)
+    (run,) = json.loads(out.read_text())["runs"]
+    assert (run["load_format"], run["quantization"], run["completed"]) == ("dummy", "fp8", 6)
+    assert run["output_tokens"] == run["expected_output_tokens"] == 48
+    assert parse_side("load_format=dummy,quantization=fp8") == {"load_format": "dummy", "quantization": "fp8"}
+    with pytest.raises(SystemExit):  # the peers load weights with transformers
+        parse_args(["--load-format", "dummy", "--peers", "hf-static"])
