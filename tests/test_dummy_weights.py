@@ -7,16 +7,20 @@ import dataclasses
 import json
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from common.config import WorkerConfig, parse_config
+from common.model_source import resolve_config, resolve_model
 from scripts._servers import Honcho
 from scripts.bench_throughput import main as bench_main
 from scripts.bench_throughput import parse_args, parse_side
 from scripts.make_model import make_model
+from tests.hub_cache import add_to_hub_cache
+from tests.test_cli import parse as cli_parse
 from tests.test_model_runner import Driver, _random_prompt, make_runner
 from worker.dummy_weights import DUMMY_STD, init_dummy_weights
 from worker.loader import load_model_config
@@ -252,3 +256,34 @@ def test_bench_throughput_runs_fp8_weights_on_dummy_weights(
     assert parse_side("load_format=dummy,quantization=fp8") == {"load_format": "dummy", "quantization": "fp8"}
     with pytest.raises(SystemExit):  # the peers load weights with transformers
         parse_args(["--load-format", "dummy", "--peers", "hf-static"])
+
+
+def test_a_hub_model_with_dummy_weights_fetches_no_safetensors(
+    model_dirs: dict[str, tuple[Path, Path]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repo id with --load-format dummy: the snapshot is fetched without its weights (offline here: a cache
+    that holds config and tokenizer only serves), and a dummy worker loads from it."""
+    import huggingface_hub
+
+    home = tmp_path / "hf"
+    add_to_hub_cache(home, "org/tiny-dummy", model_dirs["tiny"][1])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    asked: list[list[str]] = []
+    download = huggingface_hub.snapshot_download
+
+    def recording(*args: object, **kw: object) -> str:
+        asked.append(list(kw["allow_patterns"]))  # type: ignore[call-overload]
+        return download(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
+    cfg = resolve_config(WorkerConfig(model="org/tiny-dummy", load_format="dummy", device="cpu"))
+    assert Path(cfg.model).is_dir() and cfg.served_model_name == "org/tiny-dummy"
+    _, env = cli_parse(["org/tiny-dummy", "--load-format", "dummy"])
+    assert env["PAGEDSERVE_MODEL"] == str(Path(cfg.model).absolute())
+    assert len(asked) == 2 and all("*.safetensors" not in patterns for patterns in asked)
+    assert "*.json" in asked[0]
+    resolve_model("org/tiny-dummy", weights=True)  # a real load asks for the weights
+    assert "*.safetensors" in asked[-1]
+    runner = ModelRunner(replace(cfg, dtype="float32", num_kv_blocks=16))
+    assert runner.vocab_size == load_model_config(model_dirs["tiny"][0]).vocab_size
