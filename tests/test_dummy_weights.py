@@ -238,20 +238,24 @@ def test_the_procfile_serves_a_directory_without_weights(
 
 
 @pytest.mark.e2e
-def test_bench_throughput_runs_fp8_weights_on_dummy_weights(
-    model_dirs: dict[str, tuple[Path, Path]], tmp_path: Path
+@pytest.mark.parametrize(("quantization", "tensor_parallel_size"), [("fp8", 1), ("", 2)])
+def test_bench_throughput_runs_on_dummy_weights(
+    quantization: str, tensor_parallel_size: int, model_dirs: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:
-    """The lead's GPU command in small: --quantization fp8 on random weights of the MoE, from a directory
-    without weights; every request gets its tokens. (--compare's sides take load_format too.)"""
+    """The lead's GPU commands in small, from a directory without weights: --quantization fp8 on random
+    weights of the MoE, and two tensor-parallel ranks each drawing its shard; every request gets its tokens.
+    (--compare's sides take load_format too.)"""
     out = tmp_path / "bench.json"
     model = str(model_dirs["qwen3-moe-tiny"][1])
-    argv = ["--model", model, "--load-format", "dummy", "--quantization", "fp8", "--device", "cpu"]
+    argv = ["--model", model, "--load-format", "dummy", "--quantization", quantization, "--device", "cpu"]
+    argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     argv += ["--num-requests", "6", "--min-prompt-len", "8", "--max-prompt-len", "32"]
     argv += ["--min-output-len", "8", "--max-output-len", "8", "--num-warmup", "2"]
     argv += ["--num-kv-blocks", "32", "--max-model-len", "128", "--runs", "paged", "--json-out", str(out)]
     bench_main(argv)
     (run,) = json.loads(out.read_text())["runs"]
-    assert (run["load_format"], run["quantization"], run["completed"]) == ("dummy", "fp8", 6)
+    assert (run["load_format"], run["quantization"], run["completed"]) == ("dummy", quantization, 6)
+    assert run["tensor_parallel_size"] == tensor_parallel_size
     assert run["output_tokens"] == run["expected_output_tokens"] == 48
     assert parse_side("load_format=dummy,quantization=fp8") == {"load_format": "dummy", "quantization": "fp8"}
     with pytest.raises(SystemExit):  # the peers load weights with transformers
