@@ -291,3 +291,17 @@ def test_a_hub_model_with_dummy_weights_fetches_no_safetensors(
     assert "*.safetensors" in asked[-1]
     runner = ModelRunner(replace(cfg, dtype="float32", num_kv_blocks=16))
     assert runner.vocab_size == load_model_config(model_dirs["tiny"][0]).vocab_size
+
+
+def test_a_draft_model_is_drawn_too(model_dirs: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """With --load-format dummy a --speculative-config draft has random weights as the target does (vLLM
+    loads both with one load format): a draft directory without weights serves, and its draws are its own."""
+    draft_dir = make_model(tmp_path / "draft", preset="tiny-draft", weights=False)
+    spec = json.dumps({"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2})
+    runner = make_runner(model_dirs["tiny"][1], load_format="dummy", speculative_config=spec)
+    draft = runner.spec.proposer.model  # type: ignore[union-attr]
+    assert _layout(draft) == _layout(build_model(load_model_config(draft_dir), 64, _backend(), torch.float32,
+                                                 torch.device("cpu")))  # fmt: skip
+    weight = draft.layers[0].self_attn.qkv_proj.weight
+    assert abs(weight.std().item() - DUMMY_STD) < 0.1 * DUMMY_STD
+    assert all(torch.isfinite(p).all() for p in draft.parameters())
