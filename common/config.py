@@ -44,6 +44,7 @@ AttentionBackendName = Literal["auto", "torch", "triton"]
 Quantization = Literal["", "fp8"]
 GenerationConfigMode = Literal["auto", "none"]
 TPAllReduce = Literal["auto", "nccl"]
+LoadFormat = Literal["auto", "dummy"]
 ToolCallParserName = Literal["", "hermes", "llama3_json", "mistral"]  # api/tool_parsers
 ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]  # api/reasoning.py
 
@@ -219,6 +220,10 @@ class WorkerConfig:
     # NVLink) for messages up to 16 MiB where every GPU of the group reaches the others, NCCL for larger
     # ones and elsewhere (worker/tp_all_reduce.py); nccl: NCCL for all of them
     tp_all_reduce: TPAllReduce = "auto"
+    # auto: the checkpoint's weights (*.safetensors); dummy: random weights drawn on the device, only
+    # config.json (and the tokenizer) read, for benchmarks of a model's shape (worker/dummy_weights.py)
+    load_format: LoadFormat = "auto"
+    seed: int = 0  # seeds what the worker draws itself: the weights of --load-format dummy
 
     def __post_init__(self) -> None:
         check_choices(self)

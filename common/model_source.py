@@ -6,7 +6,8 @@ The one place that turns a model setting into a directory, for the worker (Worke
 when it parses a config that has a `revision` field. A repo id goes through `snapshot_download`, so the
 Hub's own settings hold: its cache (`HF_HOME`, `HF_HUB_CACHE`), offline mode (`HF_HUB_OFFLINE=1`: the cache
 only, a branch or tag read from its `refs/`), the token (`HF_TOKEN` or `hf auth login`). Only what the
-server reads is fetched (config, tokenizer, safetensors), not the `.bin`/`.pth` copies many repos carry.
+server reads is fetched (config, tokenizer, safetensors; no safetensors for a worker with --load-format
+dummy), not the `.bin`/`.pth` copies many repos carry.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def is_repo_id(model: str) -> bool:
     return bool(_REPO_ID.match(model)) and ".." not in model and not model.endswith(".")
 
 
-def resolve_model(model: str, revision: str = "", strict: bool = True) -> ModelSource:
+def resolve_model(model: str, revision: str = "", strict: bool = True, weights: bool = True) -> ModelSource:
     """The checkpoint directory for `model`. Raises ModelSourceError, with one line saying why, when it is
     a repo id that neither the cache holds nor the Hub gives; and, if `strict`, when it is a directory
     without config.json or neither a directory nor a repo id. Not `strict`, those pass through unchanged, for
-    the process to report as it always has (the api stays up and says "misconfigured" on /health)."""
+    the process to report as it always has (the api stays up and says "misconfigured" on /health).
+    Without `weights` (the worker's --load-format dummy), a repo's *.safetensors are not fetched."""
     path = Path(model).expanduser()
     if path.is_dir():
         if revision:
@@ -63,13 +65,13 @@ def resolve_model(model: str, revision: str = "", strict: bool = True) -> ModelS
         if strict:
             raise ModelSourceError(f"model {model!r}: no such directory, and not a Hugging Face repo id")
         return ModelSource(model, path.name)
-    snapshot = _download(model, revision)
+    snapshot = _download(model, revision, weights)
     if not (Path(snapshot) / "config.json").is_file():
         raise ModelSourceError(f"model {model!r}: the snapshot in the Hugging Face cache has no config.json")
     return ModelSource(snapshot, model, model, Path(snapshot).name)
 
 
-def _download(repo_id: str, revision: str) -> str:
+def _download(repo_id: str, revision: str, weights: bool = True) -> str:
     # Imported here: a local directory, the common case in tests and scripts, needs none of it.
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
@@ -85,7 +87,7 @@ def _download(repo_id: str, revision: str) -> str:
         return snapshot_download(
             repo_id,
             revision=revision or None,
-            allow_patterns=ALLOW_PATTERNS,
+            allow_patterns=ALLOW_PATTERNS if weights else [p for p in ALLOW_PATTERNS if p != "*.safetensors"],
             # said outright: offline, a commit hash as revision would still ask the Hub for its file list
             local_files_only=constants.HF_HUB_OFFLINE,
         )
@@ -121,7 +123,8 @@ def resolve_config(config: C, strict: bool = False) -> C:
     model: str = getattr(config, "model")  # noqa: B009
     if not model:
         return config
-    source = resolve_model(model, getattr(config, "revision"), strict)  # noqa: B009
+    weights = getattr(config, "load_format", "auto") != "dummy"  # a worker drawing its weights reads none
+    source = resolve_model(model, getattr(config, "revision"), strict, weights)  # noqa: B009
     changes: dict[str, Any] = {"model": source.path, "revision": ""}
     if source.repo_id and not getattr(config, "served_model_name"):  # noqa: B009
         changes["served_model_name"] = source.repo_id

@@ -97,7 +97,7 @@ def serve_children(
     """The processes to start for `args` and the PAGEDSERVE_* settings they share; exits through
     `parser.error` (one line, status 2) on a value a config refuses or a model that cannot be found."""
     try:
-        source = resolve_model(args.model, args.revision)
+        source = resolve_model(args.model, args.revision, weights=args.load_format != "dummy")
     except ModelSourceError as e:
         parser.error(str(e))
     values = {name: getattr(args, name) for name in owners() if name not in NOT_FLAGS}

@@ -42,7 +42,7 @@ from scripts._bench import add_worker_flags, in_process_scheduler, worker_config
 from worker.model_runner import ModelRunner  # noqa: E402
 
 # The worker's own flags (--fused-ops, --piecewise-graphs, ...); the rest of its config follows the workload.
-WORKER_FLAGS = ("model", "device", "fused_ops", "piecewise_graphs")
+WORKER_FLAGS = ("model", "device", "fused_ops", "piecewise_graphs", "load_format")
 
 
 def _sync(device: torch.device) -> None:

@@ -52,6 +52,14 @@ checkpoints"), same KV pool on both sides:
     python3 scripts/bench_throughput.py --model /tmp/m8b --device cuda --num-requests 1000 \
         --num-kv-blocks 8192 --max-model-len 2048 --runs paged \
         --compare quantization= quantization=fp8 --json-out fp8-weights-8b.json
+
+Shapes too large to write as checkpoints (Qwen3-30B-A3B: 61 GB) run on random weights that the worker draws
+itself (`--load-format dummy`, docs/models.md "Random weights"), from a directory of config.json and
+tokenizer only:
+
+    python3 scripts/make_model.py --preset qwen3-30b-a3b --no-weights --out /tmp/q30
+    python3 scripts/bench_throughput.py --model /tmp/q30 --load-format dummy --device cuda \
+        --num-requests 1000 --max-model-len 2048 --runs paged --json-out qwen3-30b-a3b.json
 """
 
 from __future__ import annotations
@@ -109,6 +117,7 @@ COMPARE_KEYS: dict[str, Callable[[str], object]] = {
     "run": str,  # a name of RUNS
     "kv_cache_dtype": str,
     "quantization": str,  # "" (the checkpoint's weights as they are) or fp8 (FP8 linear weights)
+    "load_format": str,  # auto (the checkpoint's weights) or dummy (random weights of its shapes)
     "num_kv_blocks": int,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
@@ -180,6 +189,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quantization); a quantized checkpoint runs quantized either way",
     )
     p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="every engine run's weights: auto (the checkpoint's) or dummy (random, drawn on the device by "
+        "the worker's --load-format dummy: a model directory of config.json and tokenizer is enough, e.g. "
+        "scripts/make_model.py --no-weights)",
+    )
+    p.add_argument(
         "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
     )
     p.add_argument(
@@ -243,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--compare brackets one run (--runs or --kv-policy names it), --repeats >= 1")
         for bad in [side["run"] for _, side in args.compare if side.get("run", args.runs[0]) not in RUNS]:
             p.error(f"--compare: unknown run {bad!r}")
+    if args.peers and args.load_format == "dummy":
+        p.error("--peers load the checkpoint's weights with transformers: not with --load-format dummy")
     if "hf-continuous" in args.peers and args.device == "cpu" and importlib.util.find_spec("psutil") is None:
         p.error(_NEEDS_PSUTIL)
     check_workload_flags(p, args)
@@ -304,6 +323,7 @@ async def run_engine(
         max_model_len=args.max_model_len,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
         step_trace=str(log_dir / "steps.jsonl") if args.step_trace else None,
         kv_trace=str(Path(args.kv_trace) / f"{run}.jsonl") if args.kv_trace else None,
@@ -350,6 +370,7 @@ async def run_engine(
         "piecewise_graphs": piecewise_graphs,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "load_format": args.load_format,
         "json_schema": args.json_schema or None,
         "num_kv_blocks": info.num_kv_blocks,
         "max_model_len": info.max_model_len,

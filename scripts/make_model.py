@@ -259,12 +259,18 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):  # -> PreTrainedTok
 
 
 def make_model(
-    out_dir: str | Path, preset: str = "tiny", seed: int = 0, force: bool = False, device: str = "cpu"
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    force: bool = False,
+    device: str = "cpu",
+    weights: bool = True,
 ) -> Path:
     """Writes the checkpoint to `out_dir` and returns its path; does nothing if it already holds one.
     `device` is where the random weights are drawn: "cuda" makes an 8B checkpoint in seconds instead of
     many minutes on the CPU (other values than the CPU's for the same seed, as each device has its own
-    generator)."""
+    generator). Without `weights`: config.json, generation_config.json and the tokenizer only, for the
+    worker's --load-format dummy (which draws the weights itself)."""
     import torch
     from transformers import (
         Gemma2Config,
@@ -350,6 +356,13 @@ def make_model(
         eos_token_id=eos_ids[0],
         **family,
     )
+    generation = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, do_sample=False)
+    if not weights:  # what save_pretrained would write beside the weights
+        config.architectures = [model_class.__name__]
+        config.dtype = dtype
+        config.save_pretrained(out)
+        generation.save_pretrained(out)
+        return out
     torch.manual_seed(seed)
     # Built directly in the saved dtype so the large presets never hold a float32 copy.
     with torch.device(device):
@@ -364,7 +377,7 @@ def make_model(
                 param.uniform_(-0.5, 0.5) if gemma else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
-    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, do_sample=False)
+    model.generation_config = generation
     model.save_pretrained(out)
     return out
 
@@ -378,8 +391,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="overwrite an existing checkpoint")
     parser.add_argument("--device", default="cpu", help="where to draw the weights (cuda: much faster)")
+    parser.add_argument(
+        "--no-weights",
+        dest="weights",
+        action="store_false",
+        help="write config.json, generation_config.json and the tokenizer only, in seconds: a model "
+        "directory for the worker's --load-format dummy, which draws random weights of its shapes itself",
+    )
     args = parser.parse_args()
-    path = make_model(args.out, args.preset, args.seed, args.force, args.device)
+    path = make_model(args.out, args.preset, args.seed, args.force, args.device, args.weights)
     print(path)
 
 

@@ -25,6 +25,7 @@ from common.config import (
     parse_config,
 )
 from pagedserve.cli import NOT_FLAGS, PROCESSES, build_parser, main, owners, serve_children
+from scripts.make_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,6 +117,14 @@ def test_values_reach_every_process_whose_config_has_them(tiny_model_dir: Path) 
                 assert getattr(config, field_name) == value
 
 
+def test_load_format_dummy_and_its_seed_reach_the_worker(tmp_path: Path) -> None:
+    """A directory without weights (scripts/make_model.py --no-weights) is served with random ones."""
+    model_dir = make_model(tmp_path / "config-only", preset="tiny", weights=False)
+    _, env = parse([str(model_dir), "--load-format", "dummy", "--seed", "5"])
+    assert env["PAGEDSERVE_LOAD_FORMAT"] == "dummy" and env["PAGEDSERVE_SEED"] == "5"
+    assert parse_config(WorkerConfig, ["--model", str(model_dir)]).load_format == "auto"  # the default
+
+
 def test_tensor_parallel_size_starts_one_worker_per_rank_meeting_at_a_free_port(tiny_model_dir: Path) -> None:
     children, env = parse([str(tiny_model_dir), "--tensor-parallel-size", "3"])
     workers = [c for c in children if c.module == "worker"]
@@ -135,6 +144,7 @@ def test_tensor_parallel_size_starts_one_worker_per_rank_meeting_at_a_free_port(
         (["--preemption-mode", "never"], "argument --preemption-mode: invalid choice"),
         (["--max-waiting-seqs", "0"], "bad setting: max_waiting_seqs must be at least 1"),
         (["--revision", "v1"], "is for a Hugging Face repo id"),
+        (["--load-format", "pt"], "argument --load-format: invalid choice: 'pt'"),
     ],
 )
 def test_bad_values_fail_before_anything_starts_with_one_line(

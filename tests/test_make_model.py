@@ -80,3 +80,24 @@ def test_the_loader_reads_back_the_preset_it_was_written_from(tiny_model_dir: Pa
     expected = {f.name: getattr(preset, f.name) for f in fields(ModelConfig)}
     expected |= {"vocab_size": loaded.vocab_size, "eos_token_ids": loaded.eos_token_ids}  # the tokenizer's
     assert {f.name: getattr(loaded, f.name) for f in fields(ModelConfig)} == expected
+
+
+def test_no_weights_writes_the_checkpoints_every_file_but_its_weights(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """--no-weights (for the worker's --load-format dummy): config.json, generation_config.json and the
+    tokenizer, each as the full checkpoint has it, and no weights; the large presets' shapes too."""
+    out = make_model(tmp_path / "tiny", preset="tiny", weights=False)
+    files = {p.name for p in out.iterdir()}
+    assert files == {p.name for p in tiny_model_dir.iterdir() if p.suffix != ".safetensors"}
+    for name in files:
+        assert (out / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+    assert load_model_config(out) == load_model_config(tiny_model_dir)
+    big = load_model_config(make_model(tmp_path / "q30", preset="qwen3-30b-a3b", weights=False))
+    assert (big.model_type, big.num_experts, big.moe_intermediate_size, big.vocab_size) == (
+        "qwen3_moe",
+        128,
+        768,
+        151936,
+    )
+    assert AutoConfig.from_pretrained(tmp_path / "q30").architectures == ["Qwen3MoeForCausalLM"]

@@ -29,6 +29,7 @@ from common.messages import StepOutput, StepPlan
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.batch_limits import resolve_max_num_seqs
 from worker.cuda_graphs import DecodeGraphs, MixedGraphs
+from worker.dummy_weights import init_dummy_weights
 from worker.inputs import HostInputs, host_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
 from worker.loader import load_model_config, load_weights
@@ -74,7 +75,10 @@ class ModelRunner:
             self.parallel,
             fused_ops=cfg.resolved_fused_ops,
         )
-        load_weights(self.model, self.model_config, cfg.model, self.parallel)
+        if cfg.load_format == "dummy":  # random weights of the checkpoint's shapes (benchmarks)
+            init_dummy_weights(self.model, self.model_config, cfg.seed, self.parallel)
+        else:
+            load_weights(self.model, self.model_config, cfg.model, self.parallel)
         self.model.eval()
         self.spec = build_speculation(cfg, self.device, self.dtype)  # before the profile: a draft's memory
         budget = 0

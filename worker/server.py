@@ -143,6 +143,7 @@ def serve(cfg: WorkerConfig) -> int:
         device=cfg.resolved_device,
         dtype=cfg.resolved_dtype,
         kv_cache_dtype=cfg.resolved_kv_cache_dtype,
+        load_format=cfg.load_format,
     )
     runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend, parallel=parallel)
     log.info(

@@ -49,6 +49,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = param(size, dtype=dtype, device=device)
         self.eps = eps
+        self.unit_offset = unit_offset  # the identity weight is 0, else 1 (worker/dummy_weights.py)
         if unit_offset:  # no fused kernel for it: the PyTorch ops, also with --fused-ops
             self._norm = gemma_rms_norm
         else:

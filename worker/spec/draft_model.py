@@ -53,6 +53,7 @@ from common.speculative import SpeculativeConfig
 from worker.attention import AttentionMetadata, get_attention_backend
 from worker.batch_limits import profile_max_num_seqs, resolve_max_num_seqs
 from worker.cuda_graphs import DecodeGraphs
+from worker.dummy_weights import init_dummy_weights
 from worker.inputs import HostInputs, build_inputs
 from worker.kv_cache import KVPools, determine_num_kv_blocks, kv_block_bytes
 from worker.loader import load_model_config, load_weights
@@ -96,7 +97,8 @@ class DraftModelProposer:
         self.dtype = dtype
         self.block_size = worker_config.block_size
         self.max_prefill_tokens = max_prefill_tokens or worker_config.max_num_batched_tokens
-        draft_dir = resolve_model(spec_config.model).path
+        dummy = worker_config.load_format == "dummy"  # the draft's weights are drawn too, as vLLM's
+        draft_dir = resolve_model(spec_config.model, weights=not dummy).path
         target_config = load_model_config(worker_config.model)
         self.model_config = load_model_config(draft_dir)
         check_draft(draft_dir, self.model_config, worker_config.model, target_config)
@@ -109,7 +111,10 @@ class DraftModelProposer:
             self.model_config, self.max_model_len, self.backend, dtype, self.device, whole,
             fused_ops=worker_config.resolved_fused_ops,
         )  # fmt: skip
-        load_weights(self.model, self.model_config, draft_dir, whole)
+        if dummy:
+            init_dummy_weights(self.model, self.model_config, worker_config.seed, whole)
+        else:
+            load_weights(self.model, self.model_config, draft_dir, whole)
         self.model.eval()
         self.kv: KVPools | None = None
         self.pool: DraftBlockPool | None = None
