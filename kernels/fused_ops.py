@@ -153,7 +153,8 @@ def rms_norm(
 def _rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     num_tokens, num_heads, head_dim = x.shape
     assert x.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1
-    heads = min(triton.next_power_of_2(num_heads), max(1, 2048 // head_dim))
+    # a power of 2 of heads per program, at most 2048 elements (2048 // 96 is 21: Phi-3-mini's 32 heads of 96)
+    heads = min(triton.next_power_of_2(num_heads), 1 << (max(1, 2048 // head_dim).bit_length() - 1))
     _rope_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         x, positions, cos, sin, num_heads, x.stride(0), x.stride(1), cos.stride(0),
         HEAD_DIM=head_dim, HEADS=heads, HALF_PAD=triton.next_power_of_2(head_dim // 2), num_warps=4,

@@ -61,7 +61,8 @@ def test_rms_norm_over_head_dim_of_a_strided_view(device: torch.device) -> None:
     ("num_heads", "num_kv_heads", "head_dim", "rotary_dim"),
     [
         (4, 2, 32, 32), (6, 3, 64, 64), (2, 1, 16, 16), (2, 1, 24, 24),
-        (4, 2, 96, 96), (2, 1, 80, 80),  # Phi-3-mini's heads; 80: halves of 40, padded to 64
+        (4, 2, 96, 96), (2, 1, 80, 80),  # heads of 96 (Phi-3); 80: halves of 40, padded to 64
+        (32, 32, 96, 96),  # Phi-3-mini: 2048 // 96 = 21 heads would fit a program, 16 (a power of 2) do
         (4, 2, 128, 96), (2, 1, 96, 40),  # partial rotary (Phi-4-mini: 0.75 of 128): the rest untouched
     ],
 )  # fmt: skip
