@@ -4,7 +4,8 @@ A constrained row's bitmask (bit t % 32 of word t // 32 allows token t, as xgram
 one row of a small table of extra words (worker/structured.py: the JSON-safe tokens, or all ones) and every
 token it does not allow gets -inf, in place, at the row's logits row: the rows without a constraint are not
 read or written, and nothing is gathered or copied back. `apply_token_bitmask_reference` is the same in
-PyTorch ops (kernels/reference_bitmask.py: the CPU path and the tests' reference).
+PyTorch ops (kernels/reference_bitmask.py: the CPU path and the tests' reference). A bitmask narrower than
+the logits (as wide as the tokenizer's vocabulary) bans every token past its words.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _apply_token_bitmask_kernel(
 
 def apply_token_bitmask(
     logits: torch.Tensor,  # [R, V] any float dtype, rows contiguous; written in place
-    bitmask: torch.Tensor,  # [n, W] int32, W >= ceil(V / 32)
+    bitmask: torch.Tensor,  # [n, W] int32: the tokens past its W * 32 are banned (W < ceil(V / 32) allowed)
     rows: torch.Tensor,  # [n] int64: distinct logits rows
     kinds: torch.Tensor,  # [n] int32 or int64: rows of `extra`
     extra: torch.Tensor,  # [K, W] int32
@@ -65,7 +66,7 @@ def apply_token_bitmask(
         return logits
     assert logits.stride(-1) == 1 and bitmask.dtype == torch.int32 and extra.dtype == torch.int32
     bitmask, extra = bitmask.contiguous(), extra.contiguous()
-    assert bitmask.shape[1] == extra.shape[1] and bitmask.shape[1] * 32 >= vocab
+    assert bitmask.shape[1] == extra.shape[1]
     grid = (n, triton.cdiv(vocab, BLOCK_TOKENS))
     _apply_token_bitmask_kernel[grid](
         logits, bitmask, rows, kinds, extra, vocab, bitmask.shape[1], logits.stride(0), BLOCK=BLOCK_TOKENS
