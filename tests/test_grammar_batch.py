@@ -163,11 +163,11 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
         events.append(("received", finishing[0]))
         return received(samplers, tokens)
 
-    def traced_run(work, mask):
+    def traced_run(states, tokens, mask):
         events.append(("fill", runner.structured._step_id))
         if threading.current_thread().name.startswith("grammar-prefetch"):
             prefetched.append(runner.structured._step_id)
-        return run(work, mask)
+        return run(states, tokens, mask)
 
     runner.sequences.received = traced_received
     runner.launch_forward, runner.finish = traced_forward, traced_finish

@@ -44,7 +44,6 @@ from worker.grammar_batch import (
     GrammarBatch,
     HostMaskBuffers,
     Matcher,
-    RowWork,
     default_grammar_threads,
     fill_stop_rows,
 )
@@ -149,17 +148,20 @@ class StructuredOutputs:
         state = self.matchers.get(seq_id)
         if state is not None:
             return state
-        assert seq.params.structured is not None
+        structured = seq.params.structured
+        assert structured is not None
+        stop_ids = self._stop_ids(seq)
+        kind = 1 + structured.any_whitespace if structured.kind in ("json_schema", "json_object") else 0
+        state = Matcher(None, stop_ids, seq_id, kind)
         # (ids past the masks' vocabulary have no text: xgrammar refuses them, and they stay banned)
-        stop = [t for t in self._stop_ids(seq) if t < self.mask_vocab_size] or None
+        stop = [t for t in stop_ids if t < self.mask_vocab_size] or None
         try:
-            compiled = self._compile(seq.params.structured).result(timeout=self.compile_timeout_s)
-            state = Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
+            compiled = self._compile(structured).result(timeout=self.compile_timeout_s)
+            state.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
         except (GrammarError, FutureTimeout, Exception) as e:  # a grammar, or the checkpoint's tokenizer
             log.error("structured output for sequence %d fails: %s", seq_id, e or "compile timed out")
-            self._compiled.pop(seq.params.structured, None)
+            self._compiled.pop(structured, None)
             self._failed.setdefault(self._step_id, []).append(seq_id)
-            state = Matcher(None)
         self.matchers[seq_id] = state
         return state
 
@@ -226,19 +228,18 @@ class StructuredOutputs:
         self._step_id = step_id
         n = len(rows)
         pending: dict[int, int] | None = None
-        work: list[RowWork] = []
-        kinds = np.zeros(n, dtype=np.int32)  # each row's row of _extra_words: 0 none, 1 + any_whitespace
-        for i, j in enumerate(rows):
+        matchers = self.matchers
+        states: list[Matcher] = []
+        tokens: list[list[int]] = []  # each row's tokens its matcher has not accepted, oldest first
+        for j in rows:
             seq, seq_id = samplers[j], seq_ids[j]
-            state = self._matcher(seq_id, seq)
-            tokens = seq.token_ids[seq.prompt_len + state.num_fed :]
+            state = matchers.get(seq_id) or self._matcher(seq_id, seq)
+            new = seq.token_ids[seq.prompt_len + state.num_fed :]
             if seq.pending:
                 pending = pending_tokens() if pending is None else pending
-                tokens.append(pending[seq_id])
-            work.append(RowWork(i, seq_id, state, tokens))
-            structured = seq.params.structured
-            if structured is not None and structured.kind in ("json_schema", "json_object"):
-                kinds[i] = 1 + structured.any_whitespace
+                new.append(pending[seq_id])
+            states.append(state)
+            tokens.append(new)
         # (after the matchers: each waited for its grammar, and so for the tokenizer that sets the width)
         num_words = -(-self.mask_vocab_size // 32)
         host = self._buffers.take(n * (2 + num_words))
@@ -246,10 +247,10 @@ class StructuredOutputs:
         # inference mode, can write a buffer that a step allocated in it.
         header = host[: 2 * n].numpy()
         header[:n] = rows
-        header[n:] = kinds
+        header[n:] = [s.kind for s in states]  # each row's row of _extra_words
         mask = host[2 * n :].view(n, num_words)
-        done = self.batch.run(work, mask)
-        fill_stop_rows(mask, [(w.index, self._stop_ids(samplers[rows[w.index]])) for w in done])
+        done = self.batch.run(states, tokens, mask)
+        fill_stop_rows(mask, [(i, states[i].stop_ids) for i in done])
         return rows, host
 
     def _stop_ids(self, seq: SeqState) -> tuple[int, ...]:
