@@ -19,13 +19,15 @@ BLOCK_TOKENS = 4096  # tokens per program: 128 words of the bitmask
 
 # The per-row columns arrive as views into one packed transfer, at offsets that change from step to
 # step: specialized on their 16-byte alignment, each new combination compiled again inside a step
-# (worker/warmup.py compiles the one variant at start).
+# (worker/warmup.py compiles the one variant at start). The same for the masks' width: the tokenizer's
+# (worker/structured.py), which the warm-up, without a tokenizer, does not know.
 @triton.jit(
+    do_not_specialize=["num_words"],
     do_not_specialize_on_alignment=[
         "bitmask_ptr",
         "rows_ptr",
         "kinds_ptr",
-    ]
+    ],
 )
 def _apply_token_bitmask_kernel(
     logits_ptr,  # [R, stride_logits] float (any dtype): rows of the step's logits
