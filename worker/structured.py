@@ -153,10 +153,11 @@ class StructuredOutputs:
         stop_ids = self._stop_ids(seq)
         kind = 1 + structured.any_whitespace if structured.kind in ("json_schema", "json_object") else 0
         state = Matcher(None, stop_ids, seq_id, kind)
-        # (ids past the masks' vocabulary have no text: xgrammar refuses them, and they stay banned)
-        stop = [t for t in stop_ids if t < self.mask_vocab_size] or None
         try:
             compiled = self._compile(structured).result(timeout=self.compile_timeout_s)
+            # (after the compile, and so the tokenizer: ids past the masks' vocabulary have no text,
+            # xgrammar refuses them, and they stay banned)
+            stop = [t for t in stop_ids if t < self.mask_vocab_size] or None
             state.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
         except (GrammarError, FutureTimeout, Exception) as e:  # a grammar, or the checkpoint's tokenizer
             log.error("structured output for sequence %d fails: %s", seq_id, e or "compile timed out")
