@@ -20,18 +20,18 @@ same measurements first on the tree of git revision REV (its worker/, common/, k
 harness), in a subprocess, and the table puts each configuration's before and after side by side.
 `--stagger K` first feeds each row a random number of tokens below K, untimed, so that the timed steps see
 rows at every depth of their documents (the workload mid-run) rather than all at their start. `--profile`
-splits the per-step time of the one-thread runs: xgrammar's batched accept and its batched mask fill (means
-per step from a second, cProfiled run) and the rest of the median (this repository's Python per row, the
-stop rows, the packing; on the CPU the copy to the device is none). `--structured-module` names another
+splits each step of the one-thread runs (timers around xgrammar's two batched calls, medians over the
+steps): xgrammar's accept (`batch_accept_token`, its Python wrapper included), its mask fill
+(`batch_fill_next_token_bitmask`), and the rest (this repository's Python per row, the stop rows, the
+packing; on the CPU there is no copy to a device). `--structured-module` names another
 module with the same class to compare against.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
+import contextlib
 import json
-import pstats
 import random
 import subprocess
 import sys
@@ -265,21 +265,19 @@ def bench_worker_path(
             seqs[i].token_ids.append(_draw(words[k], rng, eos))
     first = int(lead.max(initial=0))
     times, cpu_times = [], []
-    profiler = cProfile.Profile() if profile else None
+    spent = {"accept": 0.0, "fill": 0.0}  # this step's seconds in each of xgrammar's batched calls
+    splits: list[tuple[float, float]] = []
     for step in range(first, first + steps + 1):  # the first step may wait for the compile: not counted
-        if profiler is not None and step == first + 1:
-            profiler.enable()
+        spent.update(accept=0.0, fill=0.0)
         t0, c0 = time.perf_counter(), time.process_time()
-        mask = structured.bitmask(step, seq_ids, seqs, dict, cpu)
+        with _timing_xgrammar(spent) if profile else contextlib.nullcontext():
+            mask = structured.bitmask(step, seq_ids, seqs, dict, cpu)
         times.append(time.perf_counter() - t0)
+        splits.append((spent["accept"], spent["fill"]))
         cpu_times.append(time.process_time() - c0)  # every thread's: what a shared machine distorts less
-        if profiler is not None:
-            profiler.disable()
         words = mask.bitmask.numpy().view(np.uint32)
         for i, seq in enumerate(seqs):
             seq.token_ids.append(_draw(words[i], rng, eos))
-        if profiler is not None:
-            profiler.enable()
     done = sum(s.token_ids[-1] == eos for s in seqs)
     structured.close()
     t, c = np.array(times[1:]) * 1e3, np.array(cpu_times[1:]) * 1e3
@@ -287,21 +285,40 @@ def bench_worker_path(
         median_ms=float(np.median(t)), p90_ms=float(np.percentile(t, 90)), cpu_median_ms=float(np.median(c)),
         finished=done / batch,
     )  # fmt: skip
-    if profiler is not None:
-        profiler.disable()
-        row.update(_split(pstats.Stats(profiler), steps))
+    if profile:
+        accept, fill = (np.array(column[1:]) * 1e3 for column in zip(*splits, strict=True))
+        row.update(
+            accept_ms=float(np.median(accept)), fill_ms=float(np.median(fill)),
+            other_ms=float(np.median(t - accept - fill)),
+        )  # fmt: skip
     return row
 
 
-def _split(stats: pstats.Stats, steps: int) -> dict[str, float]:
-    """Mean milliseconds a step in xgrammar's batched accept and fill (their calls, wrappers included)."""
-    own = {"accept_ms": "batch_accept_token", "fill_ms": "batch_fill_next_token_bitmask"}
-    out = {key: 0.0 for key in own}
-    for (_, _, name), (_, _, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
-        for key, function in own.items():
-            if name == function:
-                out[key] += cumulative * 1e3 / steps
-    return out
+@contextlib.contextmanager
+def _timing_xgrammar(spent: dict[str, float]):
+    """Adds the seconds spent in xgrammar's batched accept and fill to `spent` while open (one thread)."""
+    import xgrammar as xgr
+
+    cls = xgr.BatchGrammarMatcher
+    accept, fill = cls.__dict__["batch_accept_token"], cls.batch_fill_next_token_bitmask
+
+    def timed_accept(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = accept.__func__(*args, **kwargs)
+        spent["accept"] += time.perf_counter() - t0
+        return out
+
+    def timed_fill(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fill(self, *args, **kwargs)
+        spent["fill"] += time.perf_counter() - t0
+        return out
+
+    cls.batch_accept_token, cls.batch_fill_next_token_bitmask = staticmethod(timed_accept), timed_fill
+    try:
+        yield
+    finally:
+        cls.batch_accept_token, cls.batch_fill_next_token_bitmask = accept, fill
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -315,11 +332,7 @@ def worker_main(args: argparse.Namespace) -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             for threads in [int(t) for t in args.grammar_threads.split(",")]:
                 config = (args.structured_module, str(tok_dir), batch, args.steps, threads)
-                r = bench_worker_path(*config, stagger=args.stagger)
-                if args.profile and threads == 1:  # a second run, profiled: cProfile slows the Python
-                    split = bench_worker_path(*config, stagger=args.stagger, profile=True)
-                    r.update(accept_ms=split["accept_ms"], fill_ms=split["fill_ms"])
-                    r["other_ms"] = max(0.0, r["median_ms"] - r["accept_ms"] - r["fill_ms"])
+                r = bench_worker_path(*config, stagger=args.stagger, profile=args.profile and threads == 1)
                 row = dict(tokenizer=tok_name, batch=batch, threads=threads, version=version, **r)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
