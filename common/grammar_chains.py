@@ -77,7 +77,8 @@ def chain_text(text: str, max_rules: int = MAX_CHAIN_RULES) -> str:
             continue
         name, lo, hi, literal, end = found
         prefix, longest = chains.get((name, literal), ("", -1))
-        grow = max(0, hi - lo - longest)
+        # the new rules, and the `lo` copies of `name`, each a state the compiler precomputes masks for
+        grow = lo + max(0, hi - lo - longest)
         if grow > budget:
             out.append(tokens[i])
             i += 1

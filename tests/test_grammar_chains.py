@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -111,13 +112,17 @@ def test_the_worker_compiles_the_chains(compiler: Any) -> None:
 
 
 def test_long_repetitions_stay_within_the_rule_budget() -> None:
-    schema = {"type": "string", "maxLength": MAX_CHAIN_RULES + 5}
-    text = str(xgr.Grammar.from_json_schema(json.dumps(schema)))
-    assert chain_text(text) == text
-    two = {"type": "array", "items": [{"type": "string", "maxLength": 600}] * 2}
-    two["items"] = {"type": "string", "maxLength": 600}
-    shared = chain_text(str(xgr.Grammar.from_json_schema(json.dumps(two))))
-    assert shared.count(" ::= ") - text.count(" ::= ") <= MAX_CHAIN_RULES + 20
+    for schema in (
+        {"type": "string", "maxLength": MAX_CHAIN_RULES + 5},
+        {"type": "string", "minLength": MAX_CHAIN_RULES, "maxLength": MAX_CHAIN_RULES + 1},
+    ):
+        text = str(xgr.Grammar.from_json_schema(json.dumps(schema)))
+        assert chain_text(text) == text
+    # two strings of 200: the first is chained, the second would pass the budget and stays
+    props = {name: {"type": "string", "maxLength": 200} for name in ("a", "b")}
+    schema = {"type": "object", "properties": props, "required": ["a", "b"]}
+    text = chain_text(str(xgr.Grammar.from_json_schema(json.dumps(schema))))
+    assert text.count("{0, 200}") == 1 and len(re.findall(r"^\S+_then_0_\d+ ::=", text, re.M)) == 201
 
 
 def test_new_rules_do_not_clash_with_the_grammars_names(compiler: Any) -> None:
