@@ -31,9 +31,9 @@ import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
-# Rules a grammar may gain: each costs compile time (1-20 ms with a 128k vocabulary, more in longer chains:
-# maxLength 256 compiles in 3.0 s instead of 2.8, 1000 in 25 s instead of 7), and a hostile
-# maxLength must not turn a compile into minutes. Longer repetitions are left as they are.
+# Rules (and required copies) a grammar may gain: each costs compile time (1-20 ms with a 128k
+# vocabulary, more in longer chains: maxLength 256 compiles in 3.0 s instead of 2.8, 1000 in 25 s instead
+# of 7), and a hostile maxLength must not turn a compile into minutes. Longer repetitions stay as they are.
 MAX_CHAIN_RULES = 256
 
 # The printed EBNF's tokens: a string literal, a character class, a bounded or unbounded repetition, a
