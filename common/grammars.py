@@ -9,6 +9,7 @@ import re
 
 import xgrammar as xgr
 
+from common.grammar_chains import chain_bounded_repeats
 from common.sampling_params import StructuredOutput
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object, as vLLM
@@ -66,7 +67,7 @@ def _reasoning(begin: str, end: str) -> xgr.Grammar:
 def compile_grammar(compiler: xgr.GrammarCompiler, structured: StructuredOutput) -> xgr.CompiledGrammar:
     """`structured` compiled against `compiler`'s vocabulary: the grammar `grammar_of` builds, so the api's
     check and the worker's compile read each kind the same way. Raises GrammarError."""
-    grammar = grammar_of(structured)
+    grammar = chain_bounded_repeats(grammar_of(structured))  # the same language, cheaper masks per step
     try:
         return compiler.compile_grammar(grammar)
     except (RuntimeError, ValueError, TypeError) as e:

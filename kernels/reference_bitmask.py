@@ -8,9 +8,11 @@ import torch
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:  # [n, W] int32 -> [n, V] 0/1 uint8
+    """The tokens past the words (W * 32 < V: a mask as wide as the tokenizer, not the logits) are 0."""
     data = bitmask.contiguous().view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
     shifts = torch.arange(8, device=data.device, dtype=torch.uint8)
-    return ((data[:, :, None] >> shifts) & 1).view(len(data), -1)[:, :vocab]
+    bits = ((data[:, :, None] >> shifts) & 1).view(len(data), -1)[:, :vocab]
+    return torch.nn.functional.pad(bits, (0, vocab - bits.shape[1])) if bits.shape[1] < vocab else bits
 
 
 def apply_token_bitmask_reference(

@@ -4,7 +4,8 @@ A constrained row's bitmask (bit t % 32 of word t // 32 allows token t, as xgram
 one row of a small table of extra words (worker/structured.py: the JSON-safe tokens, or all ones) and every
 token it does not allow gets -inf, in place, at the row's logits row: the rows without a constraint are not
 read or written, and nothing is gathered or copied back. `apply_token_bitmask_reference` is the same in
-PyTorch ops (kernels/reference_bitmask.py: the CPU path and the tests' reference).
+PyTorch ops (kernels/reference_bitmask.py: the CPU path and the tests' reference). A bitmask narrower than
+the logits (as wide as the tokenizer's vocabulary) bans every token past its words.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ BLOCK_TOKENS = 4096  # tokens per program: 128 words of the bitmask
 
 # The per-row columns arrive as views into one packed transfer, at offsets that change from step to
 # step: specialized on their 16-byte alignment, each new combination compiled again inside a step
-# (worker/warmup.py compiles the one variant at start).
+# (worker/warmup.py compiles the one variant at start). The same for the masks' width: the tokenizer's
+# (worker/structured.py), which the warm-up, without a tokenizer, does not know.
 @triton.jit(
+    do_not_specialize=["num_words"],
     do_not_specialize_on_alignment=[
         "bitmask_ptr",
         "rows_ptr",
         "kinds_ptr",
-    ]
+    ],
 )
 def _apply_token_bitmask_kernel(
     logits_ptr,  # [R, stride_logits] float (any dtype): rows of the step's logits
@@ -53,7 +56,7 @@ def _apply_token_bitmask_kernel(
 
 def apply_token_bitmask(
     logits: torch.Tensor,  # [R, V] any float dtype, rows contiguous; written in place
-    bitmask: torch.Tensor,  # [n, W] int32, W >= ceil(V / 32)
+    bitmask: torch.Tensor,  # [n, W] int32: the tokens past its W * 32 are banned (W < ceil(V / 32) allowed)
     rows: torch.Tensor,  # [n] int64: distinct logits rows
     kinds: torch.Tensor,  # [n] int32 or int64: rows of `extra`
     extra: torch.Tensor,  # [K, W] int32
@@ -65,7 +68,7 @@ def apply_token_bitmask(
         return logits
     assert logits.stride(-1) == 1 and bitmask.dtype == torch.int32 and extra.dtype == torch.int32
     bitmask, extra = bitmask.contiguous(), extra.contiguous()
-    assert bitmask.shape[1] == extra.shape[1] and bitmask.shape[1] * 32 >= vocab
+    assert bitmask.shape[1] == extra.shape[1]
     grid = (n, triton.cdiv(vocab, BLOCK_TOKENS))
     _apply_token_bitmask_kernel[grid](
         logits, bitmask, rows, kinds, extra, vocab, bitmask.shape[1], logits.stride(0), BLOCK=BLOCK_TOKENS

@@ -2,7 +2,8 @@
 batch of constrained sequences and advancing their matchers by one token, plus each grammar's compile time.
 
     python scripts/bench_structured.py [--batches 1,32,256] [--steps 32] [--vocab 128000] [--out s.json]
-    python scripts/bench_structured.py --worker-path [--batches 256,512] [--grammar-threads 1,0]
+    python scripts/bench_structured.py --worker-path [--batches 256,512,900] [--grammar-threads 1,2] \
+        [--before b767555] [--stagger 64] [--profile]
 
 Two tokenizers: the tiny test checkpoint's (scripts/make_model.py, 4096 tokens) and a byte-level BPE trained
 here on synthetic text (random words over a mixed alphabet, plus the Python standard library's modules) to
@@ -12,17 +13,29 @@ those the mask allows (that draw is not timed), so the matchers walk through rea
 `--worker-path` times the worker's own per-step call instead (worker/structured.py
 `StructuredOutputs.bitmask`: advance every constrained row's matcher by its new token, fill the bitmasks,
 pack them for the device) with the GPU workload's schema (scripts/bench_schema.json) on every row, logits
-128,256 wide, for each `--grammar-threads` (0: the worker's default from the CPU count). Rows whose document
-is complete keep drawing EOS, as the throughput benchmark's `ignore_eos` requests do. `--structured-module`
-names another module with the same class (say an older commit's copy) to compare against.
+128,256 wide (the GPU benchmark's Llama-3.2-1B shape: its logits are wider than the 4,096-token test
+tokenizer), for each `--grammar-threads` (0: the worker's default from the CPU count). Rows whose document is
+complete keep drawing EOS, as the throughput benchmark's `ignore_eos` requests do. `--before REV` runs the
+same measurements first on the tree of git revision REV (its worker/, common/, kernels/; this script's
+harness), in a subprocess, and the table puts each configuration's before and after side by side.
+`--stagger K` first feeds each row a random number of tokens below K, untimed, so that the timed steps see
+rows at every depth of their documents (the workload mid-run) rather than all at their start. `--profile`
+splits each step of the one-thread runs (timers around xgrammar's two batched calls, medians over the
+steps): xgrammar's accept (`batch_accept_token`, its Python wrapper included), its mask fill
+(`batch_fill_next_token_bitmask`), and the rest (this repository's Python per row, the stop rows, the
+packing; on the CPU there is no copy to a device). `--structured-module` names another
+module with the same class to compare against.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -212,9 +225,18 @@ def _draw(words: np.ndarray, rng: np.random.Generator, eos: int) -> int:
 
 
 def bench_worker_path(
-    module: str, tokenizer_dir: str, batch: int, steps: int, threads: int, vocab_size: int = 128256
+    module: str,
+    tokenizer_dir: str,
+    batch: int,
+    steps: int,
+    threads: int,
+    vocab_size: int = 128256,
+    stagger: int = 0,
+    profile: bool = False,
 ) -> dict[str, float]:
-    """Per-step seconds of `StructuredOutputs.bitmask` over `batch` rows constrained by bench_schema.json."""
+    """Per-step milliseconds of `StructuredOutputs.bitmask` over `batch` rows constrained by
+    bench_schema.json (median, 90th percentile, CPU time of all threads), the share of rows finished, and
+    with `profile` the medians' split: xgrammar's accept, its fill, the rest."""
     import importlib
 
     from common.sampling_params import SamplingParams, StructuredOutput
@@ -233,12 +255,25 @@ def bench_worker_path(
     seqs = [SeqState([1, 2, 3], 3, params, i, -1, i, prompt_len=3) for i in range(batch)]
     seq_ids = list(range(batch))
     rng = np.random.default_rng(0)
-    times, cpu_times = [], []
     cpu = torch.device("cpu")
-    for step in range(steps + 1):  # the first step waits for the compile: not counted
+    lead = rng.integers(0, stagger, batch) if stagger else np.zeros(batch, dtype=np.int64)
+    for step in range(int(lead.max(initial=0))):  # untimed: row i first gains lead[i] tokens
+        rows = [i for i in range(batch) if lead[i] > step]
+        mask = structured.bitmask(step, rows, [seqs[i] for i in rows], dict, cpu)
+        words = mask.bitmask.numpy().view(np.uint32)
+        for k, i in enumerate(rows):
+            seqs[i].token_ids.append(_draw(words[k], rng, eos))
+    first = int(lead.max(initial=0))
+    times, cpu_times = [], []
+    spent = {"accept": 0.0, "fill": 0.0}  # this step's seconds in each of xgrammar's batched calls
+    splits: list[tuple[float, float]] = []
+    for step in range(first, first + steps + 1):  # the first step may wait for the compile: not counted
+        spent.update(accept=0.0, fill=0.0)
         t0, c0 = time.perf_counter(), time.process_time()
-        mask = structured.bitmask(step, seq_ids, seqs, dict, cpu)
+        with _timing_xgrammar(spent) if profile else contextlib.nullcontext():
+            mask = structured.bitmask(step, seq_ids, seqs, dict, cpu)
         times.append(time.perf_counter() - t0)
+        splits.append((spent["accept"], spent["fill"]))
         cpu_times.append(time.process_time() - c0)  # every thread's: what a shared machine distorts less
         words = mask.bitmask.numpy().view(np.uint32)
         for i, seq in enumerate(seqs):
@@ -246,10 +281,44 @@ def bench_worker_path(
     done = sum(s.token_ids[-1] == eos for s in seqs)
     structured.close()
     t, c = np.array(times[1:]) * 1e3, np.array(cpu_times[1:]) * 1e3
-    return dict(
+    row = dict(
         median_ms=float(np.median(t)), p90_ms=float(np.percentile(t, 90)), cpu_median_ms=float(np.median(c)),
         finished=done / batch,
     )  # fmt: skip
+    if profile:
+        accept, fill = (np.array(column[1:]) * 1e3 for column in zip(*splits, strict=True))
+        row.update(
+            accept_ms=float(np.median(accept)), fill_ms=float(np.median(fill)),
+            other_ms=float(np.median(t - accept - fill)),
+        )  # fmt: skip
+    return row
+
+
+@contextlib.contextmanager
+def _timing_xgrammar(spent: dict[str, float]):
+    """Adds the seconds spent in xgrammar's batched accept and fill to `spent` while open (one thread)."""
+    import xgrammar as xgr
+
+    cls = xgr.BatchGrammarMatcher
+    accept, fill = cls.__dict__["batch_accept_token"], cls.batch_fill_next_token_bitmask
+
+    def timed_accept(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = accept.__func__(*args, **kwargs)
+        spent["accept"] += time.perf_counter() - t0
+        return out
+
+    def timed_fill(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fill(self, *args, **kwargs)
+        spent["fill"] += time.perf_counter() - t0
+        return out
+
+    cls.batch_accept_token, cls.batch_fill_next_token_bitmask = staticmethod(timed_accept), timed_fill
+    try:
+        yield
+    finally:
+        cls.batch_accept_token, cls.batch_fill_next_token_bitmask = accept, fill
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -257,20 +326,74 @@ def worker_main(args: argparse.Namespace) -> None:
 
     tiny = make_model(Path("/tmp/pagedserve-bench-tiny-llama"), preset="tiny", seed=0)
     large = build_large_tokenizer(Path(args.tokenizer_dir) / str(args.vocab), args.vocab)
-    rows = []
+    rows = _before_rows(args) if args.before else []
+    version = args.version or "working tree"
     for tok_name, tok_dir in (("tiny 4k", tiny), ("128k BPE", large)):
         for batch in [int(b) for b in args.batches.split(",")]:
             for threads in [int(t) for t in args.grammar_threads.split(",")]:
-                r = bench_worker_path(args.structured_module, str(tok_dir), batch, args.steps, threads)
-                row = dict(
-                    tokenizer=tok_name, batch=batch, threads=threads, module=args.structured_module, **r
-                )
+                config = (args.structured_module, str(tok_dir), batch, args.steps, threads)
+                r = bench_worker_path(*config, stagger=args.stagger, profile=args.profile and threads == 1)
+                row = dict(tokenizer=tok_name, batch=batch, threads=threads, version=version, **r)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    columns = ["tokenizer", "batch", "threads", "median_ms", "p90_ms", "cpu_median_ms", "finished"]
-    cells = [[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in columns] for r in rows]
+    columns = ["tokenizer", "batch", "threads", "version", "median_ms", "p90_ms", "cpu_median_ms"]
+    columns += ["accept_ms", "fill_ms", "other_ms", "finished"] if args.profile else ["finished"]
+    cells = [[_cell(r.get(c, "")) for c in columns] for r in rows]
     print(format_table(columns, cells))
+    if args.before:
+        print(format_table(*_speedups(rows)))
     write_json(args.out, {"runs": rows, "record": run_record(__file__)})
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _before_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The same sweep on the tree of `args.before`, in a subprocess whose worker/, common/ and kernels/
+    are that tree's (imported before this script's harness, which comes from the working tree)."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="bench-structured-before-") as tree:
+        archive = subprocess.run(["git", "archive", args.before], cwd=root, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+        out = Path(tree) / "before.json"
+        argv = ["--worker-path", "--batches", args.batches, "--grammar-threads", args.grammar_threads]
+        argv += [
+            "--steps",
+            str(args.steps),
+            "--vocab",
+            str(args.vocab),
+            "--tokenizer-dir",
+            args.tokenizer_dir,
+        ]
+        argv += ["--stagger", str(args.stagger), "--structured-module", args.structured_module]
+        argv += ["--out", str(out), "--version", f"before ({args.before})"] + ["--profile"] * args.profile
+        driver = (
+            "import runpy, sys; tree, script = sys.argv[1:3]; sys.path.insert(0, tree); "
+            "import common, worker, kernels; sys.argv = [script, *sys.argv[3:]]; "
+            "runpy.run_path(script, run_name='__main__')"
+        )
+        subprocess.run([sys.executable, "-c", driver, tree, __file__, *argv], check=True)
+        return json.loads(out.read_text())["runs"]
+
+
+def _speedups(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Each configuration's before and after medians (wall and CPU) and their ratio."""
+    by_key: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        side = "before" if str(r["version"]).startswith("before") else "after"
+        by_key.setdefault((r["tokenizer"], r["batch"], r["threads"]), {})[side] = r
+    columns = ["tokenizer", "batch", "threads", "before_ms", "after_ms", "x", "before_cpu_ms", "after_cpu_ms"]
+    cells = []
+    for (tok, batch, threads), pair in by_key.items():
+        if "before" in pair and "after" in pair:
+            b, a = pair["before"], pair["after"]
+            ratio = f"{b['median_ms'] / a['median_ms']:.1f}"
+            times = [_cell(b["median_ms"]), _cell(a["median_ms"]), ratio]
+            cells.append(
+                [tok, str(batch), str(threads), *times, _cell(b["cpu_median_ms"]), _cell(a["cpu_median_ms"])]
+            )
+    return columns, cells
 
 
 def main() -> None:
@@ -282,12 +405,16 @@ def main() -> None:
     p.add_argument("--engines", default="xgrammar,llguidance")
     p.add_argument("--out", default=None)
     p.add_argument("--worker-path", action="store_true", help="time StructuredOutputs.bitmask per step")
-    p.add_argument("--grammar-threads", default="1,0", help="--worker-path: thread counts, 0 the default")
+    p.add_argument("--grammar-threads", default="1,2", help="--worker-path: thread counts, 0 the default")
+    p.add_argument("--before", default=None, help="--worker-path: also measure this git revision's tree")
+    p.add_argument("--version", default=None, help=argparse.SUPPRESS)  # the label of --before's rows
+    p.add_argument("--stagger", type=int, default=0, help="--worker-path: rows start up to K tokens in")
+    p.add_argument("--profile", action="store_true", help="--worker-path: split the one-thread runs")
     p.add_argument("--structured-module", default="worker.structured")
     args = p.parse_args()
     if args.worker_path:
         if args.batches == "1,32,256":
-            args.batches = "256,512"
+            args.batches = "256,512,900"
         worker_main(args)
         return
     from transformers import AutoTokenizer

@@ -18,7 +18,7 @@ from common.sampling_params import SamplingParams, StructuredOutput
 from tests.structured_schemas import random_schema
 from tests.test_structured_output import _assert_valid, _prompts, _run, _runner, _schema_params
 from worker.sequences import SeqState
-from worker.structured import StructuredOutputs, _json_safe_words
+from worker.structured import StructuredOutputs, _json_safe_words, apply_token_bitmask
 
 PADDED_VOCAB = 4096 + 96  # logits wider than the tokenizer: the ids past it are never allowed
 
@@ -126,6 +126,8 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
         for k, (seq_id, row) in enumerate(expected):
             # (the JSON-safe words are ANDed in by the mask kernel, from the row's `extra` row)
             got = (mask.bitmask[k] & mask.extra[mask.kinds[k]]).cpu()
+            # (the masks are as wide as the tokenizer: the kernel bans the tokens past their words)
+            got = torch.nn.functional.pad(got, (0, len(row) - len(got)))
             assert torch.equal(got, row), f"step {step}, sequence {seq_id}"
             num_compared += 1
     structured.close()
@@ -161,11 +163,11 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
         events.append(("received", finishing[0]))
         return received(samplers, tokens)
 
-    def traced_run(work, mask):
+    def traced_run(states, tokens, mask):
         events.append(("fill", runner.structured._step_id))
         if threading.current_thread().name.startswith("grammar-prefetch"):
             prefetched.append(runner.structured._step_id)
-        return run(work, mask)
+        return run(states, tokens, mask)
 
     runner.sequences.received = traced_received
     runner.launch_forward, runner.finish = traced_forward, traced_finish
@@ -186,3 +188,27 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
             assert tokens < position[("fill", step_id)]
             pipelined += 1
     assert pipelined > 10 and len(prefetched) > 10
+
+
+def test_masks_are_as_wide_as_the_tokenizer_and_ban_the_ids_past_it(tiny_model_dir):
+    """Logits wider than the tokenizer: the masks cover the tokenizer's ids only (the kernel bans the rest),
+    and a request's stop token past the tokenizer's vocabulary is not allowed, without breaking its grammar;
+    EOS still ends the document."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], torch.device("cpu"), 1)
+    params = SamplingParams(
+        max_tokens=100, stop_token_ids=(PADDED_VOCAB - 1,), structured=StructuredOutput("regex", "ab")
+    )
+    seq = SeqState([1, 2, 3], 3, params, 0, -1, 0, prompt_len=3)
+    logits = torch.zeros(1, PADDED_VOCAB)
+    for step, text in enumerate(["a", "b", None]):
+        mask = structured.bitmask(step, [0], [seq], dict, torch.device("cpu"))
+        assert mask is not None and mask.bitmask.shape == (1, -(-len(tokenizer) // 32))
+        allowed = torch.isfinite(apply_token_bitmask(logits.clone(), mask)[0]).nonzero().flatten().tolist()
+        assert max(allowed) < len(tokenizer)  # nothing past the tokenizer, the stop token included
+        expected = tokenizer.convert_tokens_to_ids(text) if text else eos
+        assert expected in allowed and (text is None) == (allowed == [eos])
+        seq.token_ids.append(expected)
+    assert structured.take_failed(0) == [] and structured.matchers[0].matcher is not None
+    structured.close()

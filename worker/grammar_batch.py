@@ -39,56 +39,55 @@ class Matcher:
     """One constrained sequence's grammar state in the worker."""
 
     matcher: xgr.GrammarMatcher | None  # None: the grammar failed; only the stop tokens are allowed
+    stop_ids: tuple[int, ...]  # the tokens that end it (EOS and the request's stop tokens), sorted
+    seq_id: int = -1
+    kind: int = 0  # its row of the JSON-safe words (worker/structured.py): 0 none, 1 + any_whitespace
     num_fed: int = 0  # generated tokens accepted so far (or skipped: past the grammar's end)
-
-
-@dataclass
-class RowWork:
-    """One constrained row of a step: its bitmask row, its matcher and the tokens it has not accepted."""
-
-    index: int  # its row of the step's bitmask
-    seq_id: int
-    state: Matcher
-    tokens: list[int]  # generated since the matcher last advanced, oldest first
+    # It accepted a stop token (xgrammar's matchers end only so: terminate_without_stop_token is off), kept
+    # here so that a step asks xgrammar only about the rows that just accepted one.
+    terminated: bool = False
 
 
 def advance_and_fill(
-    batch: xgr.BatchGrammarMatcher, work: list[RowWork], mask: torch.Tensor
-) -> list[RowWork]:
-    """Feeds each row's matcher its tokens, then fills the bitmask rows of the matchers still running (in
-    `mask` [N, W] int32, at each row's index). Returns the rows whose matcher is done: finished, failed
-    before, or broken by a token its grammar refuses (its `matcher` set to None); their bitmask rows are
-    left for the caller to fill with their stop tokens.
+    batch: xgr.BatchGrammarMatcher,
+    rows: list[int],
+    states: list[Matcher],
+    tokens: list[list[int]],
+    mask: torch.Tensor,
+) -> list[int]:
+    """Feeds each of `rows`' matcher (states[i]) its tokens (tokens[i], oldest first), then fills the
+    bitmask rows (`mask` [N, W] int32, row i) of the matchers still running. Returns the rows whose
+    matcher is done: terminated, failed before, or broken by a token its grammar refuses (its `matcher`
+    set to None); their bitmask rows are left for the caller to fill with their stop tokens.
 
     Tokens past a matcher's end (which a pipelined step drew after the stop token, and which are dropped)
-    are counted as fed and not accepted."""
-    depth = max((len(w.tokens) for w in work), default=0)
+    are counted as fed and not accepted. Python per row is kept to list comprehensions: at ~900 rows a
+    step it costs as much as xgrammar's own work."""
+    depth = max((len(tokens[i]) for i in rows), default=0)
     for k in range(depth):  # one token of each row per batched call: rows gain one token per step
         live = [
-            w
-            for w in work
-            if len(w.tokens) > k and w.state.matcher is not None and not w.state.matcher.is_terminated()
+            i
+            for i in rows
+            if len(tokens[i]) > k and states[i].matcher is not None and not states[i].terminated
         ]
         if not live:
             break
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(
-            [w.state.matcher for w in live], [w.tokens[k] for w in live]
-        )
-        for w, ok in zip(live, accepted, strict=True):
-            if not ok:
-                log.error("sequence %d: token %d breaks its grammar", w.seq_id, w.tokens[k])
-                w.state.matcher = None
-    for w in work:
-        w.state.num_fed += len(w.tokens)
-    running, done = [], []
-    for w in work:
-        m = w.state.matcher
-        (running if m is not None and not m.is_terminated() else done).append(w)
+        fed = [tokens[i][k] for i in live]
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([states[i].matcher for i in live], fed)
+        if not all(accepted):
+            for i, token, ok in zip(live, fed, accepted, strict=True):
+                if not ok:
+                    log.error("sequence %d: token %d breaks its grammar", states[i].seq_id, token)
+                    states[i].matcher = None
+        for i in [i for i, token in zip(live, fed, strict=True) if token in states[i].stop_ids]:
+            m = states[i].matcher
+            states[i].terminated = m is None or m.is_terminated()
+    for i in rows:
+        states[i].num_fed += len(tokens[i])
+    running = [i for i in rows if states[i].matcher is not None and not states[i].terminated]
     if running:
-        batch.batch_fill_next_token_bitmask(
-            [w.state.matcher for w in running], mask, [w.index for w in running]
-        )
-    return done
+        batch.batch_fill_next_token_bitmask([states[i].matcher for i in running], mask, running)
+    return [i for i in rows if states[i].matcher is None or states[i].terminated]
 
 
 class GrammarBatch:
@@ -105,16 +104,20 @@ class GrammarBatch:
             else None
         )
 
-    def run(self, work: list[RowWork], mask: torch.Tensor) -> list[RowWork]:
-        """`advance_and_fill` over `work`, split among the threads; the calling thread runs one chunk."""
-        num_chunks = max(1, min(self.threads, len(work) // self.min_rows_per_chunk))
+    def run(self, states: list[Matcher], tokens: list[list[int]], mask: torch.Tensor) -> list[int]:
+        """`advance_and_fill` over every row (row i: states[i], tokens[i], mask[i]), split among the
+        threads; the calling thread runs one chunk. Returns the done rows."""
+        n = len(states)
+        num_chunks = max(1, min(self.threads, n // self.min_rows_per_chunk))
         if num_chunks == 1 or self._pool is None:
-            return advance_and_fill(self._batches[0], work, mask)
+            return advance_and_fill(self._batches[0], list(range(n)), states, tokens, mask)
         futures = [
-            self._pool.submit(advance_and_fill, self._batches[c], work[c::num_chunks], mask)
+            self._pool.submit(
+                advance_and_fill, self._batches[c], list(range(c, n, num_chunks)), states, tokens, mask
+            )
             for c in range(1, num_chunks)
         ]
-        done = advance_and_fill(self._batches[0], work[0::num_chunks], mask)
+        done = advance_and_fill(self._batches[0], list(range(0, n, num_chunks)), states, tokens, mask)
         for f in futures:
             done += f.result()
         return done

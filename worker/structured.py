@@ -12,6 +12,12 @@ says where they start), of a fork child or a clone (it replays its parent's outp
 sequence (its SeqState, and so its matcher, stayed). Every tensor-parallel rank holds the same sequences,
 samples the same tokens and so fills the same masks.
 
+The masks are as wide as the tokenizer's vocabulary, not the logits (a checkpoint's logits can be wider: the
+benchmarks' Llama-3.2-1B shape has 128,256 logits and a 4,096-token tokenizer): the ids past it have no text,
+no grammar allows them, and the mask kernel bans every token past a mask's words. That keeps xgrammar from
+clearing every such id in each row it fills (about 150 µs a row in a string) and the host buffer and its
+transfer small. A request's stop token id past the tokenizer's vocabulary is not allowed under a grammar.
+
 Grammars compile in a thread pool, started when the NewSequence arrives, cached by their StructuredOutput.
 A grammar that fails to compile (or does not finish within `compile_timeout_s` when the sequence must
 sample) leaves its sequence with only the stop tokens allowed: that sequence ends at once, the others go on.
@@ -38,7 +44,6 @@ from worker.grammar_batch import (
     GrammarBatch,
     HostMaskBuffers,
     Matcher,
-    RowWork,
     default_grammar_threads,
     fill_stop_rows,
 )
@@ -72,6 +77,7 @@ class StructuredOutputs:
         grammar_threads: int | None = None,  # None: from the CPU count (worker/grammar_batch.py)
     ) -> None:
         self.vocab_size = vocab_size
+        self.mask_vocab_size = vocab_size  # the tokenizer's (<= vocab_size): set with the compiler
         self.eos_token_ids = list(eos_token_ids)
         self.compile_timeout_s = COMPILE_TIMEOUT_S
         self._json_words: dict[int, torch.Tensor] = {}  # by any_whitespace: set with the compiler
@@ -87,7 +93,8 @@ class StructuredOutputs:
         if self._device.type == "cuda" and self._device.index is None:  # the index the prefetch thread sets
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._buffers = HostMaskBuffers(self._device)
-        self._extra: dict[torch.device, torch.Tensor] = {}  # _extra_words by device
+        # _extra_words by (device, width, with the JSON words): the width is set with the compiler
+        self._extra: dict[tuple[torch.device, int, bool], torch.Tensor] = {}
         self.matchers: dict[int, Matcher] = {}
         self._failed: dict[int, list[int]] = {}  # by step id: the seq ids whose constraint failed
         self._step_id = 0  # the step whose bitmask is being made
@@ -99,11 +106,14 @@ class StructuredOutputs:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        # The logits' width, which can exceed the tokenizer's: the ids past it are never allowed.
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
-        )
-        self._json_words = {ws: _json_safe_words(info.decoded_vocab, self.vocab_size, ws) for ws in (0, 1)}
+        # The tokenizer's ids (and the stop tokens), within the logits' width: the ids past it are never
+        # allowed (the mask kernel bans the tokens past a mask's words).
+        ids = [len(tokenizer) - 1, *tokenizer.get_vocab().values(), *self.eos_token_ids]
+        size = min(self.vocab_size, 1 + max(ids))
+        eos = self.eos_token_ids
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size, stop_token_ids=eos)
+        self.mask_vocab_size = size  # before the JSON words: words of this width come with this width
+        self._json_words = {ws: _json_safe_words(info.decoded_vocab, size, ws) for ws in (0, 1)}
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def _compile(self, structured: StructuredOutput) -> Future[xgr.CompiledGrammar]:
@@ -138,16 +148,21 @@ class StructuredOutputs:
         state = self.matchers.get(seq_id)
         if state is not None:
             return state
-        assert seq.params.structured is not None
-        stop = sorted({*self.eos_token_ids, *seq.params.stop_token_ids})
+        structured = seq.params.structured
+        assert structured is not None
+        stop_ids = self._stop_ids(seq)
+        kind = 1 + structured.any_whitespace if structured.kind in ("json_schema", "json_object") else 0
+        state = Matcher(None, stop_ids, seq_id, kind)
         try:
-            compiled = self._compile(seq.params.structured).result(timeout=self.compile_timeout_s)
-            state = Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
+            compiled = self._compile(structured).result(timeout=self.compile_timeout_s)
+            # (after the compile, and so the tokenizer: ids past the masks' vocabulary have no text,
+            # xgrammar refuses them, and they stay banned)
+            stop = [t for t in stop_ids if t < self.mask_vocab_size] or None
+            state.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
         except (GrammarError, FutureTimeout, Exception) as e:  # a grammar, or the checkpoint's tokenizer
             log.error("structured output for sequence %d fails: %s", seq_id, e or "compile timed out")
-            self._compiled.pop(seq.params.structured, None)
+            self._compiled.pop(structured, None)
             self._failed.setdefault(self._step_id, []).append(seq_id)
-            state = Matcher(None)
         self.matchers[seq_id] = state
         return state
 
@@ -193,13 +208,14 @@ class StructuredOutputs:
             host = self._host_masks(step_id, seq_ids, samplers, pending_tokens)
         if host is None:
             return None
-        n, num_words = len(host[0]), -(-self.vocab_size // 32)
+        n = len(host[0])
+        num_words = len(host[1]) // n - 2
         packed = self._buffers.to_device(host[1], device)
         return TokenBitmask(
             packed[:n].long(),
             packed[2 * n :].view(n, num_words),
             packed[n : 2 * n],
-            self._extra_words(device),
+            self._extra_words(device, num_words),
         )
 
     def _host_masks(
@@ -211,47 +227,53 @@ class StructuredOutputs:
         if not rows:
             return None
         self._step_id = step_id
-        n, num_words = len(rows), -(-self.vocab_size // 32)
+        n = len(rows)
         pending: dict[int, int] | None = None
-        work: list[RowWork] = []
-        kinds = np.zeros(n, dtype=np.int32)  # each row's row of _extra_words: 0 none, 1 + any_whitespace
-        for i, j in enumerate(rows):
+        matchers = self.matchers
+        states: list[Matcher] = []
+        tokens: list[list[int]] = []  # each row's tokens its matcher has not accepted, oldest first
+        for j in rows:
             seq, seq_id = samplers[j], seq_ids[j]
-            state = self._matcher(seq_id, seq)
-            tokens = seq.token_ids[seq.prompt_len + state.num_fed :]
+            state = matchers.get(seq_id) or self._matcher(seq_id, seq)
+            new = seq.token_ids[seq.prompt_len + state.num_fed :]
             if seq.pending:
                 pending = pending_tokens() if pending is None else pending
-                tokens.append(pending[seq_id])
-            work.append(RowWork(i, seq_id, state, tokens))
-            structured = seq.params.structured
-            if structured is not None and structured.kind in ("json_schema", "json_object"):
-                kinds[i] = 1 + structured.any_whitespace
+                new.append(pending[seq_id])
+            states.append(state)
+            tokens.append(new)
+        # (after the matchers: each waited for its grammar, and so for the tokenizer that sets the width)
+        num_words = -(-self.mask_vocab_size // 32)
         host = self._buffers.take(n * (2 + num_words))
         # Written through numpy (and xgrammar) only: no torch op here, so the prefetch thread, outside
         # inference mode, can write a buffer that a step allocated in it.
         header = host[: 2 * n].numpy()
         header[:n] = rows
-        header[n:] = kinds
+        header[n:] = [s.kind for s in states]  # each row's row of _extra_words
         mask = host[2 * n :].view(n, num_words)
-        done = self.batch.run(work, mask)
-        fill_stop_rows(mask, [(w.index, self._stop_ids(samplers[rows[w.index]])) for w in done])
+        done = self.batch.run(states, tokens, mask)
+        fill_stop_rows(mask, [(i, states[i].stop_ids) for i in done])
         return rows, host
 
     def _stop_ids(self, seq: SeqState) -> tuple[int, ...]:
         return tuple(sorted({*self.eos_token_ids, *seq.params.stop_token_ids}))
 
-    def _extra_words(self, device: torch.device) -> torch.Tensor:
-        """[3, W] int32 on `device`: every token (rows that are not JSON), then the JSON-safe tokens
-        without and with any_whitespace. xgrammar 0.2.8 lets a length-bounded JSON string hold raw control
-        characters, which JSON forbids (`{"maxLength": 5}` compiles to [^"\\\r\n]{0,5}): such tokens are
-        never allowed in JSON output; the mask kernel ANDs these words in as it reads the bitmask."""
-        table = self._extra.get(device)
+    def _extra_words(self, device: torch.device, num_words: int) -> torch.Tensor:
+        """[3, W] int32 on `device` (W = `num_words`, the masks' width): every token (rows that are not
+        JSON), then the JSON-safe tokens without and with any_whitespace. xgrammar 0.2.8 lets a
+        length-bounded JSON string hold raw control characters, which JSON forbids (`{"maxLength": 5}`
+        compiles to [^"\\\r\n]{0,5}): such tokens are never allowed in JSON output; the mask kernel ANDs
+        these words in as it reads the bitmask."""
+        words = self._json_words  # set with the compiler
+        key = (device, num_words, bool(words))
+        table = self._extra.get(key)
         if table is None:
-            every = torch.full((-(-self.vocab_size // 32),), -1, dtype=torch.int32)
-            # (no tokenizer: every constrained row allows only its stop tokens, which are not JSON text)
-            words = self._json_words or {0: every, 1: every}  # set with the compiler
+            every = torch.full((num_words,), -1, dtype=torch.int32)
+            if not words or len(words[0]) != num_words:
+                # No tokenizer (or a step whose width was taken before it came): every constrained row
+                # allows only its stop tokens, which are not JSON text.
+                words = {0: every, 1: every}
             table = torch.stack([every, words[0], words[1]]).to(device)
-            self._extra[device] = table
+            self._extra[key] = table
         return table
 
     def take_failed(self, step_id: int) -> list[int]:
