@@ -43,7 +43,7 @@ KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 Quantization = Literal["", "fp8"]
 GenerationConfigMode = Literal["auto", "none"]
-TPAllReduce = Literal["auto", "nccl"]
+TPAllReduce = Literal["auto", "nccl", "one-shot", "no-copy", "fused"]
 ToolCallParserName = Literal["", "hermes", "llama3_json", "mistral"]  # api/tool_parsers
 ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]  # api/reasoning.py
 
@@ -217,7 +217,9 @@ class WorkerConfig:
     speculative_config: str = ""
     # Tensor parallelism's all-reduces. auto: a one-shot all-reduce through symmetric memory (peer reads over
     # NVLink) for messages up to 16 MiB where every GPU of the group reaches the others, NCCL for larger
-    # ones and elsewhere (worker/tp_all_reduce.py); nccl: NCCL for all of them
+    # ones and elsewhere (worker/tp_all_reduce.py); nccl: NCCL for all of them. one-shot: that alone (the
+    # partial sums copied into the buffer); no-copy: o_proj/down_proj write into it (worker/tp_fused.py);
+    # fused: and their all-reduce is one kernel with the residual add + RMSNorm; auto: fused where it runs
     tp_all_reduce: TPAllReduce = "auto"
 
     def __post_init__(self) -> None:

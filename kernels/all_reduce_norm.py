@@ -1,4 +1,4 @@
-"""Tensor parallelism's all-reduce fused with the residual add and RMSNorm that follow it, in one Triton kernel.
+"""Tensor parallelism's all-reduce fused with the residual add and RMSNorm after it, in one Triton kernel.
 
 Each rank's row-parallel matmul (o_proj, down_proj) has written its partial sums [R, N] at the start of its
 symmetric buffer (torch.distributed._symmetric_memory: every rank's buffer is mapped into every process, and
