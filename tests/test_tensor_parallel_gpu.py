@@ -57,13 +57,14 @@ def _symm_rank_main(rank: int, init_method: str) -> None:
 
     from kernels import fused_ops, reference_ops
     from worker.parallel import ParallelContext
-    from worker.tp_all_reduce import make_symm_mem_all_reduce
+    from worker.tp_all_reduce import LARGE_MAX_BYTES, TUNE_SIZES, make_symm_mem_all_reduce
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=WORLD_SIZE)
     control = dist.new_group(backend="gloo")
-    fast, why = make_symm_mem_all_reduce(dist.group.WORLD, control, device, WORLD_SIZE, "auto")
+    # untuned: one-shot up to the buffer, NCCL past it (the tuned routing is checked at the end)
+    fast, why = make_symm_mem_all_reduce(dist.group.WORLD, control, device, WORLD_SIZE, "auto", tune=False)
     assert fast is not None, why
     ctx = ParallelContext(rank, WORLD_SIZE, dist.group.WORLD, control)
     ctx.fast_all_reduce = fast
@@ -104,8 +105,27 @@ def _symm_rank_main(rank: int, init_method: str) -> None:
         torch.cuda.synchronize()
         assert bool((static == 3 + 2 * step).all()), f"replay {step}: {static.flatten()[:4]}"
     del graph
+    # Tuned: every size measured on both ranks gets one path, the same on every rank; and the two-shot
+    # kernel (prefill chunks: 4096 and 8192 tokens x 4096) sums as NCCL does
+    rows = fast.tune(dist.group.WORLD, control)
+    assert [r["bytes"] for r in rows] == list(TUNE_SIZES) and all(r["best"] in _PATHS for r in rows)
+    plans = [None] * WORLD_SIZE
+    dist.all_gather_object(plans, fast.plan, group=control)
+    assert plans[0] == plans[1] == [(r["bytes"], r["best"]) for r in rows]
+    two_shot = [(LARGE_MAX_BYTES, "two-shot")] if fast.large_buffer is not None else []
+    for forced in ([two_shot] if two_shot else []) + [fast.plan]:
+        fast.plan = forced
+        for tokens in (4096, 8192, 1000):
+            gen = torch.Generator(device).manual_seed(tokens + rank)
+            partial = torch.randn(tokens, 4096, generator=gen, device=device, dtype=torch.bfloat16)
+            reference = partial.clone()
+            dist.all_reduce(reference)
+            torch.testing.assert_close(ctx.all_reduce(partial), reference, rtol=8e-3, atol=1e-5)
     dist.barrier(group=control)
     dist.destroy_process_group()
+
+
+_PATHS = ("nccl", "one-shot", "two-shot")
 
 
 def test_one_shot_all_reduce_and_fused_norm_match_nccl_and_pytorch() -> None:

@@ -239,6 +239,9 @@ def init_parallel(cfg: WorkerConfig, model_config: ModelConfig) -> tuple[WorkerC
     )
     if why and device.startswith("cuda") and cfg.rank == 0:
         print(f"tensor parallelism: NCCL for every all-reduce ({why})", file=sys.stderr, flush=True)
+    elif ctx.fast_all_reduce is not None and cfg.rank == 0:
+        plan = ", ".join(f"<= {n >> 10} KiB {m}" for n, m in ctx.fast_all_reduce.plan)
+        print(f"tensor parallelism: all-reduce by size (measured): {plan}", file=sys.stderr, flush=True)
     ctx.row_parallel, why = make_row_parallel(
         dist.group.WORLD, control, torch.device(device), size, cfg.tp_all_reduce
     )

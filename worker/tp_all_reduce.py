@@ -88,7 +88,11 @@ class SymmMemAllReduce:
         """Whether `x` takes a symmetric-memory kernel (else NCCL)."""
         if x.dtype not in _DTYPES or not x.is_contiguous():
             return False
-        return self.method(x.numel() * x.element_size()) != "nccl"
+        nbytes = x.numel() * x.element_size()
+        method = self.method(nbytes)
+        if method == "two-shot":  # its kernel's vectors: 16-byte aligned output, whole vectors
+            return nbytes % 16 == 0 and x.data_ptr() % 16 == 0
+        return method != "nccl"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks, written into `x`."""
