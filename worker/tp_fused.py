@@ -47,7 +47,7 @@ class SymmMemRowParallel:
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.handle = handle
-        self.rank, self.world_size = int(handle.rank), int(handle.world_size)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         # Every rank's buffer as this process maps it (the tensor may start past its allocation's base)
         shift = self.buffer.data_ptr() - int(handle.buffer_ptrs[self.rank])
         ptrs = [int(p) + shift for p in handle.buffer_ptrs]
@@ -57,7 +57,8 @@ class SymmMemRowParallel:
         # Programs of the fused kernel: under the SM count (each spins on a barrier with its peers' twin,
         # so all must be resident at once) and within the signal pad's channels
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        channels = int(handle.signal_pad_size) // (4 * self.world_size)
+        pad_bytes = getattr(handle, "signal_pad_size", None) or symm_mem.get_signal_pad_size()
+        channels = int(pad_bytes) // (4 * self.world_size)
         self.num_programs = max(1, min(MAX_PROGRAMS, sms - 4, channels // 2))
         assert signal_channels_needed(self.num_programs) <= channels
         self.fuse_norm = fuse_norm
