@@ -85,8 +85,9 @@ def _all_reduce_add_rms_norm_kernel(
         row64 = tl.cast(row, tl.int64)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for peer in tl.static_range(WORLD):
-            part = tl.load(buffer_ptrs + peer).to(tl.pointer_type(dt))
-            acc += tl.load(part + row64 * N + offs, mask=ok, other=0.0).to(tl.float32)
+            # 16-byte aligned buffers: vector loads (a pointer read from memory has no known alignment)
+            part = tl.multiple_of(tl.load(buffer_ptrs + peer).to(tl.pointer_type(dt)), 16)
+            acc += tl.load(part + row64 * N + offs, mask=ok, other=0.0, volatile=True).to(tl.float32)
         r = tl.load(residual_ptr + row64 * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
         x = _round(_round(acc, dt) + r, dt)
         tl.store(residual_ptr + row64 * stride_r + offs, x.to(dt), mask=ok)
