@@ -43,7 +43,7 @@ KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 Quantization = Literal["", "fp8"]
 GenerationConfigMode = Literal["auto", "none"]
-TPAllReduce = Literal["auto", "nccl"]
+TPAllReduce = Literal["auto", "nccl", "one-shot", "no-copy", "fused"]
 LoadFormat = Literal["auto", "dummy"]
 ToolCallParserName = Literal["", "hermes", "llama3_json", "mistral"]  # api/tool_parsers
 ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]  # api/reasoning.py
@@ -218,7 +218,9 @@ class WorkerConfig:
     speculative_config: str = ""
     # Tensor parallelism's all-reduces. auto: a one-shot all-reduce through symmetric memory (peer reads over
     # NVLink) for messages up to 16 MiB where every GPU of the group reaches the others, NCCL for larger
-    # ones and elsewhere (worker/tp_all_reduce.py); nccl: NCCL for all of them
+    # ones and elsewhere (worker/tp_all_reduce.py); nccl: NCCL for all of them. one-shot: that alone (the
+    # partial sums copied into the buffer); no-copy: o_proj/down_proj write into it (worker/tp_fused.py);
+    # fused: and their all-reduce is one kernel with the residual add + RMSNorm; auto: fused where it runs
     tp_all_reduce: TPAllReduce = "auto"
     # auto: the checkpoint's weights (*.safetensors); dummy: random weights drawn on the device, only
     # config.json (and the tokenizer) read, for benchmarks of a model's shape (worker/dummy_weights.py)

@@ -10,9 +10,18 @@ time from CUDA events), then with `--kernels N` N more run under torch.profiler 
 kernel group, the all-reduces per step (count, GPU time, message size) and the GPU's idle time per step
 (the step's wall time less its kernels' time).
 
-Variants, on the same commit, to measure what each change buys:
-  nccl      every all-reduce through NCCL (as before issue 25; `--tp-all-reduce nccl`)
-  symm_mem  the one-shot symmetric-memory all-reduce for messages up to 16 MiB (worker/tp_all_reduce.py)
+Variants (`--tp-all-reduce`'s choices), on the same commit, to measure what each change buys:
+  nccl      every all-reduce through NCCL (as before issue 25)
+  one-shot  the partial sums copied into a symmetric buffer, torch's one-shot all-reduce from there, for
+            messages up to 16 MiB (worker/tp_all_reduce.py; `symm_mem` is an old name for it)
+  no-copy   o_proj/down_proj write their partial sums into the symmetric buffer themselves, then the
+            one-shot all-reduce (worker/tp_fused.py)
+  fused     as no-copy, the all-reduce, residual add and RMSNorm in one kernel (kernels/all_reduce_norm.py)
+The fused kernel counts in the profile's all-reduce group (its name says all_reduce), norm included.
+
+Before the steps, the all-reduce of each message size (256 KiB .. 64 MiB: decode batches and prefill
+chunks) is timed through NCCL, the one-shot and the two-shot kernels (`SymmMemAllReduce.tune`, what the
+worker measures at start-up to route each size): the table says where two-shot beats NCCL.
 """
 
 from __future__ import annotations
@@ -35,8 +44,9 @@ from scripts.bench_step import WORKER_FLAGS, profile  # noqa: E402
 from worker.loader import load_model_config  # noqa: E402
 from worker.parallel import init_parallel  # noqa: E402
 from worker.tp_all_reduce import make_symm_mem_all_reduce  # noqa: E402
+from worker.tp_fused import make_row_parallel  # noqa: E402
 
-VARIANTS = ("nccl", "symm_mem")
+VARIANTS = ("nccl", "one-shot", "no-copy", "fused")
 TIMEOUT_S = 530.0
 
 
@@ -74,14 +84,24 @@ def _rank_main(rank: int, args: argparse.Namespace, init_method: str, out: str) 
     fast, why = make_symm_mem_all_reduce(
         parallel.group, parallel.control_group, torch.device(cfg.device), parallel.world_size, "auto"
     )
+    if parallel.is_driver:
+        print_tuning(fast.tuning if fast is not None else [])
+    paths: dict[str, tuple[Any, Any, str]] = {"nccl": (None, None, ""), "one-shot": (fast, None, why)}
+    for variant in ("no-copy", "fused"):
+        if variant in args.variants:
+            rp, rp_why = make_row_parallel(
+                parallel.group, parallel.control_group, torch.device(cfg.device), parallel.world_size, variant
+            )
+            paths[variant] = (fast, rp, why or rp_why)
     element_size = 4 if cfg.resolved_dtype == "float32" else 2
     results: list[dict[str, Any]] = []
     for batch in args.batch:
         for variant in args.variants:
-            if variant == "symm_mem" and fast is None:
-                results.append({"variant": variant, "batch": batch, "skipped": why})
+            one_shot, row_parallel, why_not = paths[variant]
+            if variant != "nccl" and (one_shot is None or (variant != "one-shot" and row_parallel is None)):
+                results.append({"variant": variant, "batch": batch, "skipped": why_not})
                 continue
-            parallel.fast_all_reduce = fast if variant == "symm_mem" else None
+            parallel.fast_all_reduce, parallel.row_parallel = one_shot, row_parallel
             run_args = argparse.Namespace(**{**vars(args), "batch": batch})
             for mode in args.modes:
                 r = profile(
@@ -95,8 +115,23 @@ def _rank_main(rank: int, args: argparse.Namespace, init_method: str, out: str) 
                 print_row(r)
                 results.append(r)
     if parallel.is_driver:
-        Path(out).write_text(json.dumps(results))
+        sizes = fast.tuning if fast is not None else [{"error": why}]
+        Path(out).write_text(json.dumps({"steps": results, "all_reduce_sizes": sizes}))
     parallel.close()
+
+
+def print_tuning(rows: list[dict]) -> None:
+    """The all-reduce time per message size of each kernel (the slowest rank's), and the one taken."""
+    print("| message MiB | NCCL us | one-shot us | two-shot us | taken |")
+    print("|---:|---:|---:|---:|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"tuning failed: {r['error']}")
+            continue
+        cells = [r["bytes"] / (1 << 20), r["nccl_us"], r["one-shot_us"], r["two-shot_us"], r["best"]]
+        print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+    print("| variant | mode | batch | step ms | GPU ms | tok/s | all-reduces | all-reduce us | idle ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
 
 
 def print_row(r: dict) -> None:
@@ -123,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.prefill_len = 0
     args.batch = [int(b) for b in args.batch.split(",") if b]
-    args.variants = [v for v in args.variants.split(",") if v]
+    args.variants = [{"symm_mem": "one-shot"}.get(v, v) for v in args.variants.split(",") if v]
     if bad := set(args.variants) - set(VARIANTS):
         p.error(f"unknown variants {sorted(bad)}; choose from {', '.join(VARIANTS)}")
     args.modes = [m for m in args.modes.split(",") if m]
@@ -131,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         args.modes = [m for m in args.modes if m != "graphs"] or ["eager"]
     if args.device.startswith("cuda") and torch.cuda.device_count() < args.tensor_parallel_size:
         p.error(f"--tensor-parallel-size {args.tensor_parallel_size}: {torch.cuda.device_count()} GPUs")
-    print("| variant | mode | batch | step ms | GPU ms | tok/s | all-reduces | all-reduce us | idle ms |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     from scripts._servers import free_port
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,7 +24,9 @@ class _StandIn:
     """What ParallelContext asks of the one-shot path: fits() and a call that sums in place (here: x2)."""
 
     max_bytes = DEFAULT_MAX_BYTES
+    plan: list[tuple[int, str]] = []  # not tuned: one-shot up to max_bytes
     fits = SymmMemAllReduce.fits
+    method = SymmMemAllReduce.method
 
     def __init__(self) -> None:
         self.calls = 0
@@ -61,6 +63,18 @@ def test_size_one_touches_no_collective(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective at size 1"))
     x = torch.ones(3)
     assert ctx.all_reduce(x) is x and bool((x == 1).all())
+
+
+def test_a_tuned_plan_routes_each_size_to_the_fastest_kernel_measured() -> None:
+    comm = _StandIn()
+    assert comm.method(1 << 20) == "one-shot" and comm.method(DEFAULT_MAX_BYTES + 1) == "nccl"  # untuned
+    comm.plan = [(1 << 20, "one-shot"), (16 << 20, "nccl"), (64 << 20, "two-shot")]
+    assert [comm.method(n) for n in (1, 1 << 20, (1 << 20) + 1, 16 << 20, 32 << 20, 64 << 20)] == [
+        "one-shot", "one-shot", "nccl", "nccl", "two-shot", "two-shot"
+    ]  # fmt: skip
+    assert comm.method((64 << 20) + 1) == "nccl"  # past the two-shot buffer
+    assert comm.fits(torch.empty(16 << 20, dtype=torch.bfloat16))  # 32 MiB: two-shot
+    assert not comm.fits(torch.empty(4 << 20, dtype=torch.bfloat16))  # 8 MiB: NCCL measured faster
 
 
 def test_symm_mem_needs_cuda() -> None:
@@ -100,15 +114,17 @@ def test_the_runner_announces_the_pools_batch_limit(tiny_model_dir: Path) -> Non
     runner.close()
 
 
-def test_tp_step_profile_runs_both_variants_on_two_gloo_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_tp_step_profile_runs_every_variant_on_two_gloo_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "2,3", "--context", "12"]
     argv += ["--steps", "2", "--max-num-batched-tokens", "64", "--json-out", str(out)]
     assert bench_tp_step(argv) == 0
-    rows = json.loads(out.read_text())
-    assert [(r["variant"], r["batch"]) for r in rows] == [
-        ("nccl", 2), ("symm_mem", 2), ("nccl", 3), ("symm_mem", 3)
-    ]  # fmt: skip
-    assert rows[1]["skipped"] == "not on CUDA"
-    for r in (rows[0], rows[2]):
+    result = json.loads(out.read_text())
+    rows = result["steps"]
+    variants = ["nccl", "one-shot", "no-copy", "fused"]
+    assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for b in (2, 3) for v in variants]
+    assert all(r["skipped"] == "not on CUDA" for r in rows if r["variant"] != "nccl")
+    assert result["all_reduce_sizes"] == [{"error": "not on CUDA"}]
+    rows = [r for r in rows if r["variant"] == "nccl"]
+    for r in rows:
         assert r["tensor_parallel_size"] == 2 and r["mode"] == "eager" and r["step_wall_ms"] > 0

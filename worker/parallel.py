@@ -37,6 +37,7 @@ from common.config import WorkerConfig
 from common.messages import Shutdown, encode
 from worker.model_config import ModelConfig
 from worker.tp_all_reduce import make_symm_mem_all_reduce
+from worker.tp_fused import make_row_parallel
 
 KEEPALIVE_S = 60.0  # rank 0 sends an empty message when idle this long, well inside the group's timeout
 GROUP_TIMEOUT = timedelta(minutes=30)  # a collective (or a wait for rank 0's next message) longer fails
@@ -91,6 +92,9 @@ class ParallelContext:
         self.control_group = control_group
         # The one-shot all-reduce for small messages (worker/tp_all_reduce.py), where it runs; else NCCL
         self.fast_all_reduce: Any = None
+        # o_proj's and down_proj's partial sums written into symmetric memory and reduced from there, with
+        # the next norm in the fused mode (worker/tp_fused.py); None: they go through `all_reduce`
+        self.row_parallel: Any = None
         # When a list: (bytes, "symm_mem" | "nccl") of each all-reduce called (the step profile's sizes)
         self.all_reduce_trace: list[tuple[int, str]] | None = None
         self._last_sent = time.monotonic()  # when rank 0 last sent the others a message
@@ -198,6 +202,7 @@ class ParallelContext:
             except RuntimeError:
                 pass  # a rank is gone or stuck: leave all the same
         self.fast_all_reduce = None  # its buffer's peer mappings go before the group they were made in
+        self.row_parallel = None
         gc.collect()
         dist.destroy_process_group()
         self.group = self.control_group = None
@@ -234,6 +239,15 @@ def init_parallel(cfg: WorkerConfig, model_config: ModelConfig) -> tuple[WorkerC
     )
     if why and device.startswith("cuda") and cfg.rank == 0:
         print(f"tensor parallelism: NCCL for every all-reduce ({why})", file=sys.stderr, flush=True)
+    elif ctx.fast_all_reduce is not None and cfg.rank == 0:
+        plan = ", ".join(f"<= {n >> 10} KiB {m}" for n, m in ctx.fast_all_reduce.plan)
+        print(f"tensor parallelism: all-reduce by size (measured): {plan}", file=sys.stderr, flush=True)
+    ctx.row_parallel, why = make_row_parallel(
+        dist.group.WORLD, control, torch.device(device), size, cfg.tp_all_reduce
+    )
+    wanted = cfg.tp_all_reduce in ("no-copy", "fused", "auto")
+    if why and wanted and device.startswith("cuda") and cfg.rank == 0:
+        print(f"tensor parallelism: no fused all-reduce + norm ({why})", file=sys.stderr, flush=True)
     return replace(cfg, device=device), ctx
 
 

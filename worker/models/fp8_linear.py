@@ -223,6 +223,16 @@ def row_parallel(x: torch.Tensor, proj: nn.Module, ctx: ParallelContext) -> torc
     return ctx.all_reduce(proj(x, add_bias=ctx.rank == 0))
 
 
+def row_parallel_partial(x: torch.Tensor, proj: nn.Module, ctx: ParallelContext) -> torch.Tensor:
+    """`row_parallel`, or where worker/tp_fused.py's path takes it (a plain weight, a message that fits its
+    buffer), this rank's partial sum written into symmetric memory and left pending: only `add_norm`
+    (worker/models/layers.py) may consume it, which sums it over the ranks."""
+    rp = ctx.row_parallel
+    if rp is None or isinstance(proj, Fp8Linear) or not rp.takes(x, proj.weight):
+        return row_parallel(x, proj, ctx)
+    return rp.matmul(x, proj.weight, proj.bias if ctx.rank == 0 else None)
+
+
 def prepare_fp8_linears(model: nn.Module, weights: WeightMap) -> None:
     """Before loading: the projections the checkpoint's `ignore` list names become plain ones. A fused
     projection must be ignored whole (its parts share one weight)."""

@@ -20,7 +20,7 @@ from torch import nn
 from kernels import reference_ops
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
-from worker.models.fp8_linear import linear, make_linear, row_parallel
+from worker.models.fp8_linear import linear, make_linear, row_parallel, row_parallel_partial
 from worker.models.interface import KVCache
 
 # rope_inv_freq: re-exported for the callers that import the shared layers from here
@@ -64,6 +64,25 @@ class RMSNorm(nn.Module):
         out, residual = self._norm(x, self.weight, self.eps, residual)
         assert residual is not None
         return out, residual
+
+
+def add_norm(
+    hidden: torch.Tensor,  # [T, H]: the sum to add, or a partial sum that `row_parallel_partial` left pending
+    residual: torch.Tensor,  # [T, H]
+    norm: RMSNorm,
+    ctx: ParallelContext,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm.add(hidden, residual)`, where a pending partial sum is first summed over the ranks: in one kernel
+    with the add and the norm in the fused mode (worker/tp_fused.py), else torch's one-shot all-reduce."""
+    rp = ctx.row_parallel
+    if rp is None or not rp.is_pending(hidden):
+        return norm.add(hidden, residual)
+    if ctx.all_reduce_trace is not None:
+        ctx.all_reduce_trace.append((hidden.numel() * hidden.element_size(), rp.mode))
+    fusable = norm._norm is not gemma_rms_norm and residual.is_contiguous() and residual.dtype == hidden.dtype
+    if rp.fuse_norm and fusable:
+        return rp.reduce_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+    return norm.add(rp.reduce(hidden), residual)
 
 
 def gemma_rms_norm(
@@ -188,6 +207,9 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = make_linear(config.hidden_size, inter, bias, **kw, quant=quant)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:  # [T, H] -> [T, H]
+        """With `partial`, the output may be this rank's pending partial sum (`row_parallel_partial`)."""
         x = self._act_and_mul(linear(x, self.gate_up_proj))
+        if partial:
+            return row_parallel_partial(x, self.down_proj, self.parallel)
         return row_parallel(x, self.down_proj, self.parallel)

@@ -13,8 +13,9 @@ from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
+from worker.models.fp8_linear import row_parallel_partial
 from worker.models.interface import AttentionShape, CausalLM, KVCache, WeightMap
-from worker.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, param
+from worker.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, add_norm, param
 from worker.parallel import ParallelContext, vocab_parallel_embedding, vocab_parallel_logits
 
 LLAMA_WEIGHTS = WeightMap(
@@ -61,6 +62,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = Attention(config, backend, dtype, device, parallel, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, fused)
         self.mlp = mlp if mlp is not None else GatedMLP(config, dtype, device, parallel, fused)
+        self.parallel = parallel
 
     def attention_inputs(
         self,
@@ -73,7 +75,7 @@ class LlamaDecoderLayer(nn.Module):
             residual = hidden
             normed = self.input_layernorm(hidden)
         else:
-            normed, residual = self.input_layernorm.add(hidden, residual)
+            normed, residual = add_norm(hidden, residual, self.input_layernorm, self.parallel)
         return (*self.self_attn.project(positions, normed, rope), residual)
 
     def attention_outputs(
@@ -81,7 +83,12 @@ class LlamaDecoderLayer(nn.Module):
         attended: torch.Tensor,
         residual: torch.Tensor,  # [T, q_size], [T, H]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the layer's output and the residual stream, [T, H] each
-        normed, residual = self.post_attention_layernorm.add(self.self_attn.output(attended), residual)
+        """Under tensor parallelism the output may be a pending partial sum (worker/tp_fused.py), which the
+        next norm (the next layer's first, or the final one) sums over the ranks with its add."""
+        attn = row_parallel_partial(attended, self.self_attn.o_proj, self.parallel)
+        normed, residual = add_norm(attn, residual, self.post_attention_layernorm, self.parallel)
+        if isinstance(self.mlp, GatedMLP):
+            return self.mlp(normed, partial=True), residual
         return self.mlp(normed), residual
 
 
@@ -167,7 +174,7 @@ class LlamaForCausalLM(CausalLM):
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:  # no layers
             return self.norm(hidden)
-        return self.norm.add(hidden, residual)[0]
+        return add_norm(hidden, residual, self.norm, self.parallel)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V], on every rank
         return vocab_parallel_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.parallel)
