@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -176,18 +177,18 @@ def _rank_main(rank: int, checkpoints: dict[str, Path], init_method: str, out_di
 
 def _run_ranks(checkpoints: dict[str, Path], out_dir: Path, device: str = "cpu") -> None:
     """Runs the two ranks (gloo on the CPU; on CUDA, NCCL with one GPU per rank) over every checkpoint."""
-    context = mp.start_processes(
-        _rank_main,
-        args=(checkpoints, f"tcp://127.0.0.1:{free_port()}", out_dir, device),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
+    spawn_ranks(_rank_main, (checkpoints, f"tcp://127.0.0.1:{free_port()}", out_dir, device))
+
+
+def spawn_ranks(rank_main: Callable[..., None], args: tuple, timeout_s: float = TIMEOUT_S) -> None:
+    """`rank_main(rank, *args)` in WORLD_SIZE spawned processes; a rank that fails fails the caller with its
+    traceback, and ranks still alive after `timeout_s` are killed."""
+    context = mp.start_processes(rank_main, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
     try:
-        for _ in range(int(TIMEOUT_S)):
+        for _ in range(int(timeout_s)):
             if context.join(timeout=1):  # raises, with the rank's traceback, if one failed
                 return
-        raise AssertionError(f"the ranks did not finish within {TIMEOUT_S} s")
+        raise AssertionError(f"the ranks did not finish within {timeout_s} s")
     finally:
         for proc in context.processes:
             if proc.is_alive():

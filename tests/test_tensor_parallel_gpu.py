@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 import torch
 
+from scripts._servers import free_port
 from tests.test_tensor_parallel import (
     CHECKPOINTS,
     WORLD_SIZE,
     _run_ranks,
     check_two_ranks_match_one_process,
     checkpoints,  # noqa: F401 (a fixture)
+    spawn_ranks,
 )
 
 pytestmark = [
@@ -129,26 +131,7 @@ _PATHS = ("nccl", "one-shot", "two-shot")
 
 
 def test_one_shot_all_reduce_and_fused_norm_match_nccl_and_pytorch() -> None:
-    import torch.multiprocessing as mp
-
-    from scripts._servers import free_port
-
-    context = mp.start_processes(
-        _symm_rank_main,
-        args=(f"tcp://127.0.0.1:{free_port()}",),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        for _ in range(180):
-            if context.join(timeout=1):  # raises, with the rank's traceback, if one failed
-                return
-        raise AssertionError("the ranks did not finish within 180 s")
-    finally:
-        for proc in context.processes:
-            if proc.is_alive():
-                proc.kill()
+    spawn_ranks(_symm_rank_main, (f"tcp://127.0.0.1:{free_port()}",), 180)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,23 +240,4 @@ def _fused_rank_main(rank: int, init_method: str) -> None:
 
 
 def test_no_copy_and_fused_all_reduce_match_nccl_and_pytorch() -> None:
-    import torch.multiprocessing as mp
-
-    from scripts._servers import free_port
-
-    context = mp.start_processes(
-        _fused_rank_main,
-        args=(f"tcp://127.0.0.1:{free_port()}",),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        for _ in range(180):
-            if context.join(timeout=1):  # raises, with the rank's traceback, if one failed
-                return
-        raise AssertionError("the ranks did not finish within 180 s")
-    finally:
-        for proc in context.processes:
-            if proc.is_alive():
-                proc.kill()
+    spawn_ranks(_fused_rank_main, (f"tcp://127.0.0.1:{free_port()}",), 180)

@@ -165,29 +165,16 @@ def test_two_ranks_with_the_fused_path_match_one_process(
     checkpoints,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    import torch.multiprocessing as mp
-
     from scripts._servers import free_port
-    from tests.test_tensor_parallel import TIMEOUT_S, WORLD_SIZE, check_two_ranks_match_one_process
+    from tests.test_tensor_parallel import (
+        TIMEOUT_S,
+        WORLD_SIZE,
+        check_two_ranks_match_one_process,
+        spawn_ranks,
+    )
 
     chosen = {name: checkpoints[name] for name in names}
-    context = mp.start_processes(
-        _fused_rank_main,
-        args=(chosen, f"tcp://127.0.0.1:{free_port()}", tmp_path, mode),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        for _ in range(int(2 * TIMEOUT_S)):
-            if context.join(timeout=1):
-                break
-        else:
-            raise AssertionError("the ranks did not finish in time")
-    finally:
-        for proc in context.processes:
-            if proc.is_alive():
-                proc.kill()
+    spawn_ranks(_fused_rank_main, (chosen, f"tcp://127.0.0.1:{free_port()}", tmp_path, mode), 2 * TIMEOUT_S)
     for name, model_dir in chosen.items():
         ranks = [torch.load(tmp_path / f"{name}-rank{r}.pt") for r in range(WORLD_SIZE)]
         check_two_ranks_match_one_process(model_dir, ranks, "cpu")

@@ -152,6 +152,14 @@ class SymmMemAllReduce:
         return start.elapsed_time(end) * 1e3 / iters
 
 
+def all_ranks_ok(why: str, control_group: Any) -> bool:
+    """Whether no rank has a reason (`why`, empty where this rank has none) against a path: the ranks take it
+    together or not at all (a collective that some ranks skip would hang the others)."""
+    ok = torch.tensor([0 if why else 1], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=control_group)
+    return bool(ok.item())
+
+
 def make_symm_mem_all_reduce(
     group: Any, control_group: Any, device: torch.device, world_size: int, mode: str, tune: bool = True
 ) -> tuple[SymmMemAllReduce | None, str]:
@@ -160,9 +168,7 @@ def make_symm_mem_all_reduce(
     result is checked once against the exact sum before the model uses it. With `tune`, the sizes each
     kernel takes are then measured (`SymmMemAllReduce.tune`)."""
     why = "--tp-all-reduce nccl" if mode == "nccl" else symm_mem_supported(device, world_size)
-    ok = torch.tensor([0 if why else 1], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=control_group)
-    if not ok.item():
+    if not all_ranks_ok(why, control_group):
         return None, why or "another rank cannot use symmetric memory"
     try:
         comm = SymmMemAllReduce(group, device)
@@ -174,9 +180,7 @@ def make_symm_mem_all_reduce(
         why = "" if good else "the probe's sum came out wrong"
     except Exception as e:  # noqa: BLE001 (an API that this torch lacks, the rendezvous, the kernel)
         comm, why = None, f"{type(e).__name__}: {e}"
-    ok = torch.tensor([0 if why else 1], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=control_group)
-    if not ok.item():
+    if not all_ranks_ok(why, control_group):
         return None, why or "the one-shot all-reduce failed on another rank"
     assert comm is not None
     comm.num_calls = 0

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker.tp_all_reduce import DEFAULT_MAX_BYTES, symm_mem_supported
+from worker.tp_all_reduce import DEFAULT_MAX_BYTES, all_ranks_ok, symm_mem_supported
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -152,9 +152,7 @@ def make_row_parallel(
         why = f"--tp-all-reduce {mode}"
     else:
         why = symm_mem_supported(device, world_size)
-    ok = torch.tensor([0 if why else 1], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=control_group)
-    if not ok.item():
+    if not all_ranks_ok(why, control_group):
         return None, why or "another rank cannot use symmetric memory"
     comm: SymmMemRowParallel | None = None
     try:
@@ -162,9 +160,7 @@ def make_row_parallel(
         why = _probe(comm, device)
     except Exception as e:  # noqa: BLE001 (an API this torch lacks, the Triton compile, the rendezvous)
         why = f"{type(e).__name__}: {e}"
-    ok = torch.tensor([0 if why else 1], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=control_group)
-    if not ok.item():
+    if not all_ranks_ok(why, control_group):
         return None, why or "the no-copy/fused all-reduce failed on another rank"
     assert comm is not None
     comm.num_calls = 0
