@@ -23,13 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import reference_fp8
 from worker.models.interface import WeightMap
 from worker.models.quantization import QuantConfig
 from worker.parallel import ParallelContext, row_parallel_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-_MIN_SCALE = 1e-12  # an all-zero row (or token) keeps a finite scale
+_MIN_SCALE = reference_fp8.MIN_SCALE  # an all-zero row keeps a finite scale
 
 
 def fp8_matmul_supported(device: torch.device, dtype: torch.dtype, rows: int, cols: int) -> bool:
@@ -48,6 +49,16 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [R, 
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [M, K] -> [M, K], [M, 1]
+    """Per-token e4m3 activations with their float32 scales: one Triton launch on CUDA
+    (kernels/fp8_quant.py), the PyTorch reference elsewhere (the same bits)."""
+    if x.is_cuda:
+        from kernels import fp8_quant  # on demand: a CPU worker needs no Triton
+
+        return fp8_quant.quantize_per_token(x)
+    return reference_fp8.quantize_per_token(x)
+
+
 def scaled_mm_per_token(
     x: torch.Tensor,  # [..., K] bf16
     weight: torch.Tensor,  # [N, K] e4m3, row-major (its transpose is the column-major operand)
@@ -56,8 +67,7 @@ def scaled_mm_per_token(
 ) -> torch.Tensor:  # [..., N] in x's dtype
     """x @ (weight * weight_scale).T with x quantized to e4m3 per token (row) on the fly."""
     x2 = x.reshape(-1, x.shape[-1])
-    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)  # [M, 1]
-    xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    xq, x_scale = quantize_activation(x2)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
     if bias is not None:
         out = out + bias
