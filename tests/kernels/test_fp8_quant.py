@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fp8_quant, reference_fp8
+from kernels import fp8_quant, fused_ops, reference_fp8
 from tests.kernels.conftest import gpu
 
 
@@ -96,3 +96,86 @@ def test_quantize_per_token_captures_in_a_cuda_graph() -> None:
     graph.replay()
     want_q, want_scale = reference_fp8.quantize_per_token(x)
     assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The FP8 forms of the fused RMSNorm and SiLU-and-mul (kernels/fused_ops.py): their bf16 kernels' result,
+# quantized by the kernel above, to the bit.
+
+
+def _assert_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("num_tokens", "hidden"), [(1, 64), (7, 80), (3, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_is_the_quantized_rms_norm(
+    device: torch.device, dtype: torch.dtype, num_tokens: int, hidden: int, with_residual: bool
+) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(num_tokens, hidden, generator=gen) * 4).to(dtype).to(device)
+    x[0, : hidden // 2] = 0  # a row whose half is zero; the norm of a zero row is zero
+    if num_tokens > 2:
+        x[2] = 0
+    weight = torch.randn(hidden, generator=gen).to(dtype).to(device)
+    residual = (
+        (torch.randn(num_tokens, hidden, generator=gen)).to(dtype).to(device) if with_residual else None
+    )
+    want_res = residual.clone() if residual is not None else None
+    want_out, want_res = fused_ops.rms_norm(x, weight, 1e-6, want_res)
+    q, scale, res = fused_ops.rms_norm_fp8(x, weight, 1e-6, residual)
+    _assert_bits((q, scale), fp8_quant.quantize_per_token(want_out))
+    if with_residual:
+        assert res is residual and torch.equal(res, want_res)
+    else:
+        assert res is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_tokens", "inter"), [(1, 16), (5, 344), (2, 3000)])
+def test_silu_and_mul_fp8_is_the_quantized_silu_and_mul(
+    device: torch.device, dtype: torch.dtype, num_tokens: int, inter: int
+) -> None:
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(num_tokens, 2 * inter, generator=gen) * 3).to(dtype).to(device)
+    gate_up[0, inter:] = 0  # up all zero: a zero row
+    want = fp8_quant.quantize_per_token(fused_ops.silu_and_mul(gate_up))
+    _assert_bits(fused_ops.silu_and_mul_fp8(gate_up), want)
+
+
+@pytest.mark.parametrize("max_one_pass", [64, 256])
+def test_silu_and_mul_fp8_computes_long_rows_twice_with_the_same_result(
+    device: torch.device, max_one_pass: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(max_one_pass)
+    gate_up = (torch.randn(4, 2 * 600, generator=gen) * 3).to(torch.bfloat16).to(device)
+    want = fp8_quant.quantize_per_token(fused_ops.silu_and_mul(gate_up))
+    monkeypatch.setattr(fused_ops, "MAX_ONE_PASS_SILU", max_one_pass)
+    _assert_bits(fused_ops.silu_and_mul_fp8(gate_up), want)
+
+
+def test_fp8_forms_take_no_tokens(device: torch.device) -> None:
+    q, scale = fused_ops.silu_and_mul_fp8(torch.zeros(0, 64, dtype=torch.bfloat16, device=device))
+    assert q.shape == (0, 32) and scale.shape == (0, 1)
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, device=device)
+    q, scale, _ = fused_ops.rms_norm_fp8(x, torch.ones(64, dtype=torch.bfloat16, device=device), 1e-6)
+    assert q.shape == (0, 64) and scale.shape == (0, 1)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 256, 4096])
+def test_fp8_forms_at_the_8b_shape(num_tokens: int) -> None:
+    """Hidden 4096, intermediate 14336 on the GPU: the fused forms' bits are the two-kernel chains'."""
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(4096, generator=gen, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(num_tokens, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    want_out, want_res = fused_ops.rms_norm(x, weight, 1e-5, residual.clone())
+    q, scale, res = fused_ops.rms_norm_fp8(x, weight, 1e-5, residual)
+    _assert_bits((q, scale), fp8_quant.quantize_per_token(want_out))
+    assert torch.equal(res, want_res)
+    gate_up = (torch.randn(num_tokens, 2 * 14336, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+    want = fp8_quant.quantize_per_token(fused_ops.silu_and_mul(gate_up))
+    _assert_bits(fused_ops.silu_and_mul_fp8(gate_up), want)
