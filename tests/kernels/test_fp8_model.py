@@ -58,37 +58,23 @@ def _fp8_weight(rows: int, cols: int, device: str, seed: int) -> tuple[torch.Ten
 
 
 @needs_cpu_fp8
-def test_the_fp8_product_is_unchanged_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_fp8_product_is_unchanged_bit_for_bit(monkeypatch: pytest.MonkeyPatch, with_bias: bool) -> None:
     """The Triton quantization (as CUDA runs it), and an activation that comes quantized from the fused
-    RMSNorm, give the old product's bits ([B, T, K] input)."""
+    RMSNorm, give the old product's bits: [B, T, K] input, bias or not."""
     monkeypatch.setattr(fp8_linear, "quantize_activation", fp8_quant.quantize_per_token)
     weight, scale = _fp8_weight(96, 160, "cpu", seed=1)
+    bias = torch.randn(96).to(torch.bfloat16) if with_bias else None
     x = (torch.randn(2, 5, 160) * 3).to(torch.bfloat16)
     x[1, 2] = 0  # a zero token
-    assert torch.equal(scaled_mm_per_token(x, weight, scale, None), _before(x, weight, scale, None))
+    want = _before(x, weight, scale, bias)
+    assert torch.equal(scaled_mm_per_token(x, weight, scale, bias), want)
 
     norm_weight = torch.randn(160).to(torch.bfloat16)
     normed, _ = fused_ops.rms_norm(x.reshape(10, 160), norm_weight, 1e-5)
     q, x_scale, _ = fused_ops.rms_norm_fp8(x.reshape(10, 160), norm_weight, 1e-5)
-    got = scaled_mm_per_token(Fp8Activation(q, x_scale), weight, scale, None, torch.bfloat16)
-    assert torch.equal(got, _before(normed, weight, scale, None))
-
-
-@needs_cpu_fp8
-def test_the_bias_is_added_before_the_one_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bias goes into the product's epilogue: the float32 sum rounded once to bf16 (the old path
-    rounded the product, then the sum): within half a bf16 unit of the float32 result, and closer to it
-    than the old path overall."""
-    monkeypatch.setattr(fp8_linear, "quantize_activation", fp8_quant.quantize_per_token)
-    weight, scale = _fp8_weight(96, 160, "cpu", seed=2)
-    x = (torch.randn(7, 160) * 3).to(torch.bfloat16)
-    bias = (torch.randn(96) * 4).to(torch.bfloat16)
-    xq, x_scale = fp8_quant.quantize_per_token(x)
-    exact = (xq.float() * x_scale) @ (weight.float() * scale.reshape(-1, 1)).T + bias.float()
-    got = scaled_mm_per_token(x, weight, scale, bias).float()
-    assert ((got - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
-    before = _before(x, weight, scale, bias).float()
-    assert (got - exact).norm() < (before - exact).norm()
+    got = scaled_mm_per_token(Fp8Activation(q, x_scale), weight, scale, bias, torch.bfloat16)
+    assert torch.equal(got, _before(normed, weight, scale, bias))
 
 
 @pytest.fixture(scope="module")

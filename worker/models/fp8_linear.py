@@ -80,8 +80,8 @@ def scaled_mm_per_token(
     bias: torch.Tensor | None,  # [N]
     out_dtype: torch.dtype | None = None,  # None: x's dtype (a bf16 x)
 ) -> torch.Tensor:  # [..., N]
-    """x @ (weight * weight_scale).T + bias with x quantized to e4m3 per token (row) on the fly, unless it
-    comes quantized. The bias is added in the product's float32 epilogue (one rounding, no extra kernel)."""
+    """x @ (weight * weight_scale).T with x quantized to e4m3 per token (row) on the fly, unless it comes
+    quantized."""
     if isinstance(x, Fp8Activation):
         xq, x_scale = x
         lead = x.data.shape[:-1]
@@ -89,9 +89,9 @@ def scaled_mm_per_token(
     else:
         xq, x_scale = quantize_activation(x.reshape(-1, x.shape[-1]))
         lead, out_dtype = x.shape[:-1], out_dtype or x.dtype
-    out = torch._scaled_mm(
-        xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, bias=bias, out_dtype=out_dtype
-    )
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=out_dtype)
+    if bias is not None:
+        out = out + bias
     return out.reshape(*lead, weight.shape[0])
 
 
