@@ -23,7 +23,11 @@ graphs are traced one by one like eager ones.
 With `--quantizations none,fp8` every mode runs once per weight format on the same checkpoint (`fp8`: the
 worker's `--quantization fp8`, FP8 weights quantized at load; `none`: the checkpoint's own dtype), and a last
 table gives FP8's step time and GPU time over the unquantized one's, mode by mode. With `--load-format dummy`
-no checkpoint weights are read (a config.json is enough: the 8B shape needs no download).
+no checkpoint weights are read (a config.json is enough: the 8B shape needs no download):
+
+    python scripts/make_model.py --preset llama-3-8b --no-weights --out /tmp/m8b
+    python scripts/bench_step.py --model /tmp/m8b --load-format dummy --quantizations none,fp8 \
+        --modes graphs --batch 256 --context 512 --steps 20 --kernels 5
 """
 
 from __future__ import annotations
