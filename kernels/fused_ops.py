@@ -1,5 +1,7 @@
 """Triton kernels for the model's elementwise chains: RMSNorm (with the residual add before it), RoPE and
-SiLU-and-mul, each one launch where PyTorch runs 2-9 kernels.
+SiLU-and-mul, each one launch where PyTorch runs 2-9 kernels. RMSNorm and SiLU-and-mul also come in an FP8
+form for a projection with FP8 products (worker/models/fp8_linear.py): their result quantized per token to
+e4m3 with its scale in the same launch, the bits of kernels/fp8_quant.py on their bf16 result.
 
 Each rounds where the PyTorch ops in worker/models/layers.py round (every op's result goes back to the
 model dtype, RMSNorm's statistics stay in float32), so the results match them to the last bit but for
@@ -16,6 +18,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8_quant import quantize_e4m3, row_scale
+from kernels.reference import FP8_DTYPE
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
@@ -44,6 +49,7 @@ def _rms_norm_kernel(
     x_ptr,  # [R, N]
     residual_ptr,  # [R, N], read and overwritten with x + residual (HAS_RESIDUAL)
     weight_ptr,  # [N]
+    scale_ptr,  # [R] float32, each row's e4m3 scale (FP8_OUT)
     eps,
     N,
     stride_o,
@@ -51,6 +57,7 @@ def _rms_norm_kernel(
     stride_r,
     BLOCK: tl.constexpr,  # next power of 2 of N
     HAS_RESIDUAL: tl.constexpr,
+    FP8_OUT: tl.constexpr,  # out is e4m3: the row (in x's dtype) quantized per token
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -63,7 +70,11 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     normed = x32 * (1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps))
     w = tl.load(weight_ptr + offs, mask=ok, other=0.0)
-    y = _round(w.to(tl.float32) * _round(normed, x_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
+    y = _round(w.to(tl.float32) * _round(normed, x_ptr.dtype.element_ty), x_ptr.dtype.element_ty)
+    if FP8_OUT:
+        scale = row_scale(tl.max(tl.abs(y), 0))
+        y = quantize_e4m3(y, scale)
+        tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -105,6 +116,16 @@ def _rope_kernel(
 
 
 @triton.jit
+def _silu_and_mul_chunk(gate_up_row, offs, ok, inter, OUT_DTYPE: tl.constexpr):
+    """SiLU(gate) * up at `offs` of one token's [2I] row, rounded as the PyTorch ops round, in float32."""
+    g = tl.load(gate_up_row + offs, mask=ok, other=0.0)
+    u = tl.load(gate_up_row + inter + offs, mask=ok, other=0.0)
+    g32 = g.to(tl.float32)
+    act = _round(g32 / (1.0 + tl.exp(-g32)), g.dtype)  # silu, rounded as F.silu's result is
+    return _round(act * u.to(tl.float32), OUT_DTYPE)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     out_ptr,  # [T, I]
     gate_up_ptr,  # [T, 2I]: gate, then up
@@ -116,12 +137,42 @@ def _silu_and_mul_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
-    g = tl.load(gate_up_ptr + t * stride_g + offs, mask=ok, other=0.0)
-    u = tl.load(gate_up_ptr + t * stride_g + inter + offs, mask=ok, other=0.0)
-    g32 = g.to(tl.float32)
-    act = _round(g32 / (1.0 + tl.exp(-g32)), g.dtype)  # silu, rounded as F.silu's result is
-    out = _round(act * u.to(tl.float32), out_ptr.dtype.element_ty)
+    out = _silu_and_mul_chunk(gate_up_ptr + t * stride_g, offs, ok, inter, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    out_ptr,  # [T, I] float8 e4m3
+    scale_ptr,  # [T] float32
+    gate_up_ptr,  # [T, 2I]: gate, then up
+    inter,
+    stride_o,
+    stride_g,
+    BLOCK: tl.constexpr,  # a power of 2: the whole row (ONE_PASS) or the chunk each loop step takes
+    ONE_PASS: tl.constexpr,  # inter <= BLOCK: the row stays in registers; else it is computed twice
+):
+    t = tl.program_id(0).to(tl.int64)
+    row = gate_up_ptr + t * stride_g
+    out_row = out_ptr + t * stride_o
+    offs = tl.arange(0, BLOCK)
+    dt = gate_up_ptr.dtype.element_ty
+    if ONE_PASS:
+        ok = offs < inter
+        y = _silu_and_mul_chunk(row, offs, ok, inter, dt)
+        scale = row_scale(tl.max(tl.abs(y), 0))
+        tl.store(out_row + offs, quantize_e4m3(y, scale).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        absmax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, inter, BLOCK):
+            y = _silu_and_mul_chunk(row, start + offs, start + offs < inter, inter, dt)
+            absmax = tl.maximum(absmax, tl.abs(y))
+        scale = row_scale(tl.max(absmax, 0))
+        for start in range(0, inter, BLOCK):
+            ok = start + offs < inter
+            y = _silu_and_mul_chunk(row, start + offs, ok, inter, dt)
+            tl.store(out_row + start + offs, quantize_e4m3(y, scale).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + t, scale)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -141,13 +192,45 @@ def rms_norm(
     if residual is not None:
         assert residual.shape == x.shape and residual.is_contiguous()
         res = residual.view(-1, n)
+    _launch_rms_norm(out, None, rows, res, weight, eps, residual is not None)
+    return out.view(x.shape), residual
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, N]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # e4m3 [T, N], scale [T, 1], residual
+    """`rms_norm`'s result quantized per token (`fp8_quant.quantize_per_token` of it, to the bit) in the
+    same launch: what an FP8 projection takes. The residual is updated as `rms_norm` updates it."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.shape == (x.shape[1],)
+    out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    res = x
+    if residual is not None:
+        assert residual.shape == x.shape and residual.is_contiguous()
+        res = residual
+    _launch_rms_norm(out, scale, x, res, weight, eps, residual is not None)
+    return out, scale, residual
+
+
+def _launch_rms_norm(
+    out: torch.Tensor,
+    scale: torch.Tensor | None,
+    rows: torch.Tensor,
+    res: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    has_residual: bool,
+) -> None:
+    n = rows.shape[1]
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            out, rows, res, weight, eps, n, out.stride(0), rows.stride(0), res.stride(0),
-            BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
-            num_warps=min(8, max(1, triton.next_power_of_2(n) // 256)),
+            out, rows, res, weight, out if scale is None else scale, eps, n, out.stride(0), rows.stride(0),
+            res.stride(0), BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=has_residual,
+            FP8_OUT=scale is not None, num_warps=min(8, max(1, triton.next_power_of_2(n) // 256)),
         )  # fmt: skip
-    return out.view(x.shape), residual
 
 
 def _rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -187,3 +270,23 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
             out, gate_up, inter, out.stride(0), gate_up.stride(0), BLOCK=block, num_warps=4
         )
     return out
+
+
+MAX_ONE_PASS_SILU = 16384  # longer rows (per rank) are computed twice: once for the maximum, once to store
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, 2I] -> [T, I], [T, 1]
+    """`silu_and_mul`'s result quantized per token (`fp8_quant.quantize_per_token` of it, to the bit) in the
+    same launch, one program per token: what an FP8 down projection takes."""
+    num_tokens, two_inter = gate_up.shape
+    inter = two_inter // 2
+    assert gate_up.stride(-1) == 1
+    out = torch.empty(num_tokens, inter, dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=gate_up.device)
+    if num_tokens:
+        block = min(triton.next_power_of_2(inter), MAX_ONE_PASS_SILU)
+        _silu_and_mul_fp8_kernel[(num_tokens,)](
+            out, scale, gate_up, inter, out.stride(0), gate_up.stride(0),
+            BLOCK=block, ONE_PASS=inter <= block, num_warps=min(16, max(1, block // 512)),
+        )  # fmt: skip
+    return out, scale

@@ -2,7 +2,7 @@
 
     python scripts/bench_step.py --model /tmp/m1b --device cuda [--batch 256] [--context 512] [--steps 64]
         [--modes graphs,eager] [--prefill-len N] [--no-fused-ops] [--no-piecewise-graphs] [--kernels N]
-        [--json-out FILE]
+        [--quantizations none,fp8] [--json-out FILE]
 
 `--batch` requests with `--context`-token random prompts are prefilled, then `--steps` decode steps are timed
 (median). Each step is what the engine loop does, without the sockets: `schedule()`, the plan's msgpack
@@ -19,6 +19,15 @@ With `--kernels N` (CUDA), N more steps of each mode run under torch.profiler an
 in each kernel is reported, largest first, grouped by what the kernel does (attention, matrix products, the
 fused elementwise kernels, the sampler, copies): where a step's GPU time goes. Kernels replayed from CUDA
 graphs are traced one by one like eager ones.
+
+With `--quantizations none,fp8` every mode runs once per weight format on the same checkpoint (`fp8`: the
+worker's `--quantization fp8`, FP8 weights quantized at load; `none`: the checkpoint's own dtype), and a last
+table gives FP8's step time and GPU time over the unquantized one's, mode by mode. With `--load-format dummy`
+no checkpoint weights are read (a config.json is enough: the 8B shape needs no download):
+
+    python scripts/make_model.py --preset llama-3-8b --no-weights --out /tmp/m8b
+    python scripts/bench_step.py --model /tmp/m8b --load-format dummy --quantizations none,fp8 \
+        --modes graphs --batch 256 --context 512 --steps 20 --kernels 5
 """
 
 from __future__ import annotations
@@ -56,7 +65,8 @@ _KERNEL_GROUPS = (
     ("all-gather", ("allgather", "all_gather")),
     ("attention", ("attention", "combine_splits")),
     ("kv write", ("write_kv",)),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk")),
+    ("fp8 quant", ("quantize_rows",)),  # per-token activation quantization (kernels/fp8_quant.py)
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk", "f8f8bf16", "scaled_mm")),
     ("rmsnorm/rope/silu", ("rms_norm", "rope", "silu")),
     ("copy", ("memcpy", "memset", "copy")),
     ("sampler and other", ("",)),
@@ -193,6 +203,7 @@ def profile(args: argparse.Namespace, mode: str, parallel: Any = None, **overrid
         parallel.forward_to_followers(encode(Shutdown("profile done")))
     result = {
         "mode": mode,
+        "quantization": cfg.quantization or "none",
         "fused_ops": cfg.resolved_fused_ops,
         "piecewise_graphs": runner.mixed_graphs is not None,
         "batch": args.batch,
@@ -224,6 +235,30 @@ def print_kernels(r: dict, top: int = 12) -> None:
     print(flush=True)
 
 
+def print_ratios(results: list[dict]) -> None:
+    """Each weight format's step time, GPU time and kernel groups over the first format's, mode by mode."""
+    base_q = results[0]["quantization"]
+    base = {r["mode"]: r for r in results if r["quantization"] == base_q}
+    print(f"\n| mode | weights | step time vs {base_q} | GPU time vs {base_q} | tok/s vs {base_q} |")
+    print("|---|---|---:|---:|---:|")
+    for r in results:
+        b = base[r["mode"]]
+        if r is b:
+            continue
+        gpu = f"{r['gpu_ms'] / b['gpu_ms']:.3f}" if b["gpu_ms"] else "-"
+        print(
+            f"| {r['mode']} | {r['quantization']} | {r['step_wall_ms'] / b['step_wall_ms']:.3f} | {gpu} | "
+            f"{r['decode_tok_s'] / b['decode_tok_s']:.3f} |"
+        )
+        if r["kernels"] and b["kernels"]:
+            groups = dict.fromkeys([*b["kernels"]["groups"], *r["kernels"]["groups"]])
+            print(f"\n| group (mode {r['mode']}) | {base_q} us | {r['quantization']} us |\n|---|---:|---:|")
+            for g in groups:
+                mine, theirs = r["kernels"]["groups"].get(g, 0.0), b["kernels"]["groups"].get(g, 0.0)
+                print(f"| {g} | {theirs:.0f} | {mine:.0f} |")
+    print(flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_flags(p, WORKER_FLAGS, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -238,29 +273,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kernels", type=int, default=0, help="profile N more steps and report GPU time per kernel (CUDA)"
     )
+    p.add_argument(
+        "--quantizations",
+        default="none",
+        help="weight formats, comma-separated: none (the checkpoint's dtype), fp8 (quantized at load)",
+    )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
+    quantizations = [q for q in args.quantizations.split(",") if q]
+    if not quantizations or set(quantizations) - {"none", "fp8"}:
+        p.error(f"--quantizations takes none and fp8, comma-separated, not {args.quantizations!r}")
     modes = [m for m in args.modes.split(",") if m]
     if args.device == "cpu":
         modes = [m for m in modes if m != "graphs"] or ["eager"]
     results = []
-    columns = ["mode", "batch", "context", "prefill", "step ms", "GPU ms", "scheduler ms", "worker host ms"]
+    columns = ["mode", "weights", "batch", "context", "prefill", "step ms", "GPU ms", "scheduler ms"]
+    columns += ["worker host ms"]
     print("| " + " | ".join([*columns, "GPU busy", "tok/s"]) + " |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for mode in modes:
-        r = profile(args, mode)
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for quantization, mode in itertools.product(quantizations, modes):
+        r = profile(args, mode, quantization="" if quantization == "none" else quantization)
         assert r is not None
         results.append(r)
         busy = f"{r['gpu_busy']:.0%}" if r["gpu_busy"] is not None else "-"
         print(
-            f"| {mode} | {r['batch']} | {r['context']} | {r['prefill_len']} | {r['step_wall_ms']:.2f} | "
-            f"{r['gpu_ms']:.2f} | "
+            f"| {mode} | {r['quantization']} | {r['batch']} | {r['context']} | {r['prefill_len']} | "
+            f"{r['step_wall_ms']:.2f} | {r['gpu_ms']:.2f} | "
             f"{r['scheduler_ms']:.2f} | {r['worker_host_ms']:.2f} | {busy} | {r['decode_tok_s']:,} |",
             flush=True,
         )
         if r["kernels"]:
             print_kernels(r)
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if len(quantizations) > 1:
+        print_ratios(results)
     write_json(args.json_out, results)
     return 0
 

@@ -26,7 +26,7 @@ def test_bench_step_times_decode_or_mixed_steps(
     assert row["step_wall_ms"] > 0 and row["scheduler_ms"] > 0
     assert row["gpu_ms"] == 0 and row["gpu_busy"] is None  # no CUDA events on the CPU
     table = capsys.readouterr().out
-    assert f"| eager | 3 | 20 | {prefill_len} |" in table
+    assert f"| eager | none | 3 | 20 | {prefill_len} |" in table
 
 
 def test_kernels_are_grouped_by_what_they_do() -> None:
@@ -50,3 +50,26 @@ def test_kernel_profile_needs_cuda(tiny_model_dir: Path, tmp_path: Path) -> None
     (row,) = json.loads(out.read_text())
     assert row["kernels"] is None  # nothing to trace on the CPU; the timings are still there
     assert row["step_wall_ms"] > 0
+
+
+def test_bench_step_compares_fp8_weights_with_the_checkpoint_dtype(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "step.json"
+    argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "2", "--context", "8"]
+    argv += ["--steps", "2", "--quantizations", "none,fp8", "--load-format", "dummy"]
+    assert main([*argv, "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["quantization"]) for r in rows] == [("eager", "none"), ("eager", "fp8")]
+    table = capsys.readouterr().out
+    assert "| eager | fp8 | 2 | 8 | 0 |" in table and "step time vs none" in table
+
+
+def test_bench_step_refuses_unknown_weight_formats(tiny_model_dir: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_model_dir), "--device", "cpu", "--quantizations", "none,awq"])
+
+
+def test_fp8_kernels_are_grouped_apart_from_the_other_products() -> None:
+    assert kernel_group("_quantize_rows_kernel") == "fp8 quant"
+    assert kernel_group("void cutlass::device_kernel<f8f8bf16_rowwise_sm90>") == "matmul"

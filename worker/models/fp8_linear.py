@@ -18,18 +18,20 @@ product is the plain matmul, so results there match the dequantized checkpoint's
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import reference_fp8
 from worker.models.interface import WeightMap
 from worker.models.quantization import QuantConfig
 from worker.parallel import ParallelContext, row_parallel_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-_MIN_SCALE = 1e-12  # an all-zero row (or token) keeps a finite scale
+_MIN_SCALE = reference_fp8.MIN_SCALE  # an all-zero row keeps a finite scale
 
 
 def fp8_matmul_supported(device: torch.device, dtype: torch.dtype, rows: int, cols: int) -> bool:
@@ -48,20 +50,49 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [R, 
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+class Fp8Activation(NamedTuple):
+    """An activation already quantized per token for an FP8 projection, by the kernel that computed it (the
+    fused RMSNorm or SiLU-and-mul of worker/models/layers.py): the bits `quantize_activation` would give."""
+
+    data: torch.Tensor  # [T, K] e4m3
+    scale: torch.Tensor  # [T, 1] float32
+
+
+def runs_fp8(proj: nn.Module) -> bool:
+    """Whether `proj` runs FP8 products (so it takes an Fp8Activation)."""
+    return isinstance(proj, Fp8Linear) and proj.fp8_matmul
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [M, K] -> [M, K], [M, 1]
+    """Per-token e4m3 activations with their float32 scales: one Triton launch on CUDA
+    (kernels/fp8_quant.py), the PyTorch reference elsewhere (the same bits)."""
+    if x.is_cuda:
+        from kernels import fp8_quant  # on demand: a CPU worker needs no Triton
+
+        return fp8_quant.quantize_per_token(x)
+    return reference_fp8.quantize_per_token(x)
+
+
 def scaled_mm_per_token(
-    x: torch.Tensor,  # [..., K] bf16
+    x: torch.Tensor | Fp8Activation,  # [..., K] bf16, or [T, K] already quantized
     weight: torch.Tensor,  # [N, K] e4m3, row-major (its transpose is the column-major operand)
     weight_scale: torch.Tensor,  # [1, N] float32
     bias: torch.Tensor | None,  # [N]
-) -> torch.Tensor:  # [..., N] in x's dtype
-    """x @ (weight * weight_scale).T with x quantized to e4m3 per token (row) on the fly."""
-    x2 = x.reshape(-1, x.shape[-1])
-    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)  # [M, 1]
-    xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
+    out_dtype: torch.dtype | None = None,  # None: x's dtype (a bf16 x)
+) -> torch.Tensor:  # [..., N]
+    """x @ (weight * weight_scale).T with x quantized to e4m3 per token (row) on the fly, unless it comes
+    quantized."""
+    if isinstance(x, Fp8Activation):
+        xq, x_scale = x
+        lead = x.data.shape[:-1]
+        assert out_dtype is not None
+    else:
+        xq, x_scale = quantize_activation(x.reshape(-1, x.shape[-1]))
+        lead, out_dtype = x.shape[:-1], out_dtype or x.dtype
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=out_dtype)
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.reshape(*lead, weight.shape[0])
 
 
 class Fp8Linear(nn.Module):
@@ -181,10 +212,11 @@ class Fp8Linear(nn.Module):
             return quantize_rows(out)
         return out, torch.ones(out.shape[0], device=out.device)
 
-    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:  # [T, cols] -> [T, rows]
+    def forward(self, x: torch.Tensor | Fp8Activation, add_bias: bool = True) -> torch.Tensor:  # [T, rows]
         bias = self.bias if add_bias else None
         if self.fp8_matmul:
-            return scaled_mm_per_token(x, self.weight, self.weight_scale, bias)
+            return scaled_mm_per_token(x, self.weight, self.weight_scale, bias, self.dtype)
+        assert not isinstance(x, Fp8Activation), "an FP8 activation for a projection without FP8 products"
         return F.linear(x, self.weight, bias)
 
 
@@ -207,14 +239,14 @@ def make_linear(
     return proj
 
 
-def linear(x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+def linear(x: torch.Tensor | Fp8Activation, proj: nn.Module) -> torch.Tensor:
     """x @ proj.weight.T + proj.bias, in FP8 where `proj` runs so."""
     if isinstance(proj, Fp8Linear):
         return proj(x)
     return F.linear(x, proj.weight, proj.bias)
 
 
-def row_parallel(x: torch.Tensor, proj: nn.Module, ctx: ParallelContext) -> torch.Tensor:
+def row_parallel(x: torch.Tensor | Fp8Activation, proj: nn.Module, ctx: ParallelContext) -> torch.Tensor:
     """worker/parallel.py `row_parallel_linear` for a plain or FP8 projection."""
     if not isinstance(proj, Fp8Linear):
         return row_parallel_linear(x, proj.weight, proj.bias, ctx)
@@ -223,7 +255,9 @@ def row_parallel(x: torch.Tensor, proj: nn.Module, ctx: ParallelContext) -> torc
     return ctx.all_reduce(proj(x, add_bias=ctx.rank == 0))
 
 
-def row_parallel_partial(x: torch.Tensor, proj: nn.Module, ctx: ParallelContext) -> torch.Tensor:
+def row_parallel_partial(
+    x: torch.Tensor | Fp8Activation, proj: nn.Module, ctx: ParallelContext
+) -> torch.Tensor:
     """`row_parallel`, or where worker/tp_fused.py's path takes it (a plain weight, a message that fits its
     buffer), this rank's partial sum written into symmetric memory and left pending: only `add_norm`
     (worker/models/layers.py) may consume it, which sums it over the ranks."""

@@ -20,12 +20,24 @@ from torch import nn
 from kernels import reference_ops
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
-from worker.models.fp8_linear import linear, make_linear, row_parallel, row_parallel_partial
+from worker.models.fp8_linear import (
+    Fp8Activation,
+    linear,
+    make_linear,
+    row_parallel,
+    row_parallel_partial,
+    runs_fp8,
+)
 from worker.models.interface import KVCache
 
 # rope_inv_freq: re-exported for the callers that import the shared layers from here
 from worker.models.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401
 from worker.parallel import ParallelContext
+
+# With fused ops, the RMSNorm before a projection with FP8 products and the SiLU-and-mul before an FP8 down
+# projection write e4m3 and per-token scales instead of bf16 (kernels/fused_ops.py, bit-identical to
+# quantizing their bf16 result): one pass over the activation fewer. Tests switch it off to compare.
+FP8_EPILOGUES = True
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -50,17 +62,27 @@ class RMSNorm(nn.Module):
         self.weight = param(size, dtype=dtype, device=device)
         self.eps = eps
         self.unit_offset = unit_offset  # the identity weight is 0, else 1 (worker/dummy_weights.py)
+        self.fp8_fusable = fused and not unit_offset  # can write e4m3 for an FP8 projection (FP8_EPILOGUES)
         if unit_offset:  # no fused kernel for it: the PyTorch ops, also with --fused-ops
             self._norm = gemma_rms_norm
         else:
             self._norm = _fused_ops().rms_norm if fused else reference_ops.rms_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+    def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor | Fp8Activation:  # [..., H]
+        """With `fp8` (for an FP8 projection of a [T, H] `x`), quantized per token where it can be fused."""
+        if fp8 and self.fp8_fusable and FP8_EPILOGUES:
+            return Fp8Activation(*_fused_ops().rms_norm_fp8(x, self.weight, self.eps)[:2])
         return self._norm(x, self.weight, self.eps)[0]
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor, fp8: bool = False
+    ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
         """The norm of x + residual, and x + residual (the new residual; the fused kernel writes it into
-        `residual` in place)."""
+        `residual` in place). `fp8`: as in `forward`."""
+        if fp8 and self.fp8_fusable and FP8_EPILOGUES:
+            q, scale, residual = _fused_ops().rms_norm_fp8(x, self.weight, self.eps, residual)
+            assert residual is not None
+            return Fp8Activation(q, scale), residual
         out, residual = self._norm(x, self.weight, self.eps, residual)
         assert residual is not None
         return out, residual
@@ -71,18 +93,19 @@ def add_norm(
     residual: torch.Tensor,  # [T, H]
     norm: RMSNorm,
     ctx: ParallelContext,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8: bool = False,  # the norm feeds a projection with FP8 products (RMSNorm.forward)
+) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
     """`norm.add(hidden, residual)`, where a pending partial sum is first summed over the ranks: in one kernel
     with the add and the norm in the fused mode (worker/tp_fused.py), else torch's one-shot all-reduce."""
     rp = ctx.row_parallel
     if rp is None or not rp.is_pending(hidden):
-        return norm.add(hidden, residual)
+        return norm.add(hidden, residual, fp8)
     if ctx.all_reduce_trace is not None:
         ctx.all_reduce_trace.append((hidden.numel() * hidden.element_size(), rp.mode))
     fusable = norm._norm is not gemma_rms_norm and residual.is_contiguous() and residual.dtype == hidden.dtype
     if rp.fuse_norm and fusable:
         return rp.reduce_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-    return norm.add(rp.reduce(hidden), residual)
+    return norm.add(rp.reduce(hidden), residual, fp8)
 
 
 def gemma_rms_norm(
@@ -150,8 +173,12 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    def takes_fp8(self) -> bool:
+        """Whether `project` takes its input quantized (an FP8 qkv_proj)."""
+        return runs_fp8(self.qkv_proj)
+
     def project(
-        self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding
+        self, positions: torch.Tensor, hidden: torch.Tensor | Fp8Activation, rope: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k and v [T, Hkv, D]
         """Queries, keys and values of `hidden` [T, H], with q/k norms (Qwen3) and RoPE applied."""
         c = self.config
@@ -199,6 +226,7 @@ class GatedMLP(nn.Module):
             self._act_and_mul = functools.partial(reference_ops.gelu_and_mul, approximate=approximate)
         else:
             self._act_and_mul = _fused_ops().silu_and_mul if fused else reference_ops.silu_and_mul
+        self._fp8_act_and_mul = fused and config.hidden_activation == "silu"  # can write e4m3 for down_proj
         kw = {"dtype": dtype, "device": device}
         inter = config.intermediate_size
         quant, bias = config.quantization, config.mlp_bias
@@ -207,9 +235,17 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = make_linear(config.hidden_size, inter, bias, **kw, quant=quant)
 
-    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:  # [T, H] -> [T, H]
+    def takes_fp8(self) -> bool:
+        """Whether `forward` takes its input quantized (an FP8 gate_up_proj)."""
+        return runs_fp8(self.gate_up_proj)
+
+    def forward(self, x: torch.Tensor | Fp8Activation, partial: bool = False) -> torch.Tensor:  # [T, H]
         """With `partial`, the output may be this rank's pending partial sum (`row_parallel_partial`)."""
-        x = self._act_and_mul(linear(x, self.gate_up_proj))
+        gate_up = linear(x, self.gate_up_proj)
+        if self._fp8_act_and_mul and FP8_EPILOGUES and runs_fp8(self.down_proj):
+            x = Fp8Activation(*_fused_ops().silu_and_mul_fp8(gate_up))
+        else:
+            x = self._act_and_mul(gate_up)
         if partial:
             return row_parallel_partial(x, self.down_proj, self.parallel)
         return row_parallel(x, self.down_proj, self.parallel)

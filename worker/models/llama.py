@@ -71,11 +71,12 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         rope: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
+        fp8 = self.self_attn.takes_fp8()  # the norm writes e4m3 for FP8 products (layers.FP8_EPILOGUES)
         if residual is None:
             residual = hidden
-            normed = self.input_layernorm(hidden)
+            normed = self.input_layernorm(hidden, fp8)
         else:
-            normed, residual = add_norm(hidden, residual, self.input_layernorm, self.parallel)
+            normed, residual = add_norm(hidden, residual, self.input_layernorm, self.parallel, fp8)
         return (*self.self_attn.project(positions, normed, rope), residual)
 
     def attention_outputs(
@@ -86,9 +87,11 @@ class LlamaDecoderLayer(nn.Module):
         """Under tensor parallelism the output may be a pending partial sum (worker/tp_fused.py), which the
         next norm (the next layer's first, or the final one) sums over the ranks with its add."""
         attn = row_parallel_partial(attended, self.self_attn.o_proj, self.parallel)
-        normed, residual = add_norm(attn, residual, self.post_attention_layernorm, self.parallel)
         if isinstance(self.mlp, GatedMLP):
+            fp8 = self.mlp.takes_fp8()
+            normed, residual = add_norm(attn, residual, self.post_attention_layernorm, self.parallel, fp8)
             return self.mlp(normed, partial=True), residual
+        normed, residual = add_norm(attn, residual, self.post_attention_layernorm, self.parallel)
         return self.mlp(normed), residual
 
 
