@@ -138,15 +138,20 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
 
 def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
     """As the worker's loop runs steps (worker/server.py): step N+1's forward is queued, then step N is
-    finished, then step N+1's sampler. The matchers advance and fill only after the forward is queued and
-    after the previous step's tokens are on the host, and before step N's answer is complete (in the
-    background: prefetched); the outputs are valid documents."""
+    finished, then step N+1's sampler. A step's own matchers advance and fill only after its forward is
+    queued and after the previous step's tokens are on the host (in the background when step N's answer
+    starts: prefetched); when step N is answered before plan N+1 is there, its rows' matchers advance and
+    fill ahead of the plan, after step N's tokens are on the host, and step N+1 takes those rows' masks.
+    The outputs are valid documents."""
     runner = _runner(tiny_model_dir, 400)
     events: list[tuple[str, int]] = []
-    launch_forward, finish, run = runner.launch_forward, runner.finish, runner.structured.batch.run
+    launch_forward, finish = runner.launch_forward, runner.finish
+    host_masks = runner.structured._host_masks
     received = runner.sequences.received
     finishing = [-1]
     prefetched: list[int] = []  # the steps whose fill ran in the background, started by `finish`
+    ahead: list[int] = []  # the steps whose rows filled ahead of the next plan
+    reused: list[int] = []  # rows of a step's masks filled ahead
 
     def traced_forward(plan):
         forwarded = launch_forward(plan)
@@ -163,15 +168,22 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
         events.append(("received", finishing[0]))
         return received(samplers, tokens)
 
-    def traced_run(states, tokens, mask):
-        events.append(("fill", runner.structured._step_id))
-        if threading.current_thread().name.startswith("grammar-prefetch"):
-            prefetched.append(runner.structured._step_id)
-        return run(states, tokens, mask)
+    def traced_host_masks(step_id, seq_ids, samplers, pending_tokens, filled=None):
+        if step_id is None:  # ahead of the plan: the rows of the step being finished
+            events.append(("ahead", finishing[0]))
+            ahead.append(finishing[0])
+        else:
+            events.append(("fill", step_id))
+            if threading.current_thread().name.startswith("grammar-prefetch"):
+                prefetched.append(step_id)
+        masks = host_masks(step_id, seq_ids, samplers, pending_tokens, filled)
+        if step_id is not None and masks is not None:
+            reused.append(masks.reused)
+        return masks
 
     runner.sequences.received = traced_received
     runner.launch_forward, runner.finish = traced_forward, traced_finish
-    runner.structured.batch.run = traced_run
+    runner.structured._host_masks = traced_host_masks
     schemas, params = _schema_params(seed=5, num=8)
     outputs, _ = _run(runner, _prompts(8, 2), params, "worker", max_num_seqs=8, max_num_batched_tokens=128)
     _assert_valid(runner, outputs, schemas, tiny_model_dir)
@@ -188,6 +200,9 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
             assert tokens < position[("fill", step_id)]
             pipelined += 1
     assert pipelined > 10 and len(prefetched) > 10
+    for step_id in ahead:  # after that step's tokens reached the host
+        assert position[("received", step_id)] < position[("ahead", step_id)]
+    assert ahead and sum(reused) > 0
 
 
 def test_masks_are_as_wide_as_the_tokenizer_and_ban_the_ids_past_it(tiny_model_dir):
