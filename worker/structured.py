@@ -115,6 +115,7 @@ class StructuredOutputs:
         # `prefetch`: one step's host work at a time, in the background; (step id, its future)
         self._step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-prefetch")
         self._prefetched: tuple[int | None, Future[HostMasks | None]] | None = None
+        self.fill_ahead = True  # `prefetch` ahead of the plan (off: benchmarks compare without it)
         # The last `bitmask`'s costs (host ms, rows), for the worker's step trace (worker/step_trace.py)
         self.last_stats: dict[str, float] = {}
 
@@ -190,6 +191,8 @@ class StructuredOutputs:
         matchers advance and fill ahead of the plan. `bitmask` then takes every row filled ahead that it
         samples and that gained no token since, and does only the others."""
         self._join_prefetched()
+        if step_id is None and not self.fill_ahead:
+            return
         if any(s.params.structured is not None for s in samplers):
             job = self._step_pool.submit(self._prefetch, step_id, list(seq_ids), list(samplers))
             self._prefetched = (step_id, job)
