@@ -23,7 +23,8 @@ import xgrammar as xgr
 log = logging.getLogger(__name__)
 
 MIN_ROWS_PER_CHUNK = 16  # fewer rows than this per thread cost more to hand out than to run in one
-NUM_HOST_BUFFERS = 3  # the one a step copied to the device, one filled ahead, one the step's own merge
+# one a step copied to the device, two filled ahead (after the copy, behind the forward), the merge
+NUM_HOST_BUFFERS = 4
 
 
 def default_grammar_threads() -> int:
@@ -178,15 +179,25 @@ def fill_stop_rows(mask: torch.Tensor, rows: list[tuple[int, tuple[int, ...]]]) 
         words[indices] = row
 
 
-NUM_HOST_BUFFERS = 3  # the one in flight to the device, one filled ahead, one the step's own (a merge)
+@dataclass
+class HostMasks:
+    """One step's constrained rows and their masks on the host, as `_host_masks` made them."""
+
+    rows: list[int]  # indices into the step's sampling rows
+    host: torch.Tensor  # [rows n | kinds n | bitmask n * W] int32, packed for one transfer
+    seq_ids: list[int]  # the rows' sequences
+    states: list[Matcher]  # the rows' matchers, fed up to what their masks were filled from
+    spent: tuple[float, float] = (0.0, 0.0)  # the slowest chunk's seconds in the accept, in the fill
+    took_s: float = 0.0  # the whole call's
+    reused: int = 0  # rows whose masks came from the ones filled ahead
 
 
 class HostMaskBuffers:
-    """Host buffers for the steps' packed masks, reused: on CUDA three pinned ones taken in turn (a step
-    may take two: the rows filled ahead of its plan, then its own merge of them), each only once its last
-    copy to the device has finished (long before: the step that read it has answered), so that the copy
-    queues without waiting and no step allocates. Elsewhere a fresh tensor per take (the sampler reads it
-    synchronously there). Each grows to the largest step seen."""
+    """Host buffers for the steps' packed masks, reused: on CUDA four pinned ones taken in turn (a step
+    may take three: the rows filled once the step before it is copied, behind its forward, its merge),
+    each only once its last copy to the device has finished (long before: the step that read it has
+    answered), so that the copy queues without waiting and no step allocates. Elsewhere a fresh tensor
+    per take (the sampler reads it synchronously there). Each grows to the largest step seen."""
 
     def __init__(self, device: torch.device) -> None:
         self.pinned = device.type == "cuda"

@@ -379,6 +379,7 @@ class ModelRunner:
         launched = LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, step.started, step.ended)
         launched.spec = step.spec
         self._queue(launched)
+        self.structured.prefill_after(launched)  # its rows' next masks, once its tokens are on the host
 
     def _mark_launch(self, phase: str) -> None:
         if self.trace_launches:

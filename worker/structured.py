@@ -44,6 +44,7 @@ from kernels.reference_bitmask import apply_token_bitmask_reference
 from worker.grammar_batch import (
     GrammarBatch,
     HostMaskBuffers,
+    HostMasks,
     Matcher,
     default_grammar_threads,
     fill_stop_rows,
@@ -54,19 +55,6 @@ log = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 64  # compiled grammars kept for reuse (a 128k vocabulary's can be megabytes each)
 COMPILE_TIMEOUT_S = 20.0  # how long a sequence that must sample waits for its grammar (the step waits too)
-
-
-@dataclass
-class HostMasks:
-    """One step's constrained rows and their masks on the host, as `_host_masks` made them."""
-
-    rows: list[int]  # indices into the step's sampling rows
-    host: torch.Tensor  # [rows n | kinds n | bitmask n * W] int32, packed for one transfer
-    seq_ids: list[int]  # the rows' sequences
-    states: list[Matcher]  # the rows' matchers, fed up to what their masks were filled from
-    spent: tuple[float, float] = (0.0, 0.0)  # the slowest chunk's seconds in the accept, in the fill
-    took_s: float = 0.0  # the whole call's
-    reused: int = 0  # rows whose masks came from the ones filled ahead
 
 
 @dataclass(frozen=True)
@@ -186,24 +174,55 @@ class StructuredOutputs:
     def prefetch(self, step_id: int | None, seq_ids: list[int], samplers: list[SeqState]) -> None:
         """Starts the host work of the next step's bitmask (advance, fill) in the background, once the
         rows' tokens are all on the host (the runner calls it when a step has finished, before its answer
-        is sent). `step_id`: the step forwarded behind it, whose rows these are; None: no plan is there
-        yet, and these are the finished step's rows, which the next step mostly samples again: their
-        matchers advance and fill ahead of the plan. `bitmask` then takes every row filled ahead that it
-        samples and that gained no token since, and does only the others."""
-        self._join_prefetched()
-        if step_id is None and not self.fill_ahead:
+        is sent). `step_id`: the step forwarded behind it, whose rows these are (rows already filled by
+        `prefill_after` are taken as they are); None: no plan is there yet, and these are the finished
+        step's rows, which the next step mostly samples again: they fill ahead of the plan (unless
+        `prefill_after` does already). `bitmask` then takes every row filled ahead that it samples and that
+        gained no token since, and does only the others."""
+        prior = self._prefetched
+        if step_id is None and (prior is not None or not self.fill_ahead):
             return
         if any(s.params.structured is not None for s in samplers):
-            job = self._step_pool.submit(self._prefetch, step_id, list(seq_ids), list(samplers))
+            before = prior[1] if prior is not None else None  # (the pool runs one job at a time, in order)
+            job = self._step_pool.submit(self._prefetch, step_id, list(seq_ids), list(samplers), before)
             self._prefetched = (step_id, job)
 
+    def prefill_after(self, step: Any) -> None:
+        """Once the sampled tokens of `step` (a LaunchedStep, just queued) reach the host, its rows'
+        matchers accept them and fill their masks, in the background: a thread waits for the step's copy,
+        so that the next step's masks do not wait for the worker to finish this step (which it does only
+        after it has launched the next step's forward, or once the next plan is there)."""
+        if not self.fill_ahead or step.spec is not None or step.copy is None:
+            return
+        self._join_prefetched()  # (normally none: the step's own bitmask took it)
+        matchers = self.matchers
+        rows = [
+            j
+            for j, (seq_id, s) in enumerate(zip(step.seq_ids, step.samplers, strict=True))
+            if s.params.structured is not None and s.pending and seq_id in matchers
+        ]
+        if rows:
+            # (the lengths now: `received` appends the token while the thread may read the tokens)
+            ends = {step.seq_ids[j]: len(step.samplers[j].token_ids) for j in rows}
+            seq_ids, samplers = [step.seq_ids[j] for j in rows], [step.samplers[j] for j in rows]
+            job = self._step_pool.submit(self._prefetch, None, seq_ids, samplers, None, step, ends)
+            self._prefetched = (None, job)
+
     def _prefetch(
-        self, step_id: int | None, seq_ids: list[int], samplers: list[SeqState]
+        self,
+        step_id: int | None,
+        seq_ids: list[int],
+        samplers: list[SeqState],
+        before: Future[HostMasks | None] | None = None,
+        step: Any = None,  # prefill_after's: its tokens are the pending ones, up to `ends` before them
+        ends: dict[int, int] | None = None,
     ) -> HostMasks | None:
+        ahead = before.result() if before is not None else None
+        pending = dict if step is None else lambda: step_tokens(step)
         if self._device.type != "cuda":
-            return self._host_masks(step_id, seq_ids, samplers, dict)
+            return self._host_masks(step_id, seq_ids, samplers, pending, ahead, ends)
         with torch.cuda.device(self._device):  # a new pinned buffer: this worker's GPU, not GPU 0's
-            return self._host_masks(step_id, seq_ids, samplers, dict)
+            return self._host_masks(step_id, seq_ids, samplers, pending, ahead, ends)
 
     def _join_prefetched(self) -> tuple[int | None, HostMasks | None] | None:
         """The prefetched work's (step id, host masks), once done; None when none was started."""
@@ -265,6 +284,7 @@ class StructuredOutputs:
         samplers: list[SeqState],
         pending_tokens: Any,
         ahead: HostMasks | None = None,
+        ends: dict[int, int] | None = None,
     ) -> HostMasks | None:
         """The constrained rows, their matchers advanced and their masks packed [rows n | kinds n |
         bitmask n * W]; None when no row is constrained. `step_id` None: ahead of the plan, only the rows
@@ -273,7 +293,7 @@ class StructuredOutputs:
         started = time.perf_counter()
         matchers = self.matchers
         rows = [j for j, s in enumerate(samplers) if s.params.structured is not None]
-        if step_id is None:  # (no matcher made ahead: its sequence may be freed by the coming plan)
+        if step_id is None and ends is None:  # (no matcher made ahead: its sequence may be freed)
             rows = [j for j in rows if matchers.get(seq_ids[j]) is not None and not samplers[j].pending]
         if not rows:
             return None
@@ -281,7 +301,9 @@ class StructuredOutputs:
             self._step_id = step_id
         n = len(rows)
         pending: dict[int, int] | None = None
-        filled = {} if ahead is None else {seq_id: k for k, seq_id in enumerate(ahead.seq_ids)}
+        filled = {}  # a seq id -> its row of `ahead` and the matcher that filled it
+        if ahead is not None:
+            filled = {q: (k, m) for k, (q, m) in enumerate(zip(ahead.seq_ids, ahead.states, strict=True))}
         reuse_src: list[int] = []  # rows of `ahead` kept, for the rows reuse_dst
         reuse_dst: list[int] = []
         row_states: list[Matcher] = []
@@ -294,15 +316,17 @@ class StructuredOutputs:
             if state is None:  # (ahead: popped by a plan since; the row is redone with the step)
                 state = self._matcher(seq_id, seq) if step_id is not None else Matcher(None, (), seq_id)
             row_states.append(state)
+            # Its matcher accepts the tokens on the host up to `end`, then the one in flight, if any.
+            end = ends[seq_id] if ends is not None else len(seq.token_ids)
+            in_flight = ends is not None or seq.pending  # (prefill_after: every row's is)
             fed = seq.prompt_len + state.num_fed
-            src = filled.get(seq_id)  # (its mask is current: the same matcher, no token since)
-            current = fed == len(seq.token_ids) and not seq.pending
-            if src is not None and current and ahead is not None and ahead.states[src] is state:
+            src, was = filled.get(seq_id, (-1, None))  # (current: the same matcher, fed them all)
+            if was is state and fed == end + in_flight:
                 reuse_src.append(src)
                 reuse_dst.append(k)
                 continue
-            new = seq.token_ids[fed:]
-            if seq.pending:
+            new = seq.token_ids[fed:end]
+            if in_flight and fed <= end:  # (a matcher fed it before and its mask dropped: not again)
                 pending = pending_tokens() if pending is None else pending
                 new.append(pending[seq_id])
             states.append(state)
