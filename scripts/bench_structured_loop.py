@@ -11,8 +11,9 @@ forward queued, step N answered, step N+1's sampler). Per configuration: the loo
 compiles before it), and the medians over the steps of the worker's launch trace (worker/launch_trace.py):
 the masks' cost to the sampler's launch (`launch_ms`: waiting for the masks filled in the background,
 `wait_ms`, plus the host work left to the launch, `host_ms`, plus queuing the transfer), the background
-fill's own time (`ahead_ms`), the share of rows whose masks were filled ahead (`reused`). The tiny test checkpoint (scripts/make_model.py) with its 4,096-token
-tokenizer; CPU times are relative only (a shared machine), the GPU's are `bench_throughput --step-trace`'s.
+fill's own time (`ahead_ms`), the share of rows whose masks were filled ahead (`reused`). The tiny test
+checkpoint (scripts/make_model.py) with its 4,096-token tokenizer; CPU times are relative only (a shared
+machine), the GPU's are `bench_throughput --step-trace`'s.
 """
 
 from __future__ import annotations
