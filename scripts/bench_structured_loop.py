@@ -4,8 +4,8 @@ in one process (tests/engine_loop.py), every request constrained by scripts/benc
     python scripts/bench_structured_loop.py [--requests 64] [--max-tokens 48] [--orders sync,worker]
         [--grammar-threads 0] [--repeats 3] [--out loop.json]
 
-Each order runs with the masks filled ahead (`StructuredOutputs.fill_ahead`: once a step's tokens reach the
-host, `prefill_after`, or when it is answered before the next plan) and without: `sync` runs one step at a
+Each order runs with the masks filled ahead (`StructuredOutputs.fill_ahead`: a thread fills a step's rows'
+next masks once its tokens reach the host, `prefill_after`) and without: `sync` runs one step at a
 time (each step answered before the next plan is made), `worker` in the worker loop's order (step N+1's
 forward queued, step N answered, step N+1's sampler). Per configuration: the loop's wall time (the grammar
 compiles before it), and the medians over the steps of the worker's launch trace (worker/launch_trace.py):

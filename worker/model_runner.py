@@ -416,9 +416,6 @@ class ModelRunner:
             # Its tokens all on the host: the grammars of the step forwarded behind it can advance and fill
             # its masks now, in the background, while this answer goes out (worker/structured.py).
             self.structured.prefetch(forwarded.plan.step_id, forwarded.seq_ids, forwarded.samplers)
-        elif forwarded is None and not self.in_flight and step.spec is None:
-            # No plan yet: the next step mostly samples these rows again; their masks fill ahead of it.
-            self.structured.prefetch(None, step.seq_ids, step.samplers)
         prompt_logprobs = take_prompt_scores(self.prompt_scores, step.step_id)
         out = StepOutput(step.step_id, step.seq_ids, new_tokens, logprobs, gpu_s, idle_s, prompt_logprobs)
         masked = masked_seq_ids(step.seq_ids, step.copy.masked_rows, step.spec) if step.copy else []
