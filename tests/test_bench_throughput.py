@@ -146,13 +146,17 @@ def test_compare_brackets_the_candidate_between_baseline_runs_in_one_call(
 @pytest.mark.e2e
 def test_bench_throughput_json_schema_constrains_every_request(tiny_model_dir: Path, tmp_path: Path) -> None:
     """`--json-schema`: the same workload, every output following the schema up to its end (then EOS, so
-    the lengths are the plain workload's); the row records the schema."""
+    the lengths are the plain workload's); the row records the schema, and `--step-trace` the masks' costs."""
     schema = Path(__file__).resolve().parents[1] / "scripts" / "bench_schema.json"
     out = tmp_path / "bench.json"
     argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--num-requests", "6", "--num-warmup", "1"]
     argv += ["--max-prompt-len", "32", "--max-output-len", "24", "--num-kv-blocks", "32"]
     argv += ["--max-model-len", "128", "--log-dir", str(tmp_path / "logs"), "--json-schema", str(schema)]
-    main([*argv, "--json-out", str(out)])
+    main([*argv, "--step-trace", "--json-out", str(out)])
     (run,) = json.loads(out.read_text())["runs"]
     assert run["json_schema"] == str(schema) and run["completed"] == 6
+    # the worker's trace carries the masks' costs of each step (worker/launch_trace.py); no GPU split here
+    trace = run["step_trace"]
+    assert trace["structured_rows_p50"] >= 1 and trace["structured_fill_ms_p50"] >= 0
+    assert trace["structured_wait_ms_p50"] is not None and trace["sampler_wait_gpu_ms_p50"] is None
     assert parse_side("json_schema=") == {"json_schema": ""}

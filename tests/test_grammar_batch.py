@@ -74,12 +74,15 @@ CUDA = pytest.param(
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])  # CUDA: the pinned buffers, reused in turn
-@pytest.mark.parametrize("threads", [1, 3])
-def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_dir, threads, device):
+@pytest.mark.parametrize("threads,ahead", [(1, False), (3, False), (3, True)])
+def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_dir, threads, ahead, device):
     """24 rows (20 random schemas, 2 regexes, 2 free rows) over 40 steps, each row drawing at random among
     its allowed tokens; now and then a row skips a step (its matcher then accepts two tokens at once), is
     recomputed (a fresh matcher replays the whole output), draws a token its grammar refuses (its matcher
-    breaks) or EOS when allowed."""
+    breaks) or EOS when allowed. With `ahead`, most steps' rows fill ahead of the next step in the background
+    (as when a step is answered before the next plan: `prefetch(None, ...)`), and the recomputed row's
+    matcher is dropped while that runs: the next step takes the masks of the rows still current; now and
+    then the rows fill ahead before their tokens come (they are redone)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     eos = tokenizer.eos_token_id
     device = torch.device(device)
@@ -99,14 +102,19 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
         seqs[seq_id] = SeqState([1, 2, 3], 3, params, seq_id, -1, seq_id, prompt_len=3)
         if spec is not None:
             reference.add(seq_id, spec)
+    reused = 0
     made = []  # (step, mask, expected rows): compared at the end, so that CUDA reuses buffers unsynchronized
     for step in range(40):
         sampling = [i for i in seqs if rng.random() > 0.1 or step == 0]  # the others skip this step
         mask = structured.bitmask(step, sampling, [seqs[i] for i in sampling], dict, device)
+        reused += structured.last_stats["reused_rows"]
         constrained = [i for i in sampling if specs[i] is not None]
         assert mask is not None
         assert mask.rows.tolist() == [j for j, i in enumerate(sampling) if specs[i] is not None]
         made.append((step, mask, [(seq_id, reference.row(seq_id, specs[seq_id])) for seq_id in constrained]))
+        early = ahead and rng.random() < 0.25  # ahead of tokens that come after: those rows are redone
+        if early:
+            structured.prefetch(None, sampling, [seqs[i] for i in sampling])
         for seq_id in seqs:  # every row gains a token: one that skipped the step catches up later
             spec = specs[seq_id]
             if spec is None or rng.random() < 0.02:
@@ -119,6 +127,8 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
             seqs[seq_id].token_ids.append(token)
             if spec is not None:
                 reference.accept(seq_id, token)
+        if ahead and not early and rng.random() < 0.8:
+            structured.prefetch(None, sampling, [seqs[i] for i in sampling])
         if step % 8 == 7:  # recomputed after preemption: a fresh matcher replays the whole output
             structured.matchers.pop(rng.choice(constrained), None)
     num_compared = 0
@@ -132,21 +142,27 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
             num_compared += 1
     structured.close()
     assert num_compared > 600
+    assert not ahead or reused > 100  # rows whose masks were filled ahead
     assert any(m is None for m in reference.matchers.values())  # a broken grammar was compared too
     assert any(m is not None and m.is_terminated() for m in reference.matchers.values())
 
 
 def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
     """As the worker's loop runs steps (worker/server.py): step N+1's forward is queued, then step N is
-    finished, then step N+1's sampler. The matchers advance and fill only after the forward is queued and
-    after the previous step's tokens are on the host, and before step N's answer is complete (in the
-    background: prefetched); the outputs are valid documents."""
+    finished, then step N+1's sampler. A step's own matchers advance and fill only after its forward is
+    queued and after the previous step's tokens are on the host (in the background when step N's answer
+    starts: prefetched); step N's rows advance and fill earlier, in a thread that waits for step N's
+    tokens to reach the host (`prefill_after`), and step N+1 takes those rows' masks. The outputs are
+    valid documents."""
     runner = _runner(tiny_model_dir, 400)
     events: list[tuple[str, int]] = []
-    launch_forward, finish, run = runner.launch_forward, runner.finish, runner.structured.batch.run
+    launch_forward, finish = runner.launch_forward, runner.finish
+    host_masks = runner.structured._host_masks
     received = runner.sequences.received
     finishing = [-1]
     prefetched: list[int] = []  # the steps whose fill ran in the background, started by `finish`
+    ahead: list[int] = []  # the steps whose rows filled ahead of the next plan
+    reused: list[int] = []  # rows of a step's masks filled ahead
 
     def traced_forward(plan):
         forwarded = launch_forward(plan)
@@ -163,15 +179,24 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
         events.append(("received", finishing[0]))
         return received(samplers, tokens)
 
-    def traced_run(states, tokens, mask):
-        events.append(("fill", runner.structured._step_id))
-        if threading.current_thread().name.startswith("grammar-prefetch"):
-            prefetched.append(runner.structured._step_id)
-        return run(states, tokens, mask)
+    def traced_host_masks(step_id, seq_ids, samplers, pending_tokens, filled=None, ends=None):
+        if step_id is None:  # ahead of the plan: a step's rows, once its tokens are on the host
+            assert ends is not None  # (the thread waits for the step's copy: `prefill_after`)
+            tokens = pending_tokens()
+            assert set(tokens) >= set(seq_ids)  # (their pending flags may be cleared by now)
+            ahead.append(1)
+        else:
+            events.append(("fill", step_id))
+            if threading.current_thread().name.startswith("grammar-prefetch"):
+                prefetched.append(step_id)
+        masks = host_masks(step_id, seq_ids, samplers, pending_tokens, filled)
+        if step_id is not None and masks is not None:
+            reused.append(masks.reused)
+        return masks
 
     runner.sequences.received = traced_received
     runner.launch_forward, runner.finish = traced_forward, traced_finish
-    runner.structured.batch.run = traced_run
+    runner.structured._host_masks = traced_host_masks
     schemas, params = _schema_params(seed=5, num=8)
     outputs, _ = _run(runner, _prompts(8, 2), params, "worker", max_num_seqs=8, max_num_batched_tokens=128)
     _assert_valid(runner, outputs, schemas, tiny_model_dir)
@@ -188,6 +213,7 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
             assert tokens < position[("fill", step_id)]
             pipelined += 1
     assert pipelined > 10 and len(prefetched) > 10
+    assert len(ahead) > 10 and sum(reused) > 0
 
 
 def test_masks_are_as_wide_as_the_tokenizer_and_ban_the_ids_past_it(tiny_model_dir):
@@ -212,3 +238,39 @@ def test_masks_are_as_wide_as_the_tokenizer_and_ban_the_ids_past_it(tiny_model_d
         seq.token_ids.append(expected)
     assert structured.take_failed(0) == [] and structured.matchers[0].matcher is not None
     structured.close()
+
+
+@pytest.mark.parametrize("order", ["worker", False], ids=["worker-loop", "sync"])
+def test_the_launch_trace_records_each_steps_masks(tiny_model_dir, order):
+    """With the step trace on (worker/launch_trace.py), each answered step carries its masks' costs: its
+    constrained rows, the rows taken from masks filled ahead, the host times; off CUDA there are no GPU
+    events, and nothing stays behind once the steps are answered. In the worker loop's order the plan of
+    step N+1 is there when step N finishes (its masks fill behind its forward: ahead 1); run one step at a
+    time, step N's rows fill ahead of plan N+1 (ahead 2) and step N+1 takes their masks."""
+    runner = _runner(tiny_model_dir, 400)
+    runner.trace_launches = True
+    finish = runner.finish
+    splits: dict[int, dict[str, float]] = {}
+
+    def traced_finish():
+        out = finish()
+        splits[out.step_id] = runner.launch_trace.take(out.step_id)
+        if out.seq_ids:
+            split = splits[out.step_id]
+            assert split["structured_rows"] == len(out.seq_ids)  # every row is constrained here
+        return out
+
+    runner.finish = traced_finish
+    schemas, params = _schema_params(seed=6, num=8)
+    outputs, _ = _run(runner, _prompts(8, 3), params, order, max_num_seqs=8, max_num_batched_tokens=128)
+    _assert_valid(runner, outputs, schemas, tiny_model_dir)
+    sampled = [s for s in splits.values() if s]
+    assert len(sampled) > 20
+    for split in sampled:
+        assert 0 <= split["structured_reused_rows"] <= split["structured_rows"]
+        assert split["structured_ahead"] in (0, 1, 2)
+        assert min(split[f"structured_{k}_ms"] for k in ("wait", "host", "accept", "fill", "copy")) >= 0
+        assert "sampler_wait_gpu_ms" not in split  # (CUDA only)
+    ahead = 1 if order == "worker" else 2
+    assert sum(s["structured_ahead"] == ahead and s["structured_reused_rows"] > 0 for s in sampled) > 20
+    assert not runner.launch_trace._open and not runner.launch_trace._done

@@ -91,3 +91,36 @@ def test_the_trace_writes_a_line_per_answered_step(tmp_path: Path) -> None:
         "idle_ms": 0.5,
         "phases": {"plan": 0.1, "inputs": 0.2, "forward": 0.3},
     }
+
+
+def test_summarize_reports_the_sampler_wait_and_the_masks_costs() -> None:
+    """The split of each decode step (worker/launch_trace.py) is summarized as medians; steps without it
+    (a plain workload off CUDA) give None, and the steps whose masks filled ahead of the plan are counted."""
+    steps = [_step(k, recv=5.0 * k, done=5.0 * k + 4, idle_ms=0.0) for k in range(4)]
+    for k, s in enumerate(steps[:3]):
+        s["split"] = {
+            "forward_gpu_ms": 3.0,
+            "sampler_wait_gpu_ms": float(k),  # 0, 1, 2
+            "sampler_gpu_ms": 1.0,
+            "structured_rows": 900,
+            "structured_wait_ms": 2.0 + k,
+            "structured_fill_ms": 0.5,
+            "structured_ahead": 2 if k else 1,
+        }
+    summary = summarize(steps)
+    assert summary["sampler_wait_gpu_ms_p50"] == 1.0 and summary["forward_gpu_ms_p50"] == 3.0
+    assert summary["structured_rows_p50"] == 900 and summary["structured_wait_ms_p50"] == 3.0
+    assert summary["structured_ahead_steps"] == 3 and summary["structured_copy_ms_p50"] is None
+    plain = summarize([_step(k, recv=5.0 * k, done=5.0 * k + 4, idle_ms=0.0) for k in range(4)])
+    assert plain["sampler_wait_gpu_ms_p50"] is None and plain["structured_ahead_steps"] == 0
+
+
+def test_the_trace_line_carries_the_split(tmp_path: Path) -> None:
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    plan = StepPlan(3, [], [], [], scheduled_seq_ids=[1], num_scheduled_tokens=[1], sampling_seq_ids=[1])
+    trace.launched(plan, trace._origin, trace._origin)
+    split = {"sampler_wait_gpu_ms": 0.25, "structured_rows": 1}
+    trace.answered(StepOutput(3, [1], [5], [None]), *(trace._origin,) * 3, split)
+    trace.close()
+    (line,) = read_trace(tmp_path / "steps.jsonl")
+    assert line["split"] == split

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,16 +23,20 @@ import xgrammar as xgr
 log = logging.getLogger(__name__)
 
 MIN_ROWS_PER_CHUNK = 16  # fewer rows than this per thread cost more to hand out than to run in one
+# one a step copied to the device, two filled ahead (after the copy, behind the forward), the merge
+NUM_HOST_BUFFERS = 4
 
 
 def default_grammar_threads() -> int:
-    """Threads for the matchers' work: half the cores this process may run on (the rest run the step's
-    other host work and the tokenizer threads), at most 16."""
+    """Threads for the matchers' work: three quarters of the cores this process may run on (the rest run
+    the worker's main thread, the scheduler's and the api's processes), at least 1, at most 16. A step's
+    masks wait for its slowest chunk: on the GPU host's 16 cores that is 12 chunks, not 8."""
+    cores = os.cpu_count() or 2
     try:
-        cores = len(os.sched_getaffinity(0))
+        cores = min(cores, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 2
-    return max(1, min(16, cores // 2))
+        pass
+    return max(1, min(16, cores * 3 // 4))
 
 
 @dataclass
@@ -54,15 +59,19 @@ def advance_and_fill(
     states: list[Matcher],
     tokens: list[list[int]],
     mask: torch.Tensor,
+    out_rows: list[int] | None = None,
+    spent: list[float] | None = None,
 ) -> list[int]:
     """Feeds each of `rows`' matcher (states[i]) its tokens (tokens[i], oldest first), then fills the
-    bitmask rows (`mask` [N, W] int32, row i) of the matchers still running. Returns the rows whose
-    matcher is done: terminated, failed before, or broken by a token its grammar refuses (its `matcher`
-    set to None); their bitmask rows are left for the caller to fill with their stop tokens.
+    bitmask rows (`mask` [N, W] int32, row out_rows[i], or i) of the matchers still running. Returns the
+    rows whose matcher is done: terminated, failed before, or broken by a token its grammar refuses (its
+    `matcher` set to None); their bitmask rows are left for the caller to fill with their stop tokens.
+    `spent`, when given, gets this call's seconds in the accept and in the fill added to its two entries.
 
     Tokens past a matcher's end (which a pipelined step drew after the stop token, and which are dropped)
     are counted as fed and not accepted. Python per row is kept to list comprehensions: at ~900 rows a
     step it costs as much as xgrammar's own work."""
+    started = time.perf_counter()
     depth = max((len(tokens[i]) for i in rows), default=0)
     for k in range(depth):  # one token of each row per batched call: rows gain one token per step
         live = [
@@ -84,9 +93,14 @@ def advance_and_fill(
             states[i].terminated = m is None or m.is_terminated()
     for i in rows:
         states[i].num_fed += len(tokens[i])
+    accepted_at = time.perf_counter()
     running = [i for i in rows if states[i].matcher is not None and not states[i].terminated]
     if running:
-        batch.batch_fill_next_token_bitmask([states[i].matcher for i in running], mask, running)
+        indices = running if out_rows is None else [out_rows[i] for i in running]
+        batch.batch_fill_next_token_bitmask([states[i].matcher for i in running], mask, indices)
+    if spent is not None:
+        spent[0] += accepted_at - started
+        spent[1] += time.perf_counter() - accepted_at
     return [i for i in rows if states[i].matcher is None or states[i].terminated]
 
 
@@ -96,6 +110,7 @@ class GrammarBatch:
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads or default_grammar_threads()
         self.min_rows_per_chunk = MIN_ROWS_PER_CHUNK
+        self.last_spent = [0.0, 0.0]  # the last `run`'s slowest chunk: seconds in the accept, in the fill
         # One BatchGrammarMatcher per chunk, each single-threaded: the chunks are the parallelism.
         self._batches = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self.threads)]
         self._pool = (
@@ -104,22 +119,43 @@ class GrammarBatch:
             else None
         )
 
-    def run(self, states: list[Matcher], tokens: list[list[int]], mask: torch.Tensor) -> list[int]:
-        """`advance_and_fill` over every row (row i: states[i], tokens[i], mask[i]), split among the
-        threads; the calling thread runs one chunk. Returns the done rows."""
+    def run(
+        self,
+        states: list[Matcher],
+        tokens: list[list[int]],
+        mask: torch.Tensor,
+        out_rows: list[int] | None = None,
+    ) -> list[int]:
+        """`advance_and_fill` over every row (row i: states[i], tokens[i], mask[out_rows[i]] or mask[i]),
+        split among the threads; the calling thread runs one chunk. Returns the done rows (indices into
+        `states`). `last_spent` then holds the slowest chunk's (accept, fill) seconds: the step's masks
+        waited for that chunk."""
         n = len(states)
         num_chunks = max(1, min(self.threads, n // self.min_rows_per_chunk))
+        spent = [[0.0, 0.0] for _ in range(num_chunks)]
         if num_chunks == 1 or self._pool is None:
-            return advance_and_fill(self._batches[0], list(range(n)), states, tokens, mask)
-        futures = [
-            self._pool.submit(
-                advance_and_fill, self._batches[c], list(range(c, n, num_chunks)), states, tokens, mask
+            rows = list(range(n))
+            done = advance_and_fill(self._batches[0], rows, states, tokens, mask, out_rows, spent[0])
+        else:
+            futures = [
+                self._pool.submit(
+                    advance_and_fill,
+                    self._batches[c],
+                    list(range(c, n, num_chunks)),
+                    states,
+                    tokens,
+                    mask,
+                    out_rows,
+                    spent[c],
+                )  # fmt: skip
+                for c in range(1, num_chunks)
+            ]
+            done = advance_and_fill(
+                self._batches[0], list(range(0, n, num_chunks)), states, tokens, mask, out_rows, spent[0]
             )
-            for c in range(1, num_chunks)
-        ]
-        done = advance_and_fill(self._batches[0], list(range(0, n, num_chunks)), states, tokens, mask)
-        for f in futures:
-            done += f.result()
+            for f in futures:
+                done += f.result()
+        self.last_spent = max(spent, key=sum)
         return done
 
     def close(self) -> None:
@@ -143,30 +179,49 @@ def fill_stop_rows(mask: torch.Tensor, rows: list[tuple[int, tuple[int, ...]]]) 
         words[indices] = row
 
 
+@dataclass
+class HostMasks:
+    """One step's constrained rows and their masks on the host, as `_host_masks` made them."""
+
+    rows: list[int]  # indices into the step's sampling rows
+    host: torch.Tensor  # [rows n | kinds n | bitmask n * W] int32, packed for one transfer
+    seq_ids: list[int]  # the rows' sequences
+    states: list[Matcher]  # the rows' matchers, fed up to what their masks were filled from
+    spent: tuple[float, float] = (0.0, 0.0)  # the slowest chunk's seconds in the accept, in the fill
+    took_s: float = 0.0  # the whole call's
+    reused: int = 0  # rows whose masks came from the ones filled ahead
+
+
 class HostMaskBuffers:
-    """Host buffers for the steps' packed masks, reused: on CUDA two pinned ones taken in turn, each only
-    once its last copy to the device has finished (normally long before: the step that read it has
+    """Host buffers for the steps' packed masks, reused: on CUDA four pinned ones taken in turn (a step
+    may take three: the rows filled once the step before it is copied, behind its forward, its merge),
+    each only once its last copy to the device has finished (long before: the step that read it has
     answered), so that the copy queues without waiting and no step allocates. Elsewhere a fresh tensor
-    per step (the sampler reads it synchronously there). Each grows to the largest step seen."""
+    per take (the sampler reads it synchronously there). Each grows to the largest step seen."""
 
     def __init__(self, device: torch.device) -> None:
         self.pinned = device.type == "cuda"
-        self._buffers: list[torch.Tensor | None] = [None, None]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._buffers: list[torch.Tensor | None] = [None] * NUM_HOST_BUFFERS
+        self._copied: list[torch.cuda.Event | None] = [None] * NUM_HOST_BUFFERS
+        self._index: dict[int, int] = {}  # a buffer's data_ptr -> its index
         self._next = 0
 
     def take(self, numel: int) -> torch.Tensor:
-        """A flat int32 host tensor of `numel` elements, free to overwrite."""
+        """A flat int32 host tensor of `numel` elements, free to overwrite (the two taken before it are
+        not: the one filled ahead and the step's merge)."""
         if not self.pinned:
             with torch.inference_mode(False):
                 return torch.empty(numel, dtype=torch.int32)
         i = self._next
+        self._next = (i + 1) % NUM_HOST_BUFFERS
         if self._copied[i] is not None:
             self._copied[i].synchronize()
+            self._copied[i] = None
         buffer = self._buffers[i]
         if buffer is None or buffer.numel() < numel:
             with torch.inference_mode(False):  # written in and out of it (the prefetch thread)
                 buffer = self._buffers[i] = torch.empty(numel, dtype=torch.int32, pin_memory=True)
+            self._index[buffer.data_ptr()] = i
         return buffer[:numel]
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -176,6 +231,5 @@ class HostMaskBuffers:
         out = host.to(device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._copied[self._next] = event
-        self._next ^= 1
+        self._copied[self._index[host.data_ptr()]] = event
         return out

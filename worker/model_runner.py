@@ -32,6 +32,7 @@ from worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from worker.dummy_weights import init_dummy_weights
 from worker.inputs import HostInputs, host_inputs
 from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
+from worker.launch_trace import LaunchTrace
 from worker.loader import load_model_config, load_weights
 from worker.logits_processors import LogitsProcessors
 from worker.masked_rows import masked_seq_ids
@@ -143,6 +144,7 @@ class ModelRunner:
         # With `trace_launches`: the host clock (perf_counter) at each phase of the last launch, by name
         self.trace_launches = False
         self.launch_marks: dict[str, float] = {}
+        self.launch_trace = LaunchTrace(self.device)  # with it: the sampler's wait, the masks' costs
         eos = tuple(self.model_config.eos_token_ids)  # min_tokens bans them (with the stop ids)
         self.logits_processors = LogitsProcessors(self.model_config.vocab_size, eos, self.device)
         if self.spec is not None:  # (None: no --speculative-config)
@@ -205,6 +207,7 @@ class ModelRunner:
         self.last_step_gpu_s = 0.0
         self.num_tokens_fed = 0
         self.launch_marks = {}
+        self.launch_trace.clear()
 
     # -----------------------------------------------------------------------------------------------------
     # The step
@@ -327,6 +330,8 @@ class ModelRunner:
         rows = spec.logits_rows(inputs.query_start_loc, sampling) if spec else None  # drafts: 1 + d each
         logits = self._forward(inputs, sampling, feed, scores, rows)
         mark("forward")
+        if self.trace_launches:
+            self.launch_trace.forward_queued(plan.step_id)
         self.sequences.computed(seqs, num_tokens)
         if logits is None:
             if ended is not None:
@@ -363,6 +368,8 @@ class ModelRunner:
         bitmask = step.spec.expand_bitmask(bitmask) if bitmask and step.spec else bitmask
         sampling_tensors = replace(sampling_tensors, token_bitmask=bitmask) if bitmask else sampling_tensors
         mark("sampling_params")
+        if self.trace_launches:
+            self.launch_trace.sampler_queuing(plan.step_id, self.structured.last_stats if bitmask else {})
         out = sample_tensors(logits, sampling_tensors)
         copy = out.start_copy()
         mark("sample")
@@ -372,6 +379,7 @@ class ModelRunner:
         launched = LaunchedStep(plan.step_id, seq_ids, samplers, out.tokens, copy, step.started, step.ended)
         launched.spec = step.spec
         self._queue(launched)
+        self.structured.prefill_after(launched)  # its rows' next masks, once its tokens are on the host
 
     def _mark_launch(self, phase: str) -> None:
         if self.trace_launches:
@@ -399,6 +407,8 @@ class ModelRunner:
             gpu_s = self.last_step_gpu_s = step.started.elapsed_time(step.ended) / 1e3
             if step.previous_ended is not None:
                 idle_s = max(0.0, step.previous_ended.elapsed_time(step.started) / 1e3)
+        if self.trace_launches:
+            self.launch_trace.finished(step.step_id, step.started, step.ended)
         accepted = step.spec.accept(new_tokens, logprobs) if step.spec is not None else None
         self.sequences.received(step.samplers, accepted[0] if accepted else new_tokens)
         forwarded = self.forwarded

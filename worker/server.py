@@ -245,7 +245,7 @@ def _answer(sock: zmq.Socket, runner: ModelRunner, trace: StepTrace | None) -> N
     out = runner.finish()
     done = time.perf_counter()
     sock.send_multipart(encode(out))
-    trace.answered(out, wait, done, time.perf_counter())
+    trace.answered(out, wait, done, time.perf_counter(), runner.launch_trace.take(out.step_id))
 
 
 def _loop(

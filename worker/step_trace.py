@@ -12,7 +12,13 @@ milliseconds on one monotonic clock (`perf_counter`, from the worker's start):
 - `phases`: how long each part of the launch took on the host (ms): `plan` (applying the plan's changes,
   the checks), `inputs` (the batch's arrays), `forward` (queuing the model, or replaying its graph),
   `previous_step` (waiting for the step before it and answering it), `sampling_params` and `sample`
-  (queuing the sampler and the copy of its results).
+  (queuing the sampler and the copy of its results);
+- `split` (worker/launch_trace.py): on CUDA the step's GPU time cut at the end of its forward pass and at
+  the start of its sampler (`forward_gpu_ms`, `sampler_wait_gpu_ms`: the GPU waiting for the sampler's
+  launch, `sampler_gpu_ms`), and with structured output the masks' costs (`structured_rows`, `_wait_ms`:
+  the launch waiting for the masks filled in the background, `_host_ms`, `_accept_ms`, `_fill_ms`,
+  `_copy_ms`, `_reused_rows`: rows filled ahead of the plan, `_ahead`: 0 none, 1 behind the forward,
+  2 ahead of the plan).
 
 With async scheduling, plan N + 1 is made from step N - 1's answer, so `recv[N + 1] - sent[N - 1]` is the
 scheduler's turnaround; the GPU idles before step N + 1 when that turnaround plus the worker's launch outlasts
@@ -33,6 +39,20 @@ from common.messages import StepOutput, StepPlan
 
 # ModelRunner.launch_forward's and launch_sampling's, in order
 PHASES = ("plan", "inputs", "forward", "previous_step", "sampling_params", "sample")
+# worker/launch_trace.py's: the GPU split, then structured output's costs (worker/structured.py)
+SPLIT_KEYS = (
+    "forward_gpu_ms",
+    "sampler_wait_gpu_ms",
+    "sampler_gpu_ms",
+    "structured_rows",
+    "structured_reused_rows",
+    "structured_wait_ms",
+    "structured_host_ms",
+    "structured_ahead_ms",
+    "structured_accept_ms",
+    "structured_fill_ms",
+    "structured_copy_ms",
+)
 
 
 @dataclass
@@ -72,7 +92,9 @@ class StepTrace:
         phases = {name: round((t - before) * 1e3, 3) for (_, before), (name, t) in itertools.pairwise(times)}
         self._open[plan.step_id] = _Open(len(tokens), sum(tokens), decode, received, launched, phases)
 
-    def answered(self, out: StepOutput, wait: float, done: float, sent: float) -> None:
+    def answered(
+        self, out: StepOutput, wait: float, done: float, sent: float, split: dict[str, float] | None = None
+    ) -> None:
         step = self._open.pop(out.step_id, None)
         if step is None or self._file is None:
             return
@@ -90,6 +112,8 @@ class StepTrace:
             "idle_ms": round(out.gpu_idle_before_s * 1e3, 3),
             "phases": step.phases,
         }
+        if split:
+            line["split"] = split
         self._file.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
@@ -158,4 +182,9 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
             f"{phase}_ms_p50": _median([s["phases"][phase] for s in decode if phase in s["phases"]])
             for phase in PHASES
         },
+        **{
+            f"{key}_p50": _median([s["split"][key] for s in decode if key in s.get("split", {})])
+            for key in SPLIT_KEYS
+        },
+        "structured_ahead_steps": sum(1 for s in decode if s.get("split", {}).get("structured_ahead")),
     }

@@ -26,6 +26,7 @@ sample) leaves its sequence with only the stop tokens allowed: that sequence end
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -43,6 +44,7 @@ from kernels.reference_bitmask import apply_token_bitmask_reference
 from worker.grammar_batch import (
     GrammarBatch,
     HostMaskBuffers,
+    HostMasks,
     Matcher,
     default_grammar_threads,
     fill_stop_rows,
@@ -98,9 +100,12 @@ class StructuredOutputs:
         self.matchers: dict[int, Matcher] = {}
         self._failed: dict[int, list[int]] = {}  # by step id: the seq ids whose constraint failed
         self._step_id = 0  # the step whose bitmask is being made
-        # `prefetch`: one step's host work at a time, in the background; (step id, seq ids, its future)
+        # `prefetch`: one step's host work at a time, in the background; (step id, its future)
         self._step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-prefetch")
-        self._prefetched: tuple[int, list[int], Future] | None = None
+        self._prefetched: tuple[int | None, Future[HostMasks | None]] | None = None
+        self.fill_ahead = True  # `prefetch` ahead of the plan (off: benchmarks compare without it)
+        # The last `bitmask`'s costs (host ms, rows), for the worker's step trace (worker/step_trace.py)
+        self.last_stats: dict[str, float] = {}
 
     def _make_compiler(self, model_dir: str) -> xgr.GrammarCompiler:
         from transformers import AutoTokenizer
@@ -166,27 +171,63 @@ class StructuredOutputs:
         self.matchers[seq_id] = state
         return state
 
-    def prefetch(self, step_id: int, seq_ids: list[int], samplers: list[SeqState]) -> None:
-        """Starts the host work of step `step_id`'s bitmask (advance, fill) in the background, as soon as
-        its sequences' tokens are all on the host (the runner calls it when the step before has finished,
-        before that step's answer is sent); `bitmask` for the same rows then takes its result."""
-        self._join_prefetched()
+    def prefetch(self, step_id: int | None, seq_ids: list[int], samplers: list[SeqState]) -> None:
+        """Starts the host work of the next step's bitmask (advance, fill) in the background, once the
+        rows' tokens are all on the host (the runner calls it when a step has finished, before its answer
+        is sent). `step_id`: the step forwarded behind it, whose rows these are (rows already filled by
+        `prefill_after` are taken as they are); None: no plan is there yet, and these are the finished
+        step's rows, which the next step mostly samples again: they fill ahead of the plan (unless
+        `prefill_after` does already). `bitmask` then takes every row filled ahead that it samples and that
+        gained no token since, and does only the others."""
+        prior = self._prefetched
+        if step_id is None and (prior is not None or not self.fill_ahead):
+            return
         if any(s.params.structured is not None for s in samplers):
-            job = self._step_pool.submit(self._prefetch, step_id, seq_ids, samplers)
-            self._prefetched = (step_id, list(seq_ids), job)
+            before = prior[1] if prior is not None else None  # (the pool runs one job at a time, in order)
+            job = self._step_pool.submit(self._prefetch, step_id, list(seq_ids), list(samplers), before)
+            self._prefetched = (step_id, job)
+
+    def prefill_after(self, step: Any) -> None:
+        """Once the sampled tokens of `step` (a LaunchedStep, just queued) reach the host, its rows'
+        matchers accept them and fill their masks, in the background: a thread waits for the step's copy,
+        so that the next step's masks do not wait for the worker to finish this step (which it does only
+        after it has launched the next step's forward, or once the next plan is there)."""
+        if not self.fill_ahead or step.spec is not None or step.copy is None:
+            return
+        self._join_prefetched()  # (normally none: the step's own bitmask took it)
+        matchers = self.matchers
+        rows = [
+            j
+            for j, (seq_id, s) in enumerate(zip(step.seq_ids, step.samplers, strict=True))
+            if s.params.structured is not None and s.pending and seq_id in matchers
+        ]
+        if rows:
+            # (the lengths now: `received` appends the token while the thread may read the tokens)
+            ends = {step.seq_ids[j]: len(step.samplers[j].token_ids) for j in rows}
+            seq_ids, samplers = [step.seq_ids[j] for j in rows], [step.samplers[j] for j in rows]
+            job = self._step_pool.submit(self._prefetch, None, seq_ids, samplers, None, step, ends)
+            self._prefetched = (None, job)
 
     def _prefetch(
-        self, step_id: int, seq_ids: list[int], samplers: list[SeqState]
-    ) -> tuple[list[int], torch.Tensor] | None:
+        self,
+        step_id: int | None,
+        seq_ids: list[int],
+        samplers: list[SeqState],
+        before: Future[HostMasks | None] | None = None,
+        step: Any = None,  # prefill_after's: its tokens are the pending ones, up to `ends` before them
+        ends: dict[int, int] | None = None,
+    ) -> HostMasks | None:
+        ahead = before.result() if before is not None else None
+        pending = dict if step is None else lambda: step_tokens(step)
         if self._device.type != "cuda":
-            return self._host_masks(step_id, seq_ids, samplers, dict)
+            return self._host_masks(step_id, seq_ids, samplers, pending, ahead, ends)
         with torch.cuda.device(self._device):  # a new pinned buffer: this worker's GPU, not GPU 0's
-            return self._host_masks(step_id, seq_ids, samplers, dict)
+            return self._host_masks(step_id, seq_ids, samplers, pending, ahead, ends)
 
-    def _join_prefetched(self) -> tuple[int, list[int], Any] | None:
-        """The prefetched step's (step id, seq ids, host masks), once its work is done; None when none."""
+    def _join_prefetched(self) -> tuple[int | None, HostMasks | None] | None:
+        """The prefetched work's (step id, host masks), once done; None when none was started."""
         job, self._prefetched = self._prefetched, None
-        return None if job is None else (job[0], job[1], job[2].result())
+        return None if job is None else (job[0], job[1].result())
 
     def bitmask(
         self,
@@ -200,47 +241,101 @@ class StructuredOutputs:
         first fed the tokens its sequence gained since it last sampled; None when no row is constrained.
         The rows' matchers advance and fill their rows in batched calls over `self.batch`'s threads (or
         did so already: `prefetch`), into a reused host buffer that goes to `device` in one transfer that
-        waits for nothing."""
+        waits for nothing. `last_stats` then holds what it cost."""
+        started = time.perf_counter()
         prefetched = self._join_prefetched()
-        if prefetched is not None and prefetched[0] == step_id and prefetched[1] == seq_ids:
-            host = prefetched[2]
-        else:  # (a matcher a prefetch fed is not fed again: each counts the tokens it accepted)
-            host = self._host_masks(step_id, seq_ids, samplers, pending_tokens)
-        if host is None:
+        joined = time.perf_counter()
+        ahead = prefetched[1] if prefetched is not None else None
+        # (a matcher a prefetch fed is not fed again: each counts the tokens it accepted)
+        masks = self._host_masks(step_id, seq_ids, samplers, pending_tokens, ahead)
+        computed = time.perf_counter()
+        if masks is None:
+            self.last_stats = {}
             return None
-        n = len(host[0])
-        num_words = len(host[1]) // n - 2
-        packed = self._buffers.to_device(host[1], device)
-        return TokenBitmask(
+        n = len(masks.rows)
+        num_words = len(masks.host) // n - 2
+        packed = self._buffers.to_device(masks.host, device)
+        out = TokenBitmask(
             packed[:n].long(),
             packed[2 * n :].view(n, num_words),
             packed[n : 2 * n],
             self._extra_words(device, num_words),
         )
+        ahead_ms = ahead.took_s * 1e3 if ahead is not None else 0.0
+        both = (masks.spent, ahead.spent) if ahead is not None and ahead is not masks else (masks.spent,)
+        spent = [sum(x) for x in zip(*both, strict=True)]
+        self.last_stats = {
+            "rows": n,
+            "ahead": 0 if prefetched is None else 1 if prefetched[0] is not None else 2,
+            "reused_rows": masks.reused,
+            "ahead_ms": round(ahead_ms, 3),
+            "wait_ms": round((joined - started) * 1e3, 3),
+            "host_ms": round((computed - joined) * 1e3, 3),
+            "accept_ms": round(spent[0] * 1e3, 3),
+            "fill_ms": round(spent[1] * 1e3, 3),
+            "copy_ms": round((time.perf_counter() - computed) * 1e3, 3),
+        }
+        return out
 
     def _host_masks(
-        self, step_id: int, seq_ids: list[int], samplers: list[SeqState], pending_tokens: Any
-    ) -> tuple[list[int], torch.Tensor] | None:
-        """The constrained rows and their packed host buffer [rows n | kinds n | bitmask n * W], their
-        matchers advanced; None when no row is constrained."""
+        self,
+        step_id: int | None,
+        seq_ids: list[int],
+        samplers: list[SeqState],
+        pending_tokens: Any,
+        ahead: HostMasks | None = None,
+        ends: dict[int, int] | None = None,
+    ) -> HostMasks | None:
+        """The constrained rows, their matchers advanced and their masks packed [rows n | kinds n |
+        bitmask n * W]; None when no row is constrained. `step_id` None: ahead of the plan, only the rows
+        whose matcher exists. A row of `ahead` (masks filled before) whose matcher is still the same and
+        has no new token keeps its mask (copied; or `ahead` itself when it has exactly these rows)."""
+        started = time.perf_counter()
+        matchers = self.matchers
         rows = [j for j, s in enumerate(samplers) if s.params.structured is not None]
+        if step_id is None and ends is None:  # (no matcher made ahead: its sequence may be freed)
+            rows = [j for j in rows if matchers.get(seq_ids[j]) is not None and not samplers[j].pending]
         if not rows:
             return None
-        self._step_id = step_id
+        if step_id is not None:
+            self._step_id = step_id
         n = len(rows)
         pending: dict[int, int] | None = None
-        matchers = self.matchers
-        states: list[Matcher] = []
-        tokens: list[list[int]] = []  # each row's tokens its matcher has not accepted, oldest first
-        for j in rows:
+        filled = {}  # a seq id -> its row of `ahead` and the matcher that filled it
+        if ahead is not None:
+            filled = {q: (k, m) for k, (q, m) in enumerate(zip(ahead.seq_ids, ahead.states, strict=True))}
+        reuse_src: list[int] = []  # rows of `ahead` kept, for the rows reuse_dst
+        reuse_dst: list[int] = []
+        row_states: list[Matcher] = []
+        states: list[Matcher] = []  # the matchers to advance and fill, rows out_rows
+        tokens: list[list[int]] = []  # their tokens not yet accepted, oldest first
+        out_rows: list[int] = []
+        for k, j in enumerate(rows):
             seq, seq_id = samplers[j], seq_ids[j]
-            state = matchers.get(seq_id) or self._matcher(seq_id, seq)
-            new = seq.token_ids[seq.prompt_len + state.num_fed :]
-            if seq.pending:
+            state = matchers.get(seq_id)
+            if state is None:  # (ahead: popped by a plan since; the row is redone with the step)
+                state = self._matcher(seq_id, seq) if step_id is not None else Matcher(None, (), seq_id)
+            row_states.append(state)
+            # Its matcher accepts the tokens on the host up to `end`, then the one in flight, if any.
+            end = ends[seq_id] if ends is not None else len(seq.token_ids)
+            in_flight = ends is not None or seq.pending  # (prefill_after: every row's is)
+            fed = seq.prompt_len + state.num_fed
+            src, was = filled.get(seq_id, (-1, None))  # (current: the same matcher, fed them all)
+            if was is state and fed == end + in_flight:
+                reuse_src.append(src)
+                reuse_dst.append(k)
+                continue
+            new = seq.token_ids[fed:end]
+            if in_flight and fed <= end:  # (a matcher fed it before and its mask dropped: not again)
                 pending = pending_tokens() if pending is None else pending
                 new.append(pending[seq_id])
             states.append(state)
             tokens.append(new)
+            out_rows.append(k)
+        row_seq_ids = [seq_ids[j] for j in rows]
+        if ahead is not None and not states and ahead.seq_ids == row_seq_ids and ahead.rows == rows:
+            ahead.reused = n
+            return ahead
         # (after the matchers: each waited for its grammar, and so for the tokenizer that sets the width)
         num_words = -(-self.mask_vocab_size // 32)
         host = self._buffers.take(n * (2 + num_words))
@@ -248,11 +343,25 @@ class StructuredOutputs:
         # inference mode, can write a buffer that a step allocated in it.
         header = host[: 2 * n].numpy()
         header[:n] = rows
-        header[n:] = [s.kind for s in states]  # each row's row of _extra_words
+        header[n:] = [s.kind for s in row_states]  # each row's row of _extra_words
         mask = host[2 * n :].view(n, num_words)
-        done = self.batch.run(states, tokens, mask)
-        fill_stop_rows(mask, [(i, states[i].stop_ids) for i in done])
-        return rows, host
+        if reuse_dst:
+            m = len(ahead.rows)
+            ahead_words = ahead.host[2 * m :].numpy().reshape(m, -1)
+            if ahead_words.shape[1] == num_words:
+                mask.numpy()[reuse_dst] = ahead_words[reuse_src]
+            else:  # (a width taken before the tokenizer came: the rows are redone)
+                states += [row_states[k] for k in reuse_dst]
+                tokens += [[] for _ in reuse_dst]
+                out_rows += reuse_dst
+                reuse_dst = []
+        spent = (0.0, 0.0)
+        if states:
+            done = self.batch.run(states, tokens, mask, out_rows)
+            spent = tuple(self.batch.last_spent)
+            fill_stop_rows(mask, [(out_rows[i], states[i].stop_ids) for i in done])
+        took = time.perf_counter() - started
+        return HostMasks(rows, host, row_seq_ids, row_states, spent, took, len(reuse_dst))
 
     def _stop_ids(self, seq: SeqState) -> tuple[int, ...]:
         return tuple(sorted({*self.eos_token_ids, *seq.params.stop_token_ids}))
