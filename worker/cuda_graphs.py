@@ -121,8 +121,11 @@ class DecodeGraphs:
         return self.sizes[lo]
 
     def run(
-        self, inputs: HostInputs, feed: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:  # [B, V] logits of the batch's B sequences
+        self,
+        inputs: HostInputs,
+        feed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rows: torch.Tensor | None = None,  # [R] on the device: the batch rows whose logits to return
+    ) -> torch.Tensor:  # [B, V] logits of the batch's B sequences ([R, V] with `rows`)
         """Copies a decode batch into the static buffers (and `feed`'s tokens, already on the device, to
         their indices) and replays its graph."""
         batch = len(inputs.seq_lens)
@@ -157,7 +160,8 @@ class DecodeGraphs:
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
         self._graphs[size].replay()
         self.num_replays += 1
-        return self.model.compute_logits(self._hidden[size][:batch])
+        hidden = self._hidden[size][:batch]
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
 
 def token_buckets(max_num_tokens: int, step: int = 256) -> list[int]:

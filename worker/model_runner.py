@@ -43,6 +43,7 @@ from worker.plan_check import PlanLimits
 from worker.prompt_logprobs import PromptScores, score_prompts, select_prompt_rows, take_prompt_scores
 from worker.sampler import sample_tensors
 from worker.sequences import BlockTableArray, SeqState, Sequences
+from worker.spec.decode_rows import verification_inputs
 from worker.spec.factory import build_speculation
 from worker.spec.verify import check_draft_slots, prepare_drafts
 from worker.steps import ForwardedStep, LaunchedStep, batch_indices, step_sampling_tensors
@@ -258,6 +259,8 @@ class ModelRunner:
         captured graph holds replays it; other steps replay the piecewise graphs (attention eagerly)."""
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
+            if rows is not None and sampling and scores is None:  # verification: 1 + d rows per sampler
+                return self.graphs.run(inputs, feed, self._put(rows))
             logits = self.graphs.run(inputs, feed)  # [B, V]
             score_prompts(scores, logits)  # one token per sequence: its flat row is its batch row
             if len(sampling) == batch:
@@ -313,8 +316,9 @@ class ModelRunner:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return None
         sampling = batch_indices(plan)
-        spec = prepare_drafts(self.spec, plan, seqs, sampling, self.tables)  # None: no draft slots
         mark("plan")
+        spec = prepare_drafts(self.spec, plan, seqs, sampling, self.tables)  # None: no draft slots
+        mark("propose")
         batch_seqs, batch_tokens = (spec.input_seqs, spec.num_tokens) if spec else (seqs, num_tokens)
         inputs = host_inputs(self.tables, batch_seqs, batch_tokens, self.block_size)
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
@@ -325,6 +329,8 @@ class ModelRunner:
             started.record()
         scores = select_prompt_rows(plan, seqs, inputs.query_start_loc, self._put, self.prompt_scores)
         rows = spec.logits_rows(inputs.query_start_loc, sampling) if spec else None  # drafts: 1 + d each
+        if spec is not None:  # verification as decode rows where it can (worker/spec/decode_rows.py)
+            inputs = verification_inputs(inputs, num_tokens, spec.num_tokens, scores is not None, self.graphs)
         logits = self._forward(inputs, sampling, feed, scores, rows)
         mark("forward")
         self.sequences.computed(seqs, num_tokens)

@@ -10,7 +10,9 @@ milliseconds on one monotonic clock (`perf_counter`, from the worker's start):
 - `gpu_ms`, `idle_ms`: the step's GPU time and the GPU's idle time before it, from CUDA events (0 off CUDA);
 - `seqs`, `tokens`, `decode` (every sequence computes one token);
 - `phases`: how long each part of the launch took on the host (ms): `plan` (applying the plan's changes,
-  the checks), `inputs` (the batch's arrays), `forward` (queuing the model, or replaying its graph),
+  the checks), `propose` (speculation: the proposer's drafts, a draft model's forwards included; ~0 without),
+  `inputs` (the batch's arrays), `forward` (queuing the model, or replaying its graph; with drafts, the
+  target's verification, as decode rows where they fit a graph: worker/spec/decode_rows.py),
   `previous_step` (waiting for the step before it and answering it), `sampling_params` and `sample`
   (queuing the sampler and the copy of its results).
 
@@ -32,7 +34,7 @@ from typing import IO, Any
 from common.messages import StepOutput, StepPlan
 
 # ModelRunner.launch_forward's and launch_sampling's, in order
-PHASES = ("plan", "inputs", "forward", "previous_step", "sampling_params", "sample")
+PHASES = ("plan", "propose", "inputs", "forward", "previous_step", "sampling_params", "sample")
 
 
 @dataclass
