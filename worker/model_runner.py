@@ -46,6 +46,7 @@ from worker.sequences import BlockTableArray, SeqState, Sequences
 from worker.spec.decode_rows import verification_inputs
 from worker.spec.factory import build_speculation
 from worker.spec.verify import check_draft_slots, prepare_drafts
+from worker.staging import stage
 from worker.steps import ForwardedStep, LaunchedStep, batch_indices, step_sampling_tensors
 from worker.structured import StructuredOutputs, step_tokens
 from worker.warmup import warm_up_sampling_kernels
@@ -237,18 +238,20 @@ class ModelRunner:
 
     def _to_device(self, inputs: HostInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids [T], positions [T] and attention metadata on the runner's device."""
-        put = self._put
-
+        arrays = [inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables]
+        token_ids, positions, slots, tables, lens, starts = stage(
+            [*arrays, inputs.seq_lens, inputs.query_start_loc], self.device
+        )  # one pinned buffer, one copy (worker/staging.py)
         meta = AttentionMetadata(
-            slot_mapping=put(inputs.slot_mapping),
-            block_tables=put(inputs.block_tables),
-            seq_lens=put(inputs.seq_lens),
-            query_start_loc=put(inputs.query_start_loc),
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=lens,
+            query_start_loc=starts,
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             num_decode_seqs=inputs.num_decode_seqs,
         )
-        return put(inputs.token_ids), put(inputs.positions), meta
+        return token_ids, positions, meta
 
     def _forward(
         self, inputs: HostInputs, sampling: list[int], feed: tuple[torch.Tensor, torch.Tensor] | None,

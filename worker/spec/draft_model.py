@@ -63,6 +63,7 @@ from worker.parallel import ParallelContext
 from worker.spec.draft_checks import check_draft
 from worker.spec.draft_pool import DraftBlockPool, DraftSeq
 from worker.spec.proposer import ProposeRow
+from worker.staging import stage
 
 MAX_GRAPH_BATCH = 64  # decode graphs up to this batch: speculation backs off well before it at high load
 DEFAULT_POOL_FRACTION = 0.05  # of the device's memory, for a pool that `allocate_kv` did not size
@@ -239,15 +240,9 @@ class DraftModelProposer:
         planned.sort(key=lambda p: len(p.token_ids) != 1)  # decodes first, as the target's plans
         return planned
 
-    def _put(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
-
     def _run(self, inputs: HostInputs, feed: torch.Tensor | None, rows: np.ndarray) -> torch.Tensor:
         """Logits [len(rows), V] at the batch's flat token indices `rows`; `feed` [B] (on the device) replaces
-        the token ids of a decode batch."""
+        the token ids of a decode batch. The host arrays go over in one pinned buffer (worker/staging.py)."""
         assert self.kv is not None
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
@@ -256,20 +251,25 @@ class DraftModelProposer:
             if not len(rows) and self.kv_graphs is not None:  # the KV is all this step is for
                 self.kv_graphs.run(inputs, fed)
                 return torch.empty((0, self.model_config.vocab_size), dtype=self.dtype, device=self.device)
-            logits = self.graphs.run(inputs, fed)  # [B, V]
-            return logits if len(rows) == batch else logits[self._put(rows)]
-        token_ids = feed if feed is not None else self._put(inputs.token_ids)
+            if len(rows) == batch:
+                return self.graphs.run(inputs, fed)  # [B, V]
+            return self.graphs.run(inputs, fed, stage([rows], self.device)[0])
+        arrays = [inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables]
+        token_ids, positions, slots, tables, lens, starts, picked = stage(
+            [*arrays, inputs.seq_lens, inputs.query_start_loc, rows], self.device
+        )
         meta = AttentionMetadata(
-            slot_mapping=self._put(inputs.slot_mapping),
-            block_tables=self._put(inputs.block_tables),
-            seq_lens=self._put(inputs.seq_lens),
-            query_start_loc=self._put(inputs.query_start_loc),
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=lens,
+            query_start_loc=starts,
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             num_decode_seqs=inputs.num_decode_seqs,
         )
-        hidden = self.model(token_ids, self._put(inputs.positions), meta, self.kv.layers)  # [T, H]
-        return self.model.compute_logits(hidden[self._put(rows)])
+        token_ids = feed if feed is not None else token_ids
+        hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
+        return self.model.compute_logits(hidden[picked])
 
     def _first_forward(self, planned: list[_Planned], drafting: list[_Planned]) -> torch.Tensor:
         """Computes every planned row's tokens; returns the first drafts [D] of `drafting` (planned rows, in
