@@ -26,6 +26,7 @@ from worker.inputs import HostInputs, build_inputs
 from worker.kv_window import freeing_window
 from worker.model_runner import ModelRunner
 from worker.spec.decode_rows import as_decode_rows, verification_inputs
+from worker.spec.device_drafts import DeviceDrafts
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET or HAS_CUDA else [])
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -162,10 +163,22 @@ def test_the_mixed_layout_still_verifies_when_rows_are_not_expanded(tiny_model_d
     assert ours == plain and scheduler.metrics.spec_accepted_tokens_total > 0
 
 
+def _no_host_drafts(runner: ModelRunner) -> ModelRunner:
+    """The runner's draft model may not hand its drafts to the host before the step (worker/spec/
+    device_drafts.py): `propose`, which waits for them, fails."""
+
+    def propose(rows):
+        raise AssertionError("the drafts went through the host")
+
+    runner.spec.proposer.propose = propose
+    return runner
+
+
 def test_a_draft_model_verified_as_decode_rows_keeps_the_outputs(tiny_model_dir, plain, decode_row_steps):
-    """The target as its own draft: every draft accepted, k + 1 rows per sequence, n > 1 forks beside."""
+    """The target as its own draft: every draft accepted, k + 1 rows per sequence, n > 1 forks beside; the
+    drafts reach the target on the device."""
     spec = json.dumps({"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 4})
-    runner = make_runner(tiny_model_dir, 400, spec)
+    runner = _no_host_drafts(make_runner(tiny_model_dir, 400, spec))
     ps = prompts(runner.vocab_size)
     ours, scheduler, _ = run_engine(runner, ps, GREEDY, pipelined=False)
     assert ours == plain
@@ -173,7 +186,7 @@ def test_a_draft_model_verified_as_decode_rows_keeps_the_outputs(tiny_model_dir,
     assert m.spec_accepted_tokens_total == m.spec_draft_tokens_total > 0
     assert any(rows >= 5 * seqs for seqs, rows in decode_row_steps)  # all four drafts of every row
     two = SamplingParams(n=2, max_tokens=12, temperature=0.0)
-    forked, _, _ = run_engine(make_runner(tiny_model_dir, 400, spec), ps[:4], two, pipelined=True)
+    forked, _, _ = run_engine(_no_host_drafts(make_runner(tiny_model_dir, 400, spec)), ps[:4], two, True)
     for (i, j), tokens in forked.items():
         assert tokens == plain[(i, 0)][:12], (i, j)
 
@@ -238,3 +251,11 @@ def test_sliding_window_verification_far_past_the_window_matches_transformers(
     for i, tokens in enumerate(expected):
         assert ours[(i, 0)] == tokens, f"prompt {i}"
     assert scheduler.metrics.spec_draft_tokens_total > 0 and decode_row_steps
+
+
+def test_device_drafts_feed_their_ids_after_each_first_token() -> None:
+    tokens = torch.tensor([[5, 6, 7], [0, 0, 0], [8, 9, 0]])
+    drafts = DeviceDrafts([3, 0, 2], tokens).start_copy()
+    flat, ids = drafts.feed([2, 0], np.array([11, 1]))
+    assert flat.tolist() == [11, 12, 1, 2, 3] and ids.tolist() == [8, 9, 5, 6, 7]
+    assert drafts.host() == [[5, 6, 7], [], [8, 9]]

@@ -325,6 +325,7 @@ class ModelRunner:
         batch_seqs, batch_tokens = (spec.input_seqs, spec.num_tokens) if spec else (seqs, num_tokens)
         inputs = host_inputs(self.tables, batch_seqs, batch_tokens, self.block_size)
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
+        feed = spec.draft_feed(feed, inputs.query_start_loc, sampling) if spec else feed  # device drafts
         mark("inputs")
         started = ended = None
         if self.device.type == "cuda":

@@ -60,6 +60,7 @@ from worker.loader import load_model_config, load_weights
 from worker.model_config import resolve_max_model_len
 from worker.models.registry import build_model
 from worker.parallel import ParallelContext
+from worker.spec.device_drafts import DeviceDrafts
 from worker.spec.draft_checks import check_draft
 from worker.spec.draft_pool import DraftBlockPool, DraftSeq
 from worker.spec.proposer import ProposeRow
@@ -121,6 +122,9 @@ class DraftModelProposer:
         self.pool: DraftBlockPool | None = None
         self.graphs: DecodeGraphs | None = None
         self.kv_graphs: KVWriteGraphs | None = None  # the step that only writes the last drafts' KV
+        # The last call's drafts, whose ids its sequences' records lack until they are on the host:
+        # (drafts, [(seq_id, seq, first draft's index in seq.computed, row of the call)])
+        self._unsettled: tuple[DeviceDrafts, list[tuple[int, DraftSeq, int, int]]] | None = None
 
     @property
     def kv_block_bytes(self) -> int:
@@ -177,28 +181,59 @@ class DraftModelProposer:
     def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
         """Each row's greedy drafts (at most its num_tokens, at most num_speculative_tokens); none for a row
         still catching up, one the pool has no blocks for, one at max_model_len, or one whose tokens the
-        draft's vocabulary lacks."""
-        drafts: list[list[int]] = [[] for _ in rows]
+        draft's vocabulary lacks. (`propose_on_device`, then a wait for the drafts.)"""
+        drafts = self.propose_on_device(rows).host()
+        self._settle()
+        return drafts
+
+    @torch.inference_mode()
+    def propose_on_device(self, rows: list[ProposeRow]) -> DeviceDrafts:
+        """`propose`'s drafts left on the device (worker/spec/device_drafts.py): their counts are known now,
+        their ids come to the host behind the draft's work, without a wait here. The draft's own record of
+        them is completed at the next call."""
+        self._settle()
+        empty = torch.zeros((len(rows), 0), dtype=torch.int64, device=self.device)
         if not rows:
-            return drafts
+            return DeviceDrafts([], empty)
         if self.pool is None:
             self.allocate_kv(self.default_num_blocks())
         planned = self._plan(rows)
-        if not planned:
-            return drafts
+        counts = [0] * len(rows)
         # Drafting rows, most drafts first: the decode steps run on a shrinking prefix of them.
         drafting = sorted((p for p in planned if p.num_drafts), key=lambda p: -p.num_drafts)
-        first = self._first_forward(planned, drafting)  # [D] the first draft of each drafting row
+        first = self._first_forward(planned, drafting) if planned else None  # [D] each drafting row's first
         for p in planned:
             p.seq.computed += p.token_ids
             p.seq.num_truth = len(p.seq.computed)
         if not drafting:
-            return drafts
-        tokens = self._decode(drafting, first).tolist()  # [D, max drafts]: the one sync of the call
-        for p, row_tokens in zip(drafting, tokens, strict=True):
-            drafts[p.index] = row_tokens[: p.num_drafts]
-            p.seq.computed += drafts[p.index]
+            return DeviceDrafts(counts, empty)
+        assert first is not None
+        tokens = self._decode(drafting, first)  # [D, max drafts], on the device
+        index = stage([np.array([p.index for p in drafting], dtype=np.int64)], self.device)[0]
+        table = torch.zeros((len(rows), tokens.shape[1]), dtype=torch.int64, device=self.device)
+        table[index] = tokens
+        for p in drafting:
+            counts[p.index] = p.num_drafts
+        drafts = DeviceDrafts(counts, table).start_copy()
+        unsettled = []
+        for p in drafting:  # their ids are known once the copy is in: `_settle`
+            unsettled.append((rows[p.index].seq_id, p.seq, len(p.seq.computed), p.index))
+            p.seq.computed += [-1] * p.num_drafts  # (no token id: compares unequal to every truth)
+        self._unsettled = (drafts, unsettled)
         return drafts
+
+    def _settle(self) -> None:
+        """Writes the last call's drafts, now on the host, into their sequences' records (the KV the draft
+        computed for them), for the sequences still in the pool."""
+        if self._unsettled is None:
+            return
+        drafts, unsettled = self._unsettled
+        self._unsettled = None
+        lists = drafts.host()
+        assert self.pool is not None
+        for seq_id, seq, start, row in unsettled:
+            if self.pool.seqs.get(seq_id) is seq:
+                seq.computed[start : start + len(lists[row])] = lists[row]
 
     # -----------------------------------------------------------------------------------------------------
 
@@ -293,7 +328,7 @@ class DraftModelProposer:
         return self._run(inputs, None, last).argmax(-1)
 
     def _decode(self, drafting: list[_Planned], first: torch.Tensor) -> torch.Tensor:
-        """The drafts [D, max num_drafts] on the host: `first`, then greedy decode steps, each over the rows
+        """The drafts [D, max num_drafts] on the device: `first`, then greedy decode steps, each over the rows
         that still draft or still lack their last draft's KV (a prefix of `drafting`, whose num_drafts only
         fall)."""
         assert self.pool is not None
@@ -317,7 +352,7 @@ class DraftModelProposer:
             logits = self._run(inputs, tokens[:batch, j - 1].clone(), wanted)
             if len(wanted):
                 tokens[: len(wanted), j] = logits.argmax(-1)
-        return tokens[:, :most].cpu()
+        return tokens[:, :most]
 
 
 class KVWriteGraphs(DecodeGraphs):
