@@ -259,3 +259,39 @@ def test_device_drafts_feed_their_ids_after_each_first_token() -> None:
     flat, ids = drafts.feed([2, 0], np.array([11, 1]))
     assert flat.tolist() == [11, 12, 1, 2, 3] and ids.tolist() == [8, 9, 5, 6, 7]
     assert drafts.host() == [[5, 6, 7], [], [8, 9]]
+
+
+def test_the_step_trace_shows_proposing_apart_and_counts_the_drafts(tiny_model_dir, tmp_path):
+    """The runner's launch marks come in the trace's phase order, proposing in a phase of its own, and a
+    drafting step's line counts the drafts it verified."""
+    from worker.step_trace import PHASES, StepTrace, read_trace
+
+    runner = make_runner(tiny_model_dir, 400, NGRAM)
+    runner.trace_launches = True
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    launch, finish = runner.launch_forward, runner.finish
+    opened: dict[int, object] = {}
+
+    def traced_launch(plan):
+        out = launch(plan)
+        opened[plan.step_id] = plan
+        return out
+
+    def traced_finish():
+        out = finish()
+        plan = opened.pop(out.step_id)
+        marks = dict(runner.launch_marks)
+        trace.launched(plan, marks["start"], marks["start"], marks)
+        trace.answered(out, marks["start"], marks["start"], marks["start"])
+        return out
+
+    runner.launch_forward, runner.finish = traced_launch, traced_finish
+    ps = prompts(runner.vocab_size)[-4:-2]
+    run_engine(runner, ps, SamplingParams(max_tokens=12, temperature=0.0), pipelined=False)
+    trace.close()
+    lines = read_trace(tmp_path / "steps.jsonl")
+    drafting = [line for line in lines if line.get("drafts")]
+    assert drafting and all(line["decode"] for line in drafting)
+    for line in lines:
+        assert list(line["phases"]) == [p for p in PHASES if p in line["phases"]]
+        assert "propose" in line["phases"] and "inputs" in line["phases"]

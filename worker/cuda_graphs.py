@@ -130,6 +130,13 @@ class DecodeGraphs:
     ) -> torch.Tensor:  # [B, V] logits of the batch's B sequences ([R, V] with `rows`)
         """Copies a decode batch into the static buffers (and `feed`'s tokens, already on the device, to
         their indices) and replays its graph."""
+        hidden = self.replay(inputs, feed)
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
+
+    def replay(
+        self, inputs: HostInputs, feed: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:  # [B, H] the final hidden states: the KV written, no LM head
+        """`run` without the LM head: for a step whose KV is all that counts (a draft's last)."""
         batch = len(inputs.seq_lens)
         size = self.padded_size(batch)
         assert size is not None and inputs.decode_only
@@ -158,8 +165,7 @@ class DecodeGraphs:
         self.block_tables[:batch, :width].copy_(tables)
         self._graphs[size].replay()
         self.num_replays += 1
-        hidden = self._hidden[size][:batch]
-        return self.model.compute_logits(hidden if rows is None else hidden[rows])
+        return self._hidden[size][:batch]
 
 
 def token_buckets(max_num_tokens: int, step: int = 256) -> list[int]:

@@ -8,7 +8,8 @@ milliseconds on one monotonic clock (`perf_counter`, from the worker's start):
 - `wait`: the worker started waiting for the step's results; `done`: they were in (the GPU finished it, if
   the worker had to wait); `sent`: its StepOutput went to the scheduler;
 - `gpu_ms`, `idle_ms`: the step's GPU time and the GPU's idle time before it, from CUDA events (0 off CUDA);
-- `seqs`, `tokens`, `decode` (every sequence computes one token);
+- `seqs`, `tokens`, `decode` (every sequence computes one token of the plan), `drafts` (with speculation:
+  the draft tokens verified beside them, absent when none);
 - `phases`: how long each part of the launch took on the host (ms): `plan` (applying the plan's changes,
   the checks), `propose` (speculation: the proposer's drafts, a draft model's forwards included; ~0 without),
   `inputs` (the batch's arrays), `forward` (queuing the model, or replaying its graph; with drafts, the
@@ -78,7 +79,7 @@ class StepTrace:
         step = self._open.pop(out.step_id, None)
         if step is None or self._file is None:
             return
-        line = {
+        line: dict[str, Any] = {
             "step": out.step_id,
             "seqs": step.seqs,
             "tokens": step.tokens,
@@ -92,6 +93,9 @@ class StepTrace:
             "idle_ms": round(out.gpu_idle_before_s * 1e3, 3),
             "phases": step.phases,
         }
+        drafts = sum(out.num_drafts)
+        if drafts:  # speculation: the draft tokens the step verified (beside `tokens`, the plan's)
+            line["drafts"] = drafts
         self._file.write(json.dumps(line) + "\n")
 
     def close(self) -> None:

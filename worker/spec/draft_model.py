@@ -33,7 +33,7 @@ whose total is bounded by `max_prefill_tokens` (a row that cannot catch up in th
 and proposes nothing yet, so one long prompt never stalls a step); each row that caught up gets its first
 draft from that forward's last logits row, then greedy decode steps batched over the rows (CUDA graphs on
 CUDA, worker/cuda_graphs.py `DecodeGraphs`, for batches up to MAX_GRAPH_BATCH): k - 1 that draft, and one
-more that writes the last draft's KV (`KVWriteGraphs`: no LM head). That step costs a little, but with
+more that writes the last draft's KV (`DecodeGraphs.replay`: no LM head). That step costs a little, but with
 every draft's KV written the next call lacks one token whatever the target accepted (the target's own
 token after the accepted drafts), so its first forward is a decode step too and replays a graph; else a
 sequence whose drafts were all accepted would lack two tokens, and the happy path would run eagerly. The
@@ -121,7 +121,7 @@ class DraftModelProposer:
         self.kv: KVPools | None = None
         self.pool: DraftBlockPool | None = None
         self.graphs: DecodeGraphs | None = None
-        self.kv_graphs: KVWriteGraphs | None = None  # the step that only writes the last drafts' KV
+        self.num_kv_only_replays = 0  # graph replays of a last step that only writes the drafts' KV
         # The last call's drafts, whose ids its sequences' records lack until they are on the host:
         # (drafts, [(seq_id, seq, first draft's index in seq.computed, row of the call)])
         self._unsettled: tuple[DeviceDrafts, list[tuple[int, DraftSeq, int, int]]] | None = None
@@ -170,7 +170,6 @@ class DraftModelProposer:
                 "show_progress": False,
             }
             self.graphs = DecodeGraphs(self.model, self.kv.layers, **sizes)  # type: ignore[arg-type]
-            self.kv_graphs = KVWriteGraphs(self.model, self.kv.layers, **sizes)  # type: ignore[arg-type]
 
     def free(self, seq_id: int) -> None:
         """Returns the sequence's blocks; unknown ids are ignored."""
@@ -283,8 +282,9 @@ class DraftModelProposer:
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
             index = torch.arange(batch, device=self.device)
             fed = None if feed is None else (index, feed)
-            if not len(rows) and self.kv_graphs is not None:  # the KV is all this step is for
-                self.kv_graphs.run(inputs, fed)
+            if not len(rows):  # the KV is all this step is for: no LM head
+                self.num_kv_only_replays += 1
+                self.graphs.replay(inputs, fed)
                 return torch.empty((0, self.model_config.vocab_size), dtype=self.dtype, device=self.device)
             if len(rows) == batch:
                 return self.graphs.run(inputs, fed)  # [B, V]
@@ -353,15 +353,6 @@ class DraftModelProposer:
             if len(wanted):
                 tokens[: len(wanted), j] = logits.argmax(-1)
         return tokens[:, :most]
-
-
-class KVWriteGraphs(DecodeGraphs):
-    """Decode graphs that write the batch's KV and stop at the final norm: the draft's last decode step,
-    whose logits nobody reads (the LM head is most of a small draft's decode step). `run` returns the
-    hidden states."""
-
-    def _forward(self, size: int) -> torch.Tensor:  # [size, H]
-        return self.model(self.token_ids[:size], self.positions[:size], self._meta(size), self.kv_layers)
 
 
 def _common_prefix(seq: DraftSeq, truth: object) -> int:
