@@ -18,11 +18,13 @@ from __future__ import annotations
 import sys
 import time
 
+import numpy as np
 import torch
 
 from worker.attention import AttentionMetadata
 from worker.inputs import HostInputs
 from worker.models.interface import CausalLM, KVCache
+from worker.staging import stage
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -121,18 +123,26 @@ class DecodeGraphs:
         return self.sizes[lo]
 
     def run(
-        self, inputs: HostInputs, feed: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:  # [B, V] logits of the batch's B sequences
+        self,
+        inputs: HostInputs,
+        feed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rows: torch.Tensor | None = None,  # [R] on the device: the batch rows whose logits to return
+    ) -> torch.Tensor:  # [B, V] logits of the batch's B sequences ([R, V] with `rows`)
         """Copies a decode batch into the static buffers (and `feed`'s tokens, already on the device, to
         their indices) and replays its graph."""
+        hidden = self.replay(inputs, feed)
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
+
+    def replay(
+        self, inputs: HostInputs, feed: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:  # [B, H] the final hidden states: the KV written, no LM head
+        """`run` without the LM head: for a step whose KV is all that counts (a draft's last)."""
         batch = len(inputs.seq_lens)
         size = self.padded_size(batch)
         assert size is not None and inputs.decode_only
-        # One pinned host buffer per step, copied to the device in a single transfer: token ids, positions,
-        # slots, then seq_lens, as int64 rows. A fresh one from torch's pinned-memory cache, which reuses it
-        # only once the copy is done: the next step is prepared while this one may still wait to run.
-        staging = torch.empty(4 * size, dtype=torch.int64, pin_memory=True)
-        host = staging.numpy()
+        # One pinned host buffer per step, copied to the device in a single transfer (worker/staging.py):
+        # token ids, positions, slots, then seq_lens, as int64 rows, and the batch's block tables.
+        host = np.empty(4 * size, dtype=np.int64)
         host[:batch] = inputs.token_ids
         host[size : size + batch] = inputs.positions
         host[2 * size : 2 * size + batch] = inputs.slot_mapping
@@ -142,7 +152,7 @@ class DecodeGraphs:
             host[size + batch : 2 * size] = 0
             host[2 * size + batch : 3 * size] = -1
             host[3 * size + batch : 4 * size] = 1
-        staged = staging.to(self.token_ids.device, non_blocking=True)
+        staged, tables = stage([host, inputs.block_tables], self.token_ids.device)
         self.token_ids[:size].copy_(staged[:size])
         if feed is not None:
             self.token_ids[feed[0]] = feed[1]
@@ -152,12 +162,10 @@ class DecodeGraphs:
         # Only the columns this batch uses; the rest of each row is never read (seq_lens bounds the reads).
         # A padding row keeps whatever valid block ids it last held and reads one token of them.
         width = inputs.block_tables.shape[1]
-        tables = torch.empty((batch, width), dtype=torch.int32, pin_memory=True)
-        tables.numpy()[:] = inputs.block_tables
-        self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
+        self.block_tables[:batch, :width].copy_(tables)
         self._graphs[size].replay()
         self.num_replays += 1
-        return self.model.compute_logits(self._hidden[size][:batch])
+        return self._hidden[size][:batch]
 
 
 def token_buckets(max_num_tokens: int, step: int = 256) -> list[int]:

@@ -44,8 +44,10 @@ from worker.plan_check import PlanLimits
 from worker.prompt_logprobs import PromptScores, score_prompts, select_prompt_rows, take_prompt_scores
 from worker.sampler import sample_tensors
 from worker.sequences import BlockTableArray, SeqState, Sequences
+from worker.spec.decode_rows import verification_inputs
 from worker.spec.factory import build_speculation
 from worker.spec.verify import check_draft_slots, prepare_drafts
+from worker.staging import stage
 from worker.steps import ForwardedStep, LaunchedStep, batch_indices, step_sampling_tensors
 from worker.structured import StructuredOutputs, step_tokens
 from worker.warmup import warm_up_sampling_kernels
@@ -239,18 +241,20 @@ class ModelRunner:
 
     def _to_device(self, inputs: HostInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids [T], positions [T] and attention metadata on the runner's device."""
-        put = self._put
-
+        arrays = [inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables]
+        token_ids, positions, slots, tables, lens, starts = stage(
+            [*arrays, inputs.seq_lens, inputs.query_start_loc], self.device
+        )  # one pinned buffer, one copy (worker/staging.py)
         meta = AttentionMetadata(
-            slot_mapping=put(inputs.slot_mapping),
-            block_tables=put(inputs.block_tables),
-            seq_lens=put(inputs.seq_lens),
-            query_start_loc=put(inputs.query_start_loc),
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=lens,
+            query_start_loc=starts,
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             num_decode_seqs=inputs.num_decode_seqs,
         )
-        return put(inputs.token_ids), put(inputs.positions), meta
+        return token_ids, positions, meta
 
     def _forward(
         self, inputs: HostInputs, sampling: list[int], feed: tuple[torch.Tensor, torch.Tensor] | None,
@@ -261,6 +265,8 @@ class ModelRunner:
         captured graph holds replays it; other steps replay the piecewise graphs (attention eagerly)."""
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
+            if rows is not None and sampling and scores is None:  # verification: 1 + d rows per sampler
+                return self.graphs.run(inputs, feed, self._put(rows))
             logits = self.graphs.run(inputs, feed)  # [B, V]
             score_prompts(scores, logits)  # one token per sequence: its flat row is its batch row
             if len(sampling) == batch:
@@ -316,11 +322,13 @@ class ModelRunner:
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return None
         sampling = batch_indices(plan)
-        spec = prepare_drafts(self.spec, plan, seqs, sampling, self.tables)  # None: no draft slots
         mark("plan")
+        spec = prepare_drafts(self.spec, plan, seqs, sampling, self.tables)  # None: no draft slots
+        mark("propose")
         batch_seqs, batch_tokens = (spec.input_seqs, spec.num_tokens) if spec else (seqs, num_tokens)
         inputs = host_inputs(self.tables, batch_seqs, batch_tokens, self.block_size)
         feed = self._pending_feed(plan.scheduled_seq_ids, seqs, inputs)
+        feed = spec.draft_feed(feed, inputs.query_start_loc, sampling) if spec else feed  # device drafts
         mark("inputs")
         started = ended = None
         if self.device.type == "cuda":
@@ -328,6 +336,8 @@ class ModelRunner:
             started.record()
         scores = select_prompt_rows(plan, seqs, inputs.query_start_loc, self._put, self.prompt_scores)
         rows = spec.logits_rows(inputs.query_start_loc, sampling) if spec else None  # drafts: 1 + d each
+        if spec is not None:  # verification as decode rows where it can (worker/spec/decode_rows.py)
+            inputs = verification_inputs(inputs, num_tokens, spec.num_tokens, scores is not None, self.graphs)
         logits = self._forward(inputs, sampling, feed, scores, rows)
         mark("forward")
         if self.trace_launches:

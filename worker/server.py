@@ -386,6 +386,8 @@ def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any, stop: _Sto
         msg = decode(frames)
         if isinstance(msg, StepPlan):
             try:
+                while msg.draft_slots and runner.in_flight:  # drafts read the tokens on the host (rank 0 too)
+                    runner.finish()
                 runner.launch(msg)  # behind the step before it, as rank 0 does
                 while len(runner.in_flight) > 1:
                     runner.finish()

@@ -8,9 +8,12 @@ milliseconds on one monotonic clock (`perf_counter`, from the worker's start):
 - `wait`: the worker started waiting for the step's results; `done`: they were in (the GPU finished it, if
   the worker had to wait); `sent`: its StepOutput went to the scheduler;
 - `gpu_ms`, `idle_ms`: the step's GPU time and the GPU's idle time before it, from CUDA events (0 off CUDA);
-- `seqs`, `tokens`, `decode` (every sequence computes one token);
+- `seqs`, `tokens`, `decode` (every sequence computes one token of the plan), `drafts` (with speculation:
+  the draft tokens verified beside them, absent when none);
 - `phases`: how long each part of the launch took on the host (ms): `plan` (applying the plan's changes,
-  the checks), `inputs` (the batch's arrays), `forward` (queuing the model, or replaying its graph),
+  the checks), `propose` (speculation: the proposer's drafts, a draft model's forwards included; ~0 without),
+  `inputs` (the batch's arrays), `forward` (queuing the model, or replaying its graph; with drafts, the
+  target's verification, as decode rows where they fit a graph: worker/spec/decode_rows.py),
   `previous_step` (waiting for the step before it and answering it), `sampling_params` and `sample`
   (queuing the sampler and the copy of its results);
 - `split` (worker/launch_trace.py): on CUDA the step's GPU time cut at the end of its forward pass and at
@@ -38,7 +41,7 @@ from typing import IO, Any
 from common.messages import StepOutput, StepPlan
 
 # ModelRunner.launch_forward's and launch_sampling's, in order
-PHASES = ("plan", "inputs", "forward", "previous_step", "sampling_params", "sample")
+PHASES = ("plan", "propose", "inputs", "forward", "previous_step", "sampling_params", "sample")
 # worker/launch_trace.py's: the GPU split, then structured output's costs (worker/structured.py)
 SPLIT_KEYS = (
     "forward_gpu_ms",
@@ -98,7 +101,7 @@ class StepTrace:
         step = self._open.pop(out.step_id, None)
         if step is None or self._file is None:
             return
-        line = {
+        line: dict[str, Any] = {
             "step": out.step_id,
             "seqs": step.seqs,
             "tokens": step.tokens,
@@ -114,6 +117,9 @@ class StepTrace:
         }
         if split:
             line["split"] = split
+        drafts = sum(out.num_drafts)
+        if drafts:  # speculation: the draft tokens the step verified (beside `tokens`, the plan's)
+            line["drafts"] = drafts
         self._file.write(json.dumps(line) + "\n")
 
     def close(self) -> None:

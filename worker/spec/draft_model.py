@@ -33,7 +33,7 @@ whose total is bounded by `max_prefill_tokens` (a row that cannot catch up in th
 and proposes nothing yet, so one long prompt never stalls a step); each row that caught up gets its first
 draft from that forward's last logits row, then greedy decode steps batched over the rows (CUDA graphs on
 CUDA, worker/cuda_graphs.py `DecodeGraphs`, for batches up to MAX_GRAPH_BATCH): k - 1 that draft, and one
-more that writes the last draft's KV (`KVWriteGraphs`: no LM head). That step costs a little, but with
+more that writes the last draft's KV (`DecodeGraphs.replay`: no LM head). That step costs a little, but with
 every draft's KV written the next call lacks one token whatever the target accepted (the target's own
 token after the accepted drafts), so its first forward is a decode step too and replays a graph; else a
 sequence whose drafts were all accepted would lack two tokens, and the happy path would run eagerly. The
@@ -60,9 +60,11 @@ from worker.loader import load_model_config, load_weights
 from worker.model_config import resolve_max_model_len
 from worker.models.registry import build_model
 from worker.parallel import ParallelContext
+from worker.spec.device_drafts import DeviceDrafts
 from worker.spec.draft_checks import check_draft
 from worker.spec.draft_pool import DraftBlockPool, DraftSeq
 from worker.spec.proposer import ProposeRow
+from worker.staging import stage
 
 MAX_GRAPH_BATCH = 64  # decode graphs up to this batch: speculation backs off well before it at high load
 DEFAULT_POOL_FRACTION = 0.05  # of the device's memory, for a pool that `allocate_kv` did not size
@@ -119,7 +121,10 @@ class DraftModelProposer:
         self.kv: KVPools | None = None
         self.pool: DraftBlockPool | None = None
         self.graphs: DecodeGraphs | None = None
-        self.kv_graphs: KVWriteGraphs | None = None  # the step that only writes the last drafts' KV
+        self.num_kv_only_replays = 0  # graph replays of a last step that only writes the drafts' KV
+        # The last call's drafts, whose ids its sequences' records lack until they are on the host:
+        # (drafts, [(seq_id, seq, first draft's index in seq.computed, row of the call)])
+        self._unsettled: tuple[DeviceDrafts, list[tuple[int, DraftSeq, int, int]]] | None = None
 
     @property
     def kv_block_bytes(self) -> int:
@@ -165,7 +170,6 @@ class DraftModelProposer:
                 "show_progress": False,
             }
             self.graphs = DecodeGraphs(self.model, self.kv.layers, **sizes)  # type: ignore[arg-type]
-            self.kv_graphs = KVWriteGraphs(self.model, self.kv.layers, **sizes)  # type: ignore[arg-type]
 
     def free(self, seq_id: int) -> None:
         """Returns the sequence's blocks; unknown ids are ignored."""
@@ -176,28 +180,59 @@ class DraftModelProposer:
     def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
         """Each row's greedy drafts (at most its num_tokens, at most num_speculative_tokens); none for a row
         still catching up, one the pool has no blocks for, one at max_model_len, or one whose tokens the
-        draft's vocabulary lacks."""
-        drafts: list[list[int]] = [[] for _ in rows]
+        draft's vocabulary lacks. (`propose_on_device`, then a wait for the drafts.)"""
+        drafts = self.propose_on_device(rows).host()
+        self._settle()
+        return drafts
+
+    @torch.inference_mode()
+    def propose_on_device(self, rows: list[ProposeRow]) -> DeviceDrafts:
+        """`propose`'s drafts left on the device (worker/spec/device_drafts.py): their counts are known now,
+        their ids come to the host behind the draft's work, without a wait here. The draft's own record of
+        them is completed at the next call."""
+        self._settle()
+        empty = torch.zeros((len(rows), 0), dtype=torch.int64, device=self.device)
         if not rows:
-            return drafts
+            return DeviceDrafts([], empty)
         if self.pool is None:
             self.allocate_kv(self.default_num_blocks())
         planned = self._plan(rows)
-        if not planned:
-            return drafts
+        counts = [0] * len(rows)
         # Drafting rows, most drafts first: the decode steps run on a shrinking prefix of them.
         drafting = sorted((p for p in planned if p.num_drafts), key=lambda p: -p.num_drafts)
-        first = self._first_forward(planned, drafting)  # [D] the first draft of each drafting row
+        first = self._first_forward(planned, drafting) if planned else None  # [D] each drafting row's first
         for p in planned:
             p.seq.computed += p.token_ids
             p.seq.num_truth = len(p.seq.computed)
         if not drafting:
-            return drafts
-        tokens = self._decode(drafting, first).tolist()  # [D, max drafts]: the one sync of the call
-        for p, row_tokens in zip(drafting, tokens, strict=True):
-            drafts[p.index] = row_tokens[: p.num_drafts]
-            p.seq.computed += drafts[p.index]
+            return DeviceDrafts(counts, empty)
+        assert first is not None
+        tokens = self._decode(drafting, first)  # [D, max drafts], on the device
+        index = stage([np.array([p.index for p in drafting], dtype=np.int64)], self.device)[0]
+        table = torch.zeros((len(rows), tokens.shape[1]), dtype=torch.int64, device=self.device)
+        table[index] = tokens
+        for p in drafting:
+            counts[p.index] = p.num_drafts
+        drafts = DeviceDrafts(counts, table).start_copy()
+        unsettled = []
+        for p in drafting:  # their ids are known once the copy is in: `_settle`
+            unsettled.append((rows[p.index].seq_id, p.seq, len(p.seq.computed), p.index))
+            p.seq.computed += [-1] * p.num_drafts  # (no token id: compares unequal to every truth)
+        self._unsettled = (drafts, unsettled)
         return drafts
+
+    def _settle(self) -> None:
+        """Writes the last call's drafts, now on the host, into their sequences' records (the KV the draft
+        computed for them), for the sequences still in the pool."""
+        if self._unsettled is None:
+            return
+        drafts, unsettled = self._unsettled
+        self._unsettled = None
+        lists = drafts.host()
+        assert self.pool is not None
+        for seq_id, seq, start, row in unsettled:
+            if self.pool.seqs.get(seq_id) is seq:
+                seq.computed[start : start + len(lists[row])] = lists[row]
 
     # -----------------------------------------------------------------------------------------------------
 
@@ -239,37 +274,37 @@ class DraftModelProposer:
         planned.sort(key=lambda p: len(p.token_ids) != 1)  # decodes first, as the target's plans
         return planned
 
-    def _put(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
-
     def _run(self, inputs: HostInputs, feed: torch.Tensor | None, rows: np.ndarray) -> torch.Tensor:
         """Logits [len(rows), V] at the batch's flat token indices `rows`; `feed` [B] (on the device) replaces
-        the token ids of a decode batch."""
+        the token ids of a decode batch. The host arrays go over in one pinned buffer (worker/staging.py)."""
         assert self.kv is not None
         batch = len(inputs.seq_lens)
         if self.graphs is not None and inputs.decode_only and self.graphs.padded_size(batch):
             index = torch.arange(batch, device=self.device)
             fed = None if feed is None else (index, feed)
-            if not len(rows) and self.kv_graphs is not None:  # the KV is all this step is for
-                self.kv_graphs.run(inputs, fed)
+            if not len(rows):  # the KV is all this step is for: no LM head
+                self.num_kv_only_replays += 1
+                self.graphs.replay(inputs, fed)
                 return torch.empty((0, self.model_config.vocab_size), dtype=self.dtype, device=self.device)
-            logits = self.graphs.run(inputs, fed)  # [B, V]
-            return logits if len(rows) == batch else logits[self._put(rows)]
-        token_ids = feed if feed is not None else self._put(inputs.token_ids)
+            if len(rows) == batch:
+                return self.graphs.run(inputs, fed)  # [B, V]
+            return self.graphs.run(inputs, fed, stage([rows], self.device)[0])
+        arrays = [inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables]
+        token_ids, positions, slots, tables, lens, starts, picked = stage(
+            [*arrays, inputs.seq_lens, inputs.query_start_loc, rows], self.device
+        )
         meta = AttentionMetadata(
-            slot_mapping=self._put(inputs.slot_mapping),
-            block_tables=self._put(inputs.block_tables),
-            seq_lens=self._put(inputs.seq_lens),
-            query_start_loc=self._put(inputs.query_start_loc),
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=lens,
+            query_start_loc=starts,
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             num_decode_seqs=inputs.num_decode_seqs,
         )
-        hidden = self.model(token_ids, self._put(inputs.positions), meta, self.kv.layers)  # [T, H]
-        return self.model.compute_logits(hidden[self._put(rows)])
+        token_ids = feed if feed is not None else token_ids
+        hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
+        return self.model.compute_logits(hidden[picked])
 
     def _first_forward(self, planned: list[_Planned], drafting: list[_Planned]) -> torch.Tensor:
         """Computes every planned row's tokens; returns the first drafts [D] of `drafting` (planned rows, in
@@ -293,7 +328,7 @@ class DraftModelProposer:
         return self._run(inputs, None, last).argmax(-1)
 
     def _decode(self, drafting: list[_Planned], first: torch.Tensor) -> torch.Tensor:
-        """The drafts [D, max num_drafts] on the host: `first`, then greedy decode steps, each over the rows
+        """The drafts [D, max num_drafts] on the device: `first`, then greedy decode steps, each over the rows
         that still draft or still lack their last draft's KV (a prefix of `drafting`, whose num_drafts only
         fall)."""
         assert self.pool is not None
@@ -317,16 +352,7 @@ class DraftModelProposer:
             logits = self._run(inputs, tokens[:batch, j - 1].clone(), wanted)
             if len(wanted):
                 tokens[: len(wanted), j] = logits.argmax(-1)
-        return tokens[:, :most].cpu()
-
-
-class KVWriteGraphs(DecodeGraphs):
-    """Decode graphs that write the batch's KV and stop at the final norm: the draft's last decode step,
-    whose logits nobody reads (the LM head is most of a small draft's decode step). `run` returns the
-    hidden states."""
-
-    def _forward(self, size: int) -> torch.Tensor:  # [size, H]
-        return self.model(self.token_ids[:size], self.positions[:size], self._meta(size), self.kv_layers)
+        return tokens[:, :most]
 
 
 def _common_prefix(seq: DraftSeq, truth: object) -> int:

@@ -34,6 +34,7 @@ from worker.logits_processors import LogitsProcessors
 from worker.plan_check import PlanError, PlanLimits
 from worker.sampler import MASK64, SamplingTensors
 from worker.sequences import BlockTableArray, SeqState
+from worker.spec.device_drafts import DeviceDrafts
 from worker.spec.proposer import Proposer, ProposeRow
 from worker.structured import TokenBitmask
 
@@ -55,6 +56,10 @@ class SpecBatch:
     block_size: int
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # logits rows per sampler
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # its first row
+    # Drafts left on the device by the proposer (`drafts` then holds 0s until `accept`), and per sampler
+    # its row of their propose call (-1: no drafts)
+    device: DeviceDrafts | None = None
+    call_rows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.counts = np.fromiter((1 + len(d) for d in self.drafts), np.int64, len(self.drafts))
@@ -70,8 +75,21 @@ class SpecBatch:
         """The logits rows of fork parents given by sampler index (parents draft nothing: one row each)."""
         return [int(self.offsets[i] + self.counts[i] - 1) for i in parents]
 
+    def draft_feed(
+        self, feed: tuple[torch.Tensor, torch.Tensor] | None, query_start_loc: np.ndarray, sampling: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's feed (the runner's pending tokens) with the drafts on the device added: a drafting
+        sequence's drafts follow its first token in the flat token ids."""
+        if self.device is None:
+            return feed
+        drafting = [i for i, r in enumerate(self.call_rows) if r >= 0]
+        firsts = query_start_loc[:-1][sampling][drafting].astype(np.int64) + 1
+        flat, ids = self.device.feed([self.call_rows[i] for i in drafting], firsts)
+        return (flat, ids) if feed is None else (torch.cat([feed[0], flat]), torch.cat([feed[1], ids]))
+
     def add_forks(self, num_children: int) -> None:
         """Fork children sample one row each, after the samplers' rows."""
+        self.call_rows = self.call_rows + [-1] * num_children if self.call_rows else []
         self.drafts = self.drafts + [[] for _ in range(num_children)]
         self.slotted = self.slotted + [False] * num_children
         self.__post_init__()
@@ -107,6 +125,10 @@ class SpecBatch:
     ) -> tuple[list[int], list[list[int]], list[list[TokenLogprobs | None]]]:
         """Per sampler: its first token, and all the tokens it emits (the accepted drafts and one more) with
         their logprobs."""
+        if self.device is not None:  # the drafts' ids, copied to the host behind the step's work
+            host = self.device.host()
+            self.drafts = [host[r] if r >= 0 else d for r, d in zip(self.call_rows, self.drafts, strict=True)]
+            self.device = None
         firsts, emitted, emitted_logprobs = [], [], []
         for off, drafts in zip(self.offsets.tolist(), self.drafts, strict=True):
             drawn = tokens[off : off + len(drafts) + 1]
@@ -215,7 +237,12 @@ class Speculation:
                 rows.append(ProposeRow(seq_id, seq.token_ids, k))
                 batches.append(b)
         self._known.update(row.seq_id for row in rows)
-        proposed = self.proposer.propose(rows) if rows else []
+        on_device = getattr(self.proposer, "propose_on_device", None)  # drafts left on the device
+        device = on_device(rows) if on_device is not None and rows else None
+        if device is not None:  # their ids reach the target on the device (`draft_feed`); 0s stand in here
+            device.counts = [min(n, row.num_tokens) for n, row in zip(device.counts, rows, strict=True)]
+        proposed = self.proposer.propose(rows) if rows and device is None else []
+        proposed = [[0] * n for n in device.counts] if device is not None else proposed
         drafts_of: dict[int, list[int]] = {}
         vocab = self.limits.vocab_size
         for row, b, drafts in zip(rows, batches, proposed, strict=True):
@@ -231,7 +258,12 @@ class Speculation:
             input_seqs[b] = replace(seqs[b], token_ids=seqs[b].token_ids + drafts)
         drafts = [drafts_of.get(b, []) for b in sampling]
         slotted = [plan.scheduled_seq_ids[b] in slots for b in sampling]
-        return SpecBatch(num_tokens, input_seqs, drafts, slotted, bs)
+        batch = SpecBatch(num_tokens, input_seqs, drafts, slotted, bs)
+        if device is not None:
+            call_row = {b: i for i, b in enumerate(batches)}
+            batch.device = device
+            batch.call_rows = [call_row[b] if b in drafts_of else -1 for b in sampling]
+        return batch
 
 
 def check_draft_slots(plan: StepPlan, spec: Speculation | None) -> str | None:
