@@ -30,10 +30,9 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
 def _specs(draft_dir: Path) -> dict[str, str]:
-    # (A draft of another checkpoint: with the target's own checkpoint as its draft, two ranks gave other
-    # tokens than one process, before this change too; see docs/speculative.md "Limits".)
-    draft = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
-    return {"ngram": NGRAM, "draft_model": json.dumps(draft)}
+    # (No draft model: refused with tensor parallelism until the wrong tokens of docs/speculative.md "Limits"
+    # are fixed, test_a_draft_model_is_refused_with_tensor_parallelism.)
+    return {"ngram": NGRAM}
 
 
 def _engine(runner: ModelRunner, parallel: ParallelContext) -> dict[tuple[int, int], list[int]]:
@@ -101,7 +100,7 @@ def single(tiny_model_dir: Path) -> dict[tuple[int, int], list[int]]:
     return _engine(ModelRunner(_worker_config(tiny_model_dir), "torch"), ParallelContext())
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model"])
+@pytest.mark.parametrize("name", ["ngram"])
 def test_two_ranks_verify_as_one_process_without_speculation(name, ranks, single) -> None:
     """(The followers finish the step in flight before a plan with draft slots, as rank 0 does: they
     failed such plans with 'draft slots past its known tokens' before.)"""
@@ -111,3 +110,12 @@ def test_two_ranks_verify_as_one_process_without_speculation(name, ranks, single
     assert rank0["tokens"] == single
     if name == "ngram":  # drafts accepted: runs of several tokens in one step
         assert any(len(tokens) > len(seq_ids) for _, seq_ids, tokens in rank0["outputs"])
+
+
+def test_a_draft_model_is_refused_with_tensor_parallelism(tiny_model_dir: Path) -> None:
+    """With the target's own checkpoint as its draft (every draft accepted), two ranks kept the right tokens
+    in the worker but reported others: until that is fixed the configuration fails at start, in one line."""
+    draft = json.dumps({"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
+        _worker_config(tiny_model_dir, "cpu", tensor_parallel_size=2, speculative_config=draft)
+    _worker_config(tiny_model_dir, "cpu", tensor_parallel_size=2, speculative_config=NGRAM)  # n-gram is fine
