@@ -233,8 +233,8 @@ class WorkerConfig:
             self.speculative_config
         )  # a bad config fails at start, naming the key
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
-            # Found on the CPU (two gloo ranks, the target as its own draft): the worker kept the right
-            # tokens but reported other ones for accepted drafts. Refused until that is found and fixed.
+            # Found on the CPU (two gloo ranks, the target as its own draft): the tokens reported for steps
+            # with accepted drafts were wrong. Refused until that is found and fixed.
             raise ValueError(
                 "a draft_model speculative config is not supported with tensor_parallel_size > 1 yet "
                 "(docs/speculative.md, Limits); the ngram method is"
