@@ -39,18 +39,23 @@ BLOCK = (16, 32)  # small blocks so the tiny shapes have several, and partial on
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with biased projections, saved by transformers in float32."""
+    path = tmp_path_factory.mktemp("fp8") / "float"
+    return save_biased_llama(path, intermediate_size=344, num_hidden_layers=3, mlp_bias=True)
+
+
+def save_biased_llama(path: Path, **config: object) -> Path:
+    """A tiny float32 Llama (transformers' own class, seed 0) with q/k/v biases, random biases and norm gains,
+    `config` over the shape below, saved at `path`."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
-        attention_bias=True, mlp_bias=True, initializer_range=0.08, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    config = dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+        max_position_embeddings=512, attention_bias=True, initializer_range=0.08, tie_word_embeddings=False,
+    ) | config  # fmt: skip
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    path = tmp_path_factory.mktemp("fp8") / "float"
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -1,6 +1,6 @@
 """Speculative verification as decode rows under tensor parallelism (gloo on the CPU, two ranks): every rank
-expands the same plan to the same rows (and the draft model, replicated, feeds the same drafts on every
-rank, on the device), so the ranks' tokens equal one process's without speculation."""
+expands the same plan to the same rows, so with n-gram drafts the ranks' tokens equal one process's without
+speculation; a draft model is refused with tensor parallelism (docs/speculative.md, "Limits")."""
 
 from __future__ import annotations
 
@@ -11,15 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from common.log import get_logger
 from common.messages import SamplingParams, Shutdown, encode
 from scripts._servers import free_port
-from scripts.make_model import make_model
 from tests.engine_loop import run_engine
 from tests.test_speculative_engine import NGRAM, prompts
-from tests.test_tensor_parallel import WORLD_SIZE, Recorder, _worker_config
+from tests.test_tensor_parallel import WORLD_SIZE, Recorder, _worker_config, spawn_ranks
 from worker import server
 from worker.loader import load_model_config
 from worker.model_runner import ModelRunner
@@ -29,10 +27,9 @@ TIMEOUT_S = 180.0
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
-def _specs(draft_dir: Path) -> dict[str, str]:
-    # (No draft model: refused with tensor parallelism until the wrong tokens of docs/speculative.md "Limits"
-    # are fixed, test_a_draft_model_is_refused_with_tensor_parallelism.)
-    return {"ngram": NGRAM}
+# (No draft model: refused with tensor parallelism until the wrong tokens of docs/speculative.md "Limits"
+# are fixed, test_a_draft_model_is_refused_with_tensor_parallelism.)
+SPECS = {"ngram": NGRAM}
 
 
 def _engine(runner: ModelRunner, parallel: ParallelContext) -> dict[tuple[int, int], list[int]]:
@@ -47,13 +44,13 @@ def _engine(runner: ModelRunner, parallel: ParallelContext) -> dict[tuple[int, i
     return run.tokens
 
 
-def _rank_main(rank: int, model_dir: Path, draft_dir: Path, init_method: str, out_dir: Path) -> None:
+def _rank_main(rank: int, model_dir: Path, init_method: str, out_dir: Path) -> None:
     torch.set_num_threads(1)
     tp = {"tensor_parallel_size": WORLD_SIZE, "rank": rank, "dist_init_method": init_method}
     cfg = _worker_config(model_dir, "cpu", **tp)
     cfg, parallel = init_parallel(cfg, load_model_config(model_dir))
     log = get_logger(process="worker", rank=rank)
-    for name, spec in _specs(draft_dir).items():
+    for name, spec in SPECS.items():
         runner = ModelRunner(replace(cfg, speculative_config=spec), cfg.resolved_attention_backend, parallel)
         recorder = Recorder(runner)
         if rank == 0:
@@ -71,28 +68,8 @@ def _rank_main(rank: int, model_dir: Path, draft_dir: Path, init_method: str, ou
 @pytest.fixture(scope="module")
 def ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out_dir = tmp_path_factory.mktemp("tp-spec")
-    draft_dir = make_model(out_dir / "tiny-draft", preset="tiny-draft", seed=1)
-    context = mp.start_processes(
-        _rank_main,
-        args=(tiny_model_dir, draft_dir, f"tcp://127.0.0.1:{free_port()}", out_dir),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        for _ in range(int(TIMEOUT_S)):
-            if context.join(timeout=1):
-                break
-        else:
-            raise AssertionError(f"the ranks did not finish within {TIMEOUT_S} s")
-    finally:
-        for proc in context.processes:
-            if proc.is_alive():
-                proc.kill()
-    return {
-        name: [torch.load(out_dir / f"{name}-rank{r}.pt") for r in range(WORLD_SIZE)]
-        for name in _specs(draft_dir)
-    }
+    spawn_ranks(_rank_main, (tiny_model_dir, f"tcp://127.0.0.1:{free_port()}", out_dir), TIMEOUT_S)
+    return {name: [torch.load(out_dir / f"{name}-rank{r}.pt") for r in range(WORLD_SIZE)] for name in SPECS}
 
 
 @pytest.fixture(scope="module")

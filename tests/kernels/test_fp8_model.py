@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernels import fp8_quant, fused_ops
 from tests.kernels.conftest import INTERPRET, gpu
+from tests.test_fp8_weights import save_biased_llama
 from tests.test_model_runner import Driver, _random_prompt, make_runner
 from worker.models import fp8_linear, layers
 from worker.models.fp8_linear import Fp8Activation, quantize_rows, scaled_mm_per_token
@@ -81,20 +81,8 @@ def test_the_fp8_product_is_unchanged_bit_for_bit(monkeypatch: pytest.MonkeyPatc
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama whose every projection takes FP8 products (sizes that are multiples of 16), with
     q/k/v biases and random norm gains."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
-        attention_bias=True, initializer_range=0.08, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
     path = tmp_path_factory.mktemp("fp8act") / "llama"
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_biased_llama(path, intermediate_size=256, num_hidden_layers=2)
 
 
 def _logits(
