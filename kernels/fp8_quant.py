@@ -2,8 +2,9 @@
 its absolute maximum / 448 and rounded to e4m3, with its float32 scale, for the row-wise FP8 products of
 worker/models/fp8_linear.py. PyTorch runs the same as seven kernels and a float32 copy of the activation.
 
-The result is the reference's (kernels/reference_fp8.py) to the bit: the scale and the scaled values are
-IEEE-rounded divisions (`div_rn`; Triton's `/` is an approximate division on the GPU) and the e4m3 rounding
+The result is the reference's (kernels/reference_fp8.py) to the bit on every device: the scale is the absolute
+maximum times float32(1 / 448) (PyTorch's own scalar division on CUDA), the scaled values are IEEE-rounded
+divisions (`div_rn`; Triton's `/` is an approximate division on the GPU) and the e4m3 rounding
 is done in integer operations (kernels/cache_ops.py `_round_to_e4m3`, which the interpreter also gets right).
 Inputs are finite (a NaN or infinity in an activation gives another encoding of NaN than PyTorch's). No host
 synchronisation: CUDA graphs capture it.
@@ -17,16 +18,18 @@ import triton.language as tl
 
 from kernels.cache_ops import FP8_MAX, _round_to_e4m3
 from kernels.reference import FP8_DTYPE
+from kernels.reference_fp8 import INV_FP8_MAX as _INV_FP8_MAX
 from kernels.reference_fp8 import MIN_SCALE as _MIN_SCALE
 
 MIN_SCALE: tl.constexpr = tl.constexpr(_MIN_SCALE)
+INV_FP8_MAX: tl.constexpr = tl.constexpr(_INV_FP8_MAX)
 MAX_ONE_PASS = 8192  # rows up to this many elements are held in registers; longer ones are read twice
 
 
 @triton.jit
 def row_scale(absmax):
     """A row's float32 scale from its float32 absolute maximum (as kernels/reference_fp8.py computes it)."""
-    return tl.maximum(tl.math.div_rn(absmax, FP8_MAX), MIN_SCALE)
+    return tl.maximum(absmax * INV_FP8_MAX, MIN_SCALE)
 
 
 @triton.jit

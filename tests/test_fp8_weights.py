@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.config import WorkerConfig
-from tests import test_gpu_graphs as gpu_graphs
 from tests import test_tensor_parallel as tp
 from tests.test_model_runner import Driver, _random_prompt, make_runner
 from worker.loader import load_model_config
@@ -422,23 +421,31 @@ def test_fp8_products_follow_the_dequantized_twin(float_dir: Path, tmp_path: Pat
 @pytest.mark.gpu
 @needs_fp8_gpu
 def test_decode_cuda_graphs_capture_fp8_products(float_dir: Path, tmp_path: Path) -> None:
-    """Decode graphs (and the piecewise ones) captured with FP8 linears: the tokens of eager execution, up to
-    near ties (the graphs' split-KV choice rounds bf16 sums differently; where tokens differ, the two
-    candidates must be within 0.1 nats under the eager FP8 model itself)."""
+    """Decode graphs (and the piecewise ones) captured with FP8 linears compute eager execution's logits: the
+    same prompts and tokens through both runners, row by row, relative L2 under 0.05. The graphs' split-KV
+    choice rounds bf16 sums differently, and an activation a bf16 unit apart can round to another e4m3 value,
+    so the rows are not bit-equal; a stale activation or scale in a graph would be off by order 1, and FP8's
+    own error against float32 (test above) is allowed 0.25. A sequence stops once its two greedy tokens differ
+    (a near tie), so that both runners keep seeing the same tokens."""
     out = write_fp8_checkpoint(float_dir, tmp_path, "compressed-tensors-channel")
     graphed, eager = _cuda_runner(out / "fp8", False), _cuda_runner(out / "fp8", True)
     assert graphed.graphs is not None and graphed.model.layers[0].self_attn.o_proj.fp8_matmul
+    drivers = (Driver(graphed), Driver(eager))
     rng = random.Random(3)
     prompts = [[rng.randrange(graphed.vocab_size) for _ in range(rng.randint(1, 90))] for _ in range(13)]
-    max_tokens = [rng.randint(5, 30) for _ in prompts]
-    mine, theirs = (gpu_graphs._generate(r, prompts, max_tokens) for r in (graphed, eager))
-    assert graphed.graphs.num_replays > 0 and [len(t) for t in mine] == max_tokens
-    driver = Driver(_cuda_runner(out / "fp8", True))  # 256 blocks: room for every prompt at once
-    for i, (prompt, a, b) in enumerate(zip(prompts, mine, theirs, strict=True)):
-        if a == b:
-            continue
-        k = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-        driver.add(i, prompt + a[:k])
-        driver.step({i: len(prompt) + k})
-        logprobs = torch.log_softmax(driver.records[-1][2].float(), dim=-1)
-        assert abs(logprobs[a[k]] - logprobs[b[k]]).item() < 0.1, f"token {k}: {a[k]} vs {b[k]}"
+    for d in drivers:
+        for i, prompt in enumerate(prompts):
+            d.add(i, prompt)
+            d.step({i: len(prompt)})  # one prompt a step: within max_num_batched_tokens
+    decode_rows = 0
+    for _ in range(12):  # decode batches of up to 13, padded to the graph of 16
+        live = [i for i in range(len(prompts)) if drivers[0].tokens[i] == drivers[1].tokens[i]]
+        for d in drivers:
+            d.step({i: 1 for i in live})
+        decode_rows += len(live)
+    assert graphed.graphs.num_replays > 0 and decode_rows >= 6 * len(prompts), decode_rows
+    errors = []
+    for (s, i, row), (s2, i2, want) in zip(drivers[0].records, drivers[1].records, strict=True):
+        assert (s, i) == (s2, i2)
+        errors.append(((row.float() - want.float()).norm() / want.float().norm()).item())
+    assert max(errors) < 0.05, (max(errors), sum(errors) / len(errors))

@@ -41,9 +41,12 @@ needs_cpu_fp8 = pytest.mark.skipif(
 
 
 def _before(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
-    """`scaled_mm_per_token` as it was before the Triton kernel: seven eager ops and a float32 copy."""
+    """`scaled_mm_per_token` as it was before the Triton kernel: seven eager ops and a float32 copy. Its
+    `/ 448.0` ran on CUDA as a product with float32(1 / 448) (PyTorch's division by a scalar there), written
+    out here so that the CPU computes what the GPU did."""
     x2 = x.reshape(-1, x.shape[-1])
-    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / 448.0).clamp(min=1e-12)
+    inv = torch.tensor(1.0) / torch.tensor(448.0)
+    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() * inv.item()).clamp(min=1e-12)
     xq = (x2.float() / x_scale).clamp(-448.0, 448.0).to(FP8)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
     if bias is not None:
