@@ -87,7 +87,6 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
     eos = tokenizer.eos_token_id
     device = torch.device(device)
     structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], device, threads)
-    structured.batch.min_rows_per_chunk = 1  # several chunks even for a few rows
     reference = _PerMatcher(tokenizer, eos, PADDED_VOCAB)
     rng = random.Random(threads)
     specs: list[StructuredOutput | None] = [

@@ -1,11 +1,12 @@
 """One step's grammar work on the host, batched: advancing the constrained rows' matchers by the tokens
-their sequences gained and filling their next-token bitmasks, in xgrammar's batched calls spread over a
-few threads, into a reused host buffer that goes to the device in one transfer.
+their sequences gained and filling their next-token bitmasks, in xgrammar's batched calls, into a reused host
+buffer that goes to the device in one transfer.
 
-xgrammar releases the GIL in `batch_accept_token` and `batch_fill_next_token_bitmask`, so the rows are
-dealt out to `threads` chunks (strided, so that cheap finished rows and costly ones mix), and each chunk
-advances its matchers and fills its rows in one thread, without waiting for the other chunks: a step's
-host cost is about that of its slowest chunk.
+One Python thread makes the calls; the parallelism is xgrammar's own: `batch_fill_next_token_bitmask` fans
+the rows out to its C++ threads with the GIL released. Dealing the rows out to Python threads instead (one
+batched call per chunk) cost the worker's main thread the GIL: measured on an H200 (docs/benchmarks.md,
+2026-11-26), the JSON-schema workload ran at 0.68 of the plain one with 12 such threads, 0.80 with 4, and
+0.84 with one thread and xgrammar's 12; the main thread's launches took 5 ms longer per step under the 12.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,15 +22,14 @@ import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
-MIN_ROWS_PER_CHUNK = 16  # fewer rows than this per thread cost more to hand out than to run in one
 # one a step copied to the device, two filled ahead (after the copy, behind the forward), the merge
 NUM_HOST_BUFFERS = 4
 
 
 def default_grammar_threads() -> int:
-    """Threads for the matchers' work: three quarters of the cores this process may run on (the rest run
-    the worker's main thread, the scheduler's and the api's processes), at least 1, at most 16. A step's
-    masks wait for its slowest chunk: on the GPU host's 16 cores that is 12 chunks, not 8."""
+    """xgrammar's threads for the masks: three quarters of the cores this process may run on (the rest run
+    the worker's main thread, the scheduler's and the api's processes), at least 1, at most 16 (12 on the
+    GPU host's 16 cores)."""
     cores = os.cpu_count() or 2
     try:
         cores = min(cores, len(os.sched_getaffinity(0)))
@@ -105,19 +104,12 @@ def advance_and_fill(
 
 
 class GrammarBatch:
-    """The thread pool and the per-chunk batched matchers that run `advance_and_fill` over a step's rows."""
+    """`advance_and_fill` over a step's rows from the calling thread, the fill over xgrammar's threads."""
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads or default_grammar_threads()
-        self.min_rows_per_chunk = MIN_ROWS_PER_CHUNK
-        self.last_spent = [0.0, 0.0]  # the last `run`'s slowest chunk: seconds in the accept, in the fill
-        # One BatchGrammarMatcher per chunk, each single-threaded: the chunks are the parallelism.
-        self._batches = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self.threads)]
-        self._pool = (
-            ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="grammar-step")
-            if self.threads > 1
-            else None
-        )
+        self.last_spent = [0.0, 0.0]  # the last `run`'s seconds in the accept and in the fill
+        self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
 
     def run(
         self,
@@ -126,41 +118,15 @@ class GrammarBatch:
         mask: torch.Tensor,
         out_rows: list[int] | None = None,
     ) -> list[int]:
-        """`advance_and_fill` over every row (row i: states[i], tokens[i], mask[out_rows[i]] or mask[i]),
-        split among the threads; the calling thread runs one chunk. Returns the done rows (indices into
-        `states`). `last_spent` then holds the slowest chunk's (accept, fill) seconds: the step's masks
-        waited for that chunk."""
-        n = len(states)
-        num_chunks = max(1, min(self.threads, n // self.min_rows_per_chunk))
-        spent = [[0.0, 0.0] for _ in range(num_chunks)]
-        if num_chunks == 1 or self._pool is None:
-            rows = list(range(n))
-            done = advance_and_fill(self._batches[0], rows, states, tokens, mask, out_rows, spent[0])
-        else:
-            futures = [
-                self._pool.submit(
-                    advance_and_fill,
-                    self._batches[c],
-                    list(range(c, n, num_chunks)),
-                    states,
-                    tokens,
-                    mask,
-                    out_rows,
-                    spent[c],
-                )  # fmt: skip
-                for c in range(1, num_chunks)
-            ]
-            done = advance_and_fill(
-                self._batches[0], list(range(0, n, num_chunks)), states, tokens, mask, out_rows, spent[0]
-            )
-            for f in futures:
-                done += f.result()
-        self.last_spent = max(spent, key=sum)
+        """`advance_and_fill` over every row (row i: states[i], tokens[i], mask[out_rows[i]] or mask[i]).
+        Returns the done rows (indices into `states`); `last_spent` then holds its (accept, fill) seconds."""
+        spent = [0.0, 0.0]
+        done = advance_and_fill(self._batch, list(range(len(states))), states, tokens, mask, out_rows, spent)
+        self.last_spent = spent
         return done
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: xgrammar's threads live and end with its batch matcher."""
 
 
 def fill_stop_rows(mask: torch.Tensor, rows: list[tuple[int, tuple[int, ...]]]) -> None:
@@ -187,7 +153,7 @@ class HostMasks:
     host: torch.Tensor  # [rows n | kinds n | bitmask n * W] int32, packed for one transfer
     seq_ids: list[int]  # the rows' sequences
     states: list[Matcher]  # the rows' matchers, fed up to what their masks were filled from
-    spent: tuple[float, float] = (0.0, 0.0)  # the slowest chunk's seconds in the accept, in the fill
+    spent: tuple[float, float] = (0.0, 0.0)  # seconds in the accept, in the fill
     took_s: float = 0.0  # the whole call's
     reused: int = 0  # rows whose masks came from the ones filled ahead
 

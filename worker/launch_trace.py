@@ -12,8 +12,8 @@ GPU sits between the two inside the step's own time. Two more events split it:
 
 Beside them the structured-output costs of the sampler's launch, on the host (worker/structured.py
 `last_stats`): the constrained rows, how long the launch waited for the masks filled in the background
-(`wait_ms`), the rest done in the launch (`host_ms`), the accept and the fill of the slowest thread chunk,
-the transfer's queuing (`copy_ms`). Only traced CUDA steps record events; elsewhere the GPU keys are absent.
+(`wait_ms`), the rest done in the launch (`host_ms`), the accept and the fill, the transfer's queuing
+(`copy_ms`). Only traced CUDA steps record events; elsewhere the GPU keys are absent.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ than 0 keep following rank 0 through that time and exit on its Shutdown.
 from __future__ import annotations
 
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -124,10 +125,16 @@ def memory_usage(runner: ModelRunner) -> dict[str, Any]:
     }
 
 
+GIL_SWITCH_INTERVAL_S = 2e-4
+
+
 def serve(cfg: WorkerConfig) -> int:
     """Runs the worker until Shutdown or a stop signal; returns the process exit code."""
     log = configure_logging("worker", cfg.log_level)
     started = time.monotonic()
+    # The main thread launches the GPU's work; a background thread (masks filled ahead, swaps) that holds the
+    # GIL in Python makes it wait for the switch interval, 5 ms by default, a whole decode step.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:  # a config made in code: a Hub repo id becomes its snapshot here (parse_config did it otherwise)
         cfg = resolve_config(cfg)
     except ModelSourceError as e:
