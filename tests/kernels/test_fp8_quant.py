@@ -108,6 +108,21 @@ def _assert_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tenso
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
 
 
+def _assert_bits_but_rare_steps(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """The scales to the bit; the values to the bit but at most one in a million, each one e4m3 step away (an
+    eighth of its magnitude, or the subnormal step 2^-9). For a normed row: two compilations of one Triton
+    kernel may sum a row's squares in another order, so a row's 1/rms can be a float32 unit apart, and an
+    element whose bf16 value then rounds the other way can cross an e4m3 tie (on an H200: 4 of 16.8M)."""
+    assert torch.equal(got[1], want[1])
+    g, w = got[0].float(), want[0].float()
+    differ = g != w
+    assert differ.sum().item() <= g.numel() // 1_000_000, differ.sum().item()
+    step = torch.maximum(g.abs(), w.abs()) / 8 + 2.0**-9
+    assert bool(((g - w).abs() <= step)[differ].all())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(("num_tokens", "hidden"), [(1, 64), (7, 80), (3, 1000)])
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -167,14 +182,15 @@ def test_fp8_forms_take_no_tokens(device: torch.device) -> None:
 @gpu
 @pytest.mark.parametrize("num_tokens", [1, 256, 4096])
 def test_fp8_forms_at_the_8b_shape(num_tokens: int) -> None:
-    """Hidden 4096, intermediate 14336 on the GPU: the fused forms' bits are the two-kernel chains'."""
+    """Hidden 4096, intermediate 14336 on the GPU: the fused forms' bits are the two-kernel chains' (the
+    normed rows' but for rare one-step ties, `_assert_bits_but_rare_steps`)."""
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     weight = torch.randn(4096, generator=gen, device="cuda").to(torch.bfloat16)
     residual = torch.randn(num_tokens, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     want_out, want_res = fused_ops.rms_norm(x, weight, 1e-5, residual.clone())
     q, scale, res = fused_ops.rms_norm_fp8(x, weight, 1e-5, residual)
-    _assert_bits((q, scale), fp8_quant.quantize_per_token(want_out))
+    _assert_bits_but_rare_steps((q, scale), fp8_quant.quantize_per_token(want_out))
     assert torch.equal(res, want_res)
     gate_up = (torch.randn(num_tokens, 2 * 14336, generator=gen, device="cuda") * 3).to(torch.bfloat16)
     want = fp8_quant.quantize_per_token(fused_ops.silu_and_mul(gate_up))
