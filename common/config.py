@@ -33,6 +33,7 @@ DEFAULT_CLUSTER_KEY_FILE = "~/.config/pagedserve/cluster_key"
 # Batch limits: the scheduler batches within them; the worker sizes its CUDA graphs and memory profile by them
 DEFAULT_MAX_NUM_SEQS = 512
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+MAX_GRAMMAR_THREADS = 64
 
 # Modes: the values a field may take, checked when a config is made and offered as a flag's choices.
 PreemptionMode = Literal["recompute", "swap", "auto"]
@@ -226,9 +227,16 @@ class WorkerConfig:
     # config.json (and the tokenizer) read, for benchmarks of a model's shape (worker/dummy_weights.py)
     load_format: LoadFormat = "auto"
     seed: int = 0  # seeds what the worker draws itself: the weights of --load-format dummy
+    # structured output: xgrammar's threads filling the masks (worker/grammar_batch.py); 0: three quarters
+    # of the cores, at most 16
+    grammar_threads: int = 0
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if not 0 <= self.grammar_threads <= MAX_GRAMMAR_THREADS:
+            raise ValueError(
+                f"grammar_threads must be within [0, {MAX_GRAMMAR_THREADS}], got {self.grammar_threads}"
+            )
         spec = parse_speculative_config(
             self.speculative_config
         )  # a bad config fails at start, naming the key

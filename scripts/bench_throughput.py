@@ -123,6 +123,7 @@ COMPARE_KEYS: dict[str, Callable[[str], object]] = {
     "max_num_batched_tokens": int,
     "max_model_len": int,
     "json_schema": str,  # a JSON schema file every request's output must follow ("" none)
+    "grammar_threads": int,  # the worker's --grammar-threads (0: its default)
     "tree": Path,  # another checkout (e.g. `git worktree add /tmp/base COMMIT`) whose processes run
     "sampling": str,  # a name of SAMPLING
     # the worker's --speculative-config: its JSON (without commas: `{"num_speculative_tokens":4}` is n-gram),
@@ -180,6 +181,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a JSON schema file: every request's output follows it (structured output; ignore_eos keeps "
         "the lengths, the tokens past the document's end being EOS). Compare with plain: "
         "--compare json_schema= json_schema=FILE",
+    )
+    p.add_argument(
+        "--grammar-threads",
+        type=int,
+        default=0,
+        help="the worker's --grammar-threads: xgrammar's threads filling the masks (0: the worker's default, "
+        "three quarters of the cores); e.g. --json-schema FILE --compare grammar_threads=1 grammar_threads=0",
     )
     p.add_argument(
         "--quantization",
@@ -324,6 +332,7 @@ async def run_engine(
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         load_format=args.load_format,
+        grammar_threads=args.grammar_threads or None,  # (a --compare tree= side may predate the flag)
         tensor_parallel_size=args.tensor_parallel_size,
         step_trace=str(log_dir / "steps.jsonl") if args.step_trace else None,
         kv_trace=str(Path(args.kv_trace) / f"{run}.jsonl") if args.kv_trace else None,
@@ -371,6 +380,7 @@ async def run_engine(
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
         "load_format": args.load_format,
+        "grammar_threads": args.grammar_threads,
         "json_schema": args.json_schema or None,
         "num_kv_blocks": info.num_kv_blocks,
         "max_model_len": info.max_model_len,

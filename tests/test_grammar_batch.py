@@ -273,3 +273,12 @@ def test_the_launch_trace_records_each_steps_masks(tiny_model_dir, order):
     ahead = 1 if order == "worker" else 2
     assert sum(s["structured_ahead"] == ahead and s["structured_reused_rows"] > 0 for s in sampled) > 20
     assert not runner.launch_trace._open and not runner.launch_trace._done
+
+
+def test_the_workers_grammar_threads_reach_xgrammar(tiny_model_dir):
+    """--grammar-threads sets the batch matcher's threads; 0 leaves the default (from the cores)."""
+    from tests.test_model_runner import make_runner
+    from worker.grammar_batch import default_grammar_threads
+
+    assert make_runner(tiny_model_dir, grammar_threads=3).structured.batch.threads == 3
+    assert make_runner(tiny_model_dir).structured.batch.threads == default_grammar_threads()

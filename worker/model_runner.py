@@ -116,7 +116,9 @@ class ModelRunner:
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             )
         )
-        self.structured = StructuredOutputs(cfg.model, self.vocab_size, self.eos_token_ids, self.device)
+        self.structured = StructuredOutputs(
+            cfg.model, self.vocab_size, self.eos_token_ids, self.device, cfg.grammar_threads or None
+        )
         self.graphs: DecodeGraphs | None = None
         # The torch reference reads lengths on the host (a sync a graph cannot hold): it runs eagerly.
         if self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_safe:
