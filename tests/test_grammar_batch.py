@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from common.sampling_params import SamplingParams, StructuredOutput
 from tests.structured_schemas import random_schema
 from tests.test_structured_output import _assert_valid, _prompts, _run, _runner, _schema_params
+from worker.grammar_batch import MIN_MEASURED_ROWS, PROBE_EVERY, WORK_PER_THREAD_S, GrammarBatch, Matcher
 from worker.sequences import SeqState
 from worker.structured import StructuredOutputs, _json_safe_words, apply_token_bitmask
 
@@ -73,6 +74,21 @@ CUDA = pytest.param(
 )
 
 
+def _no_probes(batch: GrammarBatch):
+    """`batch.run` with the row cost it was given kept and no single-thread probes: every fill on all its
+    threads."""
+    run, cost = batch.run, batch.row_fill_s
+
+    def run_on_all(*args, **kwargs):
+        batch._parallel_fills = 0
+        out = run(*args, **kwargs)
+        assert batch.last_threads == batch.threads
+        batch.row_fill_s = cost
+        return out
+
+    return run_on_all
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])  # CUDA: the pinned buffers, reused in turn
 @pytest.mark.parametrize("threads,ahead", [(1, False), (3, False), (3, True)])
 def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_dir, threads, ahead, device):
@@ -87,6 +103,9 @@ def test_batched_masks_equal_per_matcher_masks_over_random_schemas(tiny_model_di
     eos = tokenizer.eos_token_id
     device = torch.device(device)
     structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], device, threads)
+    if threads > 1:  # every fill on all the threads (the tiny tokenizer's rows alone would take one)
+        structured.batch.row_fill_s = 1.0
+        structured.batch.run = _no_probes(structured.batch)
     reference = _PerMatcher(tokenizer, eos, PADDED_VOCAB)
     rng = random.Random(threads)
     specs: list[StructuredOutput | None] = [
@@ -272,6 +291,10 @@ def test_the_launch_trace_records_each_steps_masks(tiny_model_dir, order):
         assert "sampler_wait_gpu_ms" not in split  # (CUDA only)
     ahead = 1 if order == "worker" else 2
     assert sum(s["structured_ahead"] == ahead and s["structured_reused_rows"] > 0 for s in sampled) > 20
+    # the masks filled ahead bring their accept and fill with them (they were lost on the way before)
+    reused = [s for s in sampled if s["structured_reused_rows"] == s["structured_rows"]]
+    assert reused and all(s["structured_fill_ms"] > 0 for s in reused)
+    assert all(s["structured_fill_threads"] >= 1 for s in sampled)
     assert not runner.launch_trace._open and not runner.launch_trace._done
 
 
@@ -282,3 +305,36 @@ def test_the_workers_grammar_threads_reach_xgrammar(tiny_model_dir):
 
     assert make_runner(tiny_model_dir, grammar_threads=3).structured.batch.threads == 3
     assert make_runner(tiny_model_dir).structured.batch.threads == default_grammar_threads()
+
+
+def test_a_fill_takes_the_threads_its_rows_work_pays_for():
+    """One thread until a row's work is measured; then one per WORK_PER_THREAD_S of expected work, at most
+    `threads`; every PROBE_EVERY-th fill that would take several takes one, to measure again."""
+    batch = GrammarBatch(8)
+    assert batch.threads_for(450) == 1  # not measured yet
+    batch.row_fill_s = 0.4e-6  # the benchmark tokenizer's rows: 450 of them are 0.18 ms
+    assert batch.threads_for(450) == 1
+    batch.row_fill_s = WORK_PER_THREAD_S * 4 / 450
+    assert batch.threads_for(450) == 4 and batch.threads_for(45) == 1
+    batch.row_fill_s = 30e-6  # a 128k-token tokenizer's costly rows
+    assert batch.threads_for(450) == 8
+    batch._parallel_fills = PROBE_EVERY
+    assert batch.threads_for(450) == 1
+
+
+def test_fills_measure_a_rows_work_on_one_thread_only(tiny_model_dir):
+    """A fill on one thread sets the row cost (its seconds / rows filled); fills on several leave it."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], torch.device("cpu"), 4)
+    grammar = structured._compiler.result().compile_regex("[a-z]{1,40}")
+    states = [Matcher(xgr.GrammarMatcher(grammar), (eos,)) for _ in range(2 * MIN_MEASURED_ROWS)]
+    mask = torch.zeros(len(states), -(-structured.mask_vocab_size // 32), dtype=torch.int32)
+    batch = structured.batch
+    assert batch.run(states, [[] for _ in states], mask) == [] and batch.last_threads == 1
+    measured = batch.row_fill_s
+    assert measured == pytest.approx(batch.last_spent[1] / len(states)) and measured > 0
+    batch.row_fill_s = 1.0  # so that the next fill takes all 4 threads
+    assert batch.run(states, [[] for _ in states], mask) == [] and batch.last_threads == 4
+    assert batch.row_fill_s == 1.0 and batch._parallel_fills == 1
+    assert bool((mask != 0).any(dim=1).all())  # every row allows something

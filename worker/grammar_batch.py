@@ -2,11 +2,12 @@
 their sequences gained and filling their next-token bitmasks, in xgrammar's batched calls, into a reused host
 buffer that goes to the device in one transfer.
 
-One Python thread makes the calls; the parallelism is xgrammar's own: `batch_fill_next_token_bitmask` fans
-the rows out to its C++ threads with the GIL released. Dealing the rows out to Python threads instead (one
-batched call per chunk) cost the worker's main thread the GIL: measured on an H200 (docs/benchmarks.md,
-2026-11-26), the JSON-schema workload ran at 0.68 of the plain one with 12 such threads, 0.80 with 4, and
-0.84 with one thread and xgrammar's 12; the main thread's launches took 5 ms longer per step under the 12.
+One Python thread makes the calls; the fill's parallelism is xgrammar's own (`batch_fill_next_token_bitmask`
+runs its C++ threads with the GIL released), as many threads as the rows' work pays for (`GrammarBatch`).
+Dealing the rows out to Python threads instead (one batched call per chunk) cost the worker's main thread the
+GIL: measured on an H200 (docs/benchmarks.md, 2026-11-26), the JSON-schema workload ran at 0.68 of the plain
+one with 12 such threads, 0.80 with 4, and 0.84 with one thread and xgrammar's 12; the main thread's
+launches took 5 ms longer per step under the 12.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
+# A fill thread's share of the work worth starting it for: xgrammar starts its threads in every fill (tens of
+# microseconds each, more under load)
+WORK_PER_THREAD_S = 250e-6
+MIN_MEASURED_ROWS = 8  # fills of fewer rows are not averaged into a row's cost: their fixed costs dominate
+PROBE_EVERY = 64  # fills on several threads between two on one thread, which measure a row's work again
 # one a step copied to the device, two filled ahead (after the copy, behind the forward), the merge
 NUM_HOST_BUFFERS = 4
 
@@ -104,12 +110,31 @@ def advance_and_fill(
 
 
 class GrammarBatch:
-    """`advance_and_fill` over a step's rows from the calling thread, the fill over xgrammar's threads."""
+    """`advance_and_fill` over a step's rows from the calling thread, the fill over as many of xgrammar's
+    threads as the rows' work pays for.
+
+    xgrammar starts its threads anew in every batched fill (one clone each), so a thread is worth its start
+    only with enough rows' work to share: a row of the benchmark checkpoints' 4,096-token tokenizer fills in
+    well under a microsecond, one of a 128k-token tokenizer in tens. A row's work is measured on fills made
+    with one thread (a fill on several counts their starts too, and would inflate it); each fill takes one
+    thread per `WORK_PER_THREAD_S` of expected work, within [1, threads], and every `PROBE_EVERY`-th fill
+    that would take several takes one, to measure again (rows grow costlier or cheaper as outputs go on)."""
 
     def __init__(self, threads: int | None = None) -> None:
-        self.threads = threads or default_grammar_threads()
+        self.threads = threads or default_grammar_threads()  # the most a fill takes
         self.last_spent = [0.0, 0.0]  # the last `run`'s seconds in the accept and in the fill
-        self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
+        self.last_threads = 1  # the threads the last `run`'s fill took
+        self.row_fill_s = 0.0  # a row's fill in seconds of one thread, averaged; 0: not measured yet
+        self._batches: dict[int, xgr.BatchGrammarMatcher] = {}
+        self._parallel_fills = 0  # fills on several threads since the last one on one
+
+    def threads_for(self, rows: int) -> int:
+        """The threads a fill of `rows` rows takes: one until a fill has been measured, and as a probe."""
+        work = rows * self.row_fill_s
+        threads = max(1, min(self.threads, round(work / WORK_PER_THREAD_S)))
+        if threads > 1 and self._parallel_fills >= PROBE_EVERY:
+            return 1
+        return threads
 
     def run(
         self,
@@ -119,14 +144,28 @@ class GrammarBatch:
         out_rows: list[int] | None = None,
     ) -> list[int]:
         """`advance_and_fill` over every row (row i: states[i], tokens[i], mask[out_rows[i]] or mask[i]).
-        Returns the done rows (indices into `states`); `last_spent` then holds its (accept, fill) seconds."""
+        Returns the done rows (indices into `states`); `last_spent` then holds its (accept, fill) seconds
+        and `last_threads` the fill's threads."""
+        n = len(states)
+        # (every row counts: the done ones are not filled, but which are is known only after the accept)
+        threads = self.last_threads = self.threads_for(n)
+        batch = self._batches.get(threads)
+        if batch is None:
+            batch = self._batches[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
         spent = [0.0, 0.0]
-        done = advance_and_fill(self._batch, list(range(len(states))), states, tokens, mask, out_rows, spent)
+        done = advance_and_fill(batch, list(range(n)), states, tokens, mask, out_rows, spent)
         self.last_spent = spent
+        filled = n - len(done)
+        if threads > 1:
+            self._parallel_fills += 1
+        elif filled >= MIN_MEASURED_ROWS:
+            self._parallel_fills = 0
+            per_row = spent[1] / filled
+            self.row_fill_s = per_row if self.row_fill_s == 0.0 else 0.8 * self.row_fill_s + 0.2 * per_row
         return done
 
     def close(self) -> None:
-        """Nothing to stop: xgrammar's threads live and end with its batch matcher."""
+        """Nothing to stop: xgrammar's threads live only within a fill."""
 
 
 def fill_stop_rows(mask: torch.Tensor, rows: list[tuple[int, tuple[int, ...]]]) -> None:

@@ -20,8 +20,8 @@ milliseconds on one monotonic clock (`perf_counter`, from the worker's start):
   the start of its sampler (`forward_gpu_ms`, `sampler_wait_gpu_ms`: the GPU waiting for the sampler's
   launch, `sampler_gpu_ms`), and with structured output the masks' costs (`structured_rows`, `_wait_ms`:
   the launch waiting for the masks filled in the background, `_host_ms`, `_accept_ms`, `_fill_ms`,
-  `_copy_ms`, `_reused_rows`: rows filled ahead of the plan, `_ahead`: 0 none, 1 behind the forward,
-  2 ahead of the plan).
+  `_fill_threads`: xgrammar's threads in the last fill, `_copy_ms`, `_reused_rows`: rows filled ahead of
+  the plan, `_ahead`: 0 none, 1 behind the forward, 2 ahead of the plan).
 
 With async scheduling, plan N + 1 is made from step N - 1's answer, so `recv[N + 1] - sent[N - 1]` is the
 scheduler's turnaround; the GPU idles before step N + 1 when that turnaround plus the worker's launch outlasts
@@ -54,6 +54,7 @@ SPLIT_KEYS = (
     "structured_ahead_ms",
     "structured_accept_ms",
     "structured_fill_ms",
+    "structured_fill_threads",
     "structured_copy_ms",
 )
 

@@ -262,8 +262,10 @@ class StructuredOutputs:
             self._extra_words(device, num_words),
         )
         ahead_ms = ahead.took_s * 1e3 if ahead is not None else 0.0
-        both = (masks.spent, ahead.spent) if ahead is not None and ahead is not masks else (masks.spent,)
-        spent = [sum(x) for x in zip(*both, strict=True)]
+        # (masks carry the cost of the rows they kept from `ahead`; a fill ahead of which they kept nothing
+        # was spent too)
+        wasted = ahead is not None and ahead is not masks and not masks.reused
+        spent = [a + b for a, b in zip(masks.spent, ahead.spent, strict=True)] if wasted else masks.spent
         self.last_stats = {
             "rows": n,
             "ahead": 0 if prefetched is None else 1 if prefetched[0] is not None else 2,
@@ -273,6 +275,7 @@ class StructuredOutputs:
             "host_ms": round((computed - joined) * 1e3, 3),
             "accept_ms": round(spent[0] * 1e3, 3),
             "fill_ms": round(spent[1] * 1e3, 3),
+            "fill_threads": self.batch.last_threads,
             "copy_ms": round((time.perf_counter() - computed) * 1e3, 3),
         }
         return out
@@ -355,10 +358,11 @@ class StructuredOutputs:
                 tokens += [[] for _ in reuse_dst]
                 out_rows += reuse_dst
                 reuse_dst = []
-        spent = (0.0, 0.0)
+        # (the rows kept from `ahead` were advanced and filled there: their cost goes on with them)
+        spent = ahead.spent if reuse_dst else (0.0, 0.0)
         if states:
             done = self.batch.run(states, tokens, mask, out_rows)
-            spent = tuple(self.batch.last_spent)
+            spent = (spent[0] + self.batch.last_spent[0], spent[1] + self.batch.last_spent[1])
             fill_stop_rows(mask, [(out_rows[i], states[i].stop_ids) for i in done])
         took = time.perf_counter() - started
         return HostMasks(rows, host, row_seq_ids, row_states, spent, took, len(reuse_dst))
