@@ -56,11 +56,12 @@ def test_every_flag_has_a_description_default_and_environment_variable():
     assert "--attention-backend {auto,torch,triton}" in text and "default 'auto'" in text
 
 
-def test_grammar_threads_has_a_finite_range():
+def test_grammar_threads_has_a_finite_range(tiny_model_dir):
+    model = ["--model", str(tiny_model_dir)]  # (the default model directory exists only once made)
     assert WorkerConfig(grammar_threads=4).grammar_threads == 4
-    assert parse_config(WorkerConfig, ["--grammar-threads", "2"]).grammar_threads == 2
+    assert parse_config(WorkerConfig, [*model, "--grammar-threads", "2"]).grammar_threads == 2
     for bad in (-1, 65):
         with pytest.raises(ValueError, match=r"grammar_threads must be within \[0, 64\]"):
             WorkerConfig(grammar_threads=bad)
     with pytest.raises(SystemExit, match="grammar_threads"):
-        parse_config(WorkerConfig, ["--grammar-threads", "1000"])
+        parse_config(WorkerConfig, [*model, "--grammar-threads", "1000"])
