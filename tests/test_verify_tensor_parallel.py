@@ -75,10 +75,12 @@ def _engine(runner: ModelRunner, parallel: ParallelContext) -> dict[str, Any]:
     return {"tokens": run.tokens, "drafts": drafts, "plans": plans}
 
 
-def _rank_main(rank: int, model_dir: Path, specs: dict[str, str], init_method: str, out_dir: Path) -> None:
+def _rank_main(
+    rank: int, model_dir: Path, specs: dict[str, str], init_method: str, out_dir: Path, device: str
+) -> None:
     torch.set_num_threads(1)
     tp = {"tensor_parallel_size": WORLD_SIZE, "rank": rank, "dist_init_method": init_method}
-    cfg = _worker_config(model_dir, "cpu", **tp)
+    cfg = _worker_config(model_dir, device, **tp)
     cfg, parallel = init_parallel(cfg, load_model_config(model_dir))
     log = get_logger(process="worker", rank=rank)
     for name, spec in specs.items():
@@ -96,31 +98,34 @@ def _rank_main(rank: int, model_dir: Path, specs: dict[str, str], init_method: s
     parallel.close()
 
 
-@pytest.fixture(scope="module")
-def ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    out_dir = tmp_path_factory.mktemp("tp-spec")
-    noisy_dir = _noisy_copy(tiny_model_dir, out_dir / "noisy-target", 0.03)
+def run_ranks(model_dir: Path, out_dir: Path, device: str = "cpu") -> dict[str, list[dict[str, Any]]]:
+    """What each of two ranks recorded with each speculative config of `_specs` (gloo on the CPU; on CUDA,
+    NCCL with one GPU per rank, the Triton kernels and CUDA graphs, the draft's own included)."""
+    noisy_dir = _noisy_copy(model_dir, out_dir / "noisy-target", 0.03)
     draft_dir = make_model(out_dir / "tiny-draft", preset="tiny-draft", seed=1)
-    specs = _specs(tiny_model_dir, noisy_dir, draft_dir)
-    spawn_ranks(_rank_main, (tiny_model_dir, specs, f"tcp://127.0.0.1:{free_port()}", out_dir), TIMEOUT_S)
+    specs = _specs(model_dir, noisy_dir, draft_dir)
+    args = (model_dir, specs, f"tcp://127.0.0.1:{free_port()}", out_dir, device)
+    spawn_ranks(_rank_main, args, TIMEOUT_S)
     return {name: [torch.load(out_dir / f"{name}-rank{r}.pt") for r in range(WORLD_SIZE)] for name in specs}
 
 
-@pytest.fixture(scope="module")
-def single(tiny_model_dir: Path) -> dict[tuple[int, int], list[int]]:
-    """One process's greedy tokens without speculation."""
-    run = _engine(ModelRunner(_worker_config(tiny_model_dir), "torch"), ParallelContext())
+def greedy_without_speculation(model_dir: Path, device: str = "cpu") -> dict[tuple[int, int], list[int]]:
+    """One process's greedy tokens without speculation on `device`."""
+    cfg = _worker_config(model_dir, device)
+    run = _engine(ModelRunner(cfg, cfg.resolved_attention_backend), ParallelContext())
     assert run["drafts"] == (0, 0)
     return run["tokens"]
 
 
-@pytest.mark.parametrize("name", ["ngram", "target_as_draft", "noisy_target", "draft_model"])
-def test_two_ranks_verify_as_one_process_without_speculation(name, ranks, single) -> None:
-    """(The followers finish the step in flight before a plan with draft slots, as rank 0 does: they
-    failed such plans with 'draft slots past its known tokens' before; and before the next plan after a
-    step that verified drafts: they launched it behind that step, computing from positions that its accepted
-    drafts had moved, which gave both ranks other tokens than one process.)"""
-    rank0, rank1 = ranks[name]
+SPEC_NAMES = ["ngram", "target_as_draft", "noisy_target", "draft_model"]
+
+
+def check_ranks_verify_as_one_process(
+    name: str, ranks: list[dict[str, Any]], single: dict[tuple[int, int], list[int]]
+) -> None:
+    """The two ranks agree with each other exactly and their tokens are one process's without speculation;
+    the drafts of each config were verified, and accepted as the config implies."""
+    rank0, rank1 = ranks
     assert rank1["outputs"] == rank0["outputs"]
     assert torch.equal(rank1["logits"], rank0["logits"])
     assert rank0["tokens"] == single
@@ -139,3 +144,22 @@ def test_two_ranks_verify_as_one_process_without_speculation(name, ranks, single
         accepting = {step for step, seq_ids, tokens in rank0["outputs"] if len(tokens) > len(seq_ids)}
         pairs = pairwise(rank0["plans"])
         assert any(step in accepting and not slots_next for (step, _), (_, slots_next) in pairs)
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return run_ranks(tiny_model_dir, tmp_path_factory.mktemp("tp-spec"))
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir: Path) -> dict[tuple[int, int], list[int]]:
+    return greedy_without_speculation(tiny_model_dir)
+
+
+@pytest.mark.parametrize("name", SPEC_NAMES)
+def test_two_ranks_verify_as_one_process_without_speculation(name, ranks, single) -> None:
+    """(The followers finish the step in flight before a plan with draft slots, as rank 0 does: they
+    failed such plans with 'draft slots past its known tokens' before; and before the next plan after a
+    step that verified drafts: they launched it behind that step, computing from positions that its accepted
+    drafts had moved, which gave both ranks other tokens than one process.)"""
+    check_ranks_verify_as_one_process(name, ranks[name], single)
