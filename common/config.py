@@ -237,16 +237,7 @@ class WorkerConfig:
             raise ValueError(
                 f"grammar_threads must be within [0, {MAX_GRAMMAR_THREADS}], got {self.grammar_threads}"
             )
-        spec = parse_speculative_config(
-            self.speculative_config
-        )  # a bad config fails at start, naming the key
-        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
-            # Found on the CPU (two gloo ranks, the target as its own draft): the tokens reported for steps
-            # with accepted drafts were wrong. Refused until that is found and fixed.
-            raise ValueError(
-                "a draft_model speculative config is not supported with tensor_parallel_size > 1 yet "
-                "(docs/speculative.md, Limits); the ngram method is"
-            )
+        parse_speculative_config(self.speculative_config)  # a bad config fails at start, naming the key
 
     @property
     def resolved_device(self) -> str:

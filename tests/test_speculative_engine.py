@@ -172,6 +172,29 @@ def test_bad_draft_slots_are_refused_by_the_worker(tiny_model_dir):
         runner.execute(StepPlan(1, [], [], [], [1], [1], [1], draft_slots=[(1, 4)]))
 
 
+def test_no_plan_is_launched_behind_a_step_that_verifies_drafts(tiny_model_dir):
+    """The drafts a step accepts move its sequences' next positions: a plan launched behind it would compute
+    from the old ones (a tensor-parallel follower did, docs/speculative.md). The scheduler never plans
+    then; the runner refuses such a launch instead of computing wrong tokens, and runs the plan once the
+    step is finished."""
+    from common.messages import NewSequence, StepPlan
+
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = [5, 6, 7, 5, 6]  # prompt lookup drafts 7, 5, 6, ...
+    runner = make_runner(tiny_model_dir, 16, NGRAM)
+    new = NewSequence(1, prompt, [0, 1, 2], 0, params, 0)
+    assert runner.execute(StepPlan(0, [], [new], [], [1], [4], [])).seq_ids == []
+    runner.launch(StepPlan(1, [], [], [], [1], [1], [1], draft_slots=[(1, 4)]))
+    following = StepPlan(2, [], [], [], [1], [1], [1])
+    with pytest.raises(RuntimeError, match="behind a step that verifies drafts"):
+        runner.launch(following)
+    out = runner.finish()
+    assert out.num_drafts[0] > 0
+    runner.launch(following)  # its position follows the accepted drafts now
+    assert runner.finish().seq_ids == [1]
+    assert runner.sequences.seqs[1].num_computed_tokens == len(prompt) + out.num_tokens[0]
+
+
 class OracleProposer:
     """Drafts the known greedy continuation, wrong at every `wrong_every`-th draft position: long accepted
     runs (bonus tokens after k accepted drafts) and rejections at known places."""

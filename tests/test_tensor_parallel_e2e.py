@@ -3,6 +3,7 @@ each rank (and, under honcho, the whole Procfile with `-c worker=2`), and a Zero
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,9 @@ from client import EngineClient
 from common.config import WorkerConfig
 from common.messages import SamplingParams
 from scripts._servers import Engine, Honcho, free_port, start_engine
+from tests.engine_loop import run_engine
 from tests.test_engine_correctness import _run_engine
+from tests.test_speculative_engine import prompts as spec_prompts
 from worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.e2e
@@ -112,5 +115,46 @@ def test_a_stop_signal_to_every_rank_lets_the_stream_finish(
         codes = {name: engine.procs[name].wait(timeout=60) for name in ("scheduler", "worker", "worker1")}
         assert codes == {"scheduler": 0, "worker": 0, "worker1": 0}, engine.logs("worker1")
         assert '"shutdown"' in engine.logs("worker1")
+    finally:
+        engine.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    """A counter's value in Prometheus text."""
+    values = [line.split()[1] for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, text
+    return float(values[0])
+
+
+def test_two_worker_ranks_draft_with_a_draft_model_as_one_process_without(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft model under tensor parallelism through the real processes: the scheduler server and rank
+    1's follower loop, which receives each plan while its own step may still be in flight. With the target
+    as its own draft every draft is accepted, and the tokens are one process's without speculation. (The
+    followers once launched a plan behind a step whose accepted drafts had moved the positions, giving both
+    ranks other tokens: a plan without draft slots after an accepting step, here when the small pool has no
+    room for a sequence's draft slots, which never preempt.)"""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    limits = {"max_num_batched_tokens": 48, "max_num_seqs": 8}
+    pool = {"num_kv_blocks": 24, "block_size": 4, **limits}
+    single = ModelRunner(
+        WorkerConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", swap_space=0.05, **pool)
+    )
+    prompts = spec_prompts(single.vocab_size)[-5:]
+    run = run_engine(single, [(p, params) for p in prompts], prefix="", **limits)
+
+    draft = json.dumps({"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    settings = {**SETTINGS, **pool, "tensor_parallel_size": 2, "speculative_config": draft}
+    engine = start_engine(tiny_model_dir, tmp_path / "logs", **settings)
+    try:
+        with EngineClient(engine.scheduler_address) as client:
+            _wait_ready(client, engine)
+            results = client.generate(prompts, params)
+            assert [r.outputs[0].token_ids for r in results] == [run.tokens[(i, 0)] for i in range(5)]
+            metrics = client.info().metrics_text
+        drafted = _metric(metrics, "pagedserve_spec_draft_tokens_total")
+        assert _metric(metrics, "pagedserve_spec_accepted_tokens_total") == drafted > 0
     finally:
         engine.stop()

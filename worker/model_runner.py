@@ -48,7 +48,7 @@ from worker.spec.decode_rows import verification_inputs
 from worker.spec.factory import build_speculation
 from worker.spec.verify import check_draft_slots, prepare_drafts
 from worker.staging import stage
-from worker.steps import ForwardedStep, LaunchedStep, batch_indices, step_sampling_tensors
+from worker.steps import ForwardedStep, LaunchedStep, batch_indices, step_sampling_tensors, verifies_drafts
 from worker.structured import StructuredOutputs, step_tokens
 from worker.warmup import warm_up_sampling_kernels
 
@@ -315,6 +315,8 @@ class ModelRunner:
         that step's answer, off the path from one step's end to the scheduler's next plan."""
         if len(self.in_flight) > 1:
             raise RuntimeError("launch() with two steps in flight: finish the oldest first")
+        if verifies_drafts(self.in_flight):  # its accepted drafts move the positions this plan reads
+            raise RuntimeError("launch() behind a step that verifies drafts: finish it first")
         mark = self._mark_launch
         mark("start")
         seqs = self.sequences.apply(plan, self.kv)

@@ -41,6 +41,7 @@ from worker.loader import load_model_config
 from worker.model_runner import ModelRunner
 from worker.parallel import ParallelContext, init_parallel
 from worker.step_trace import StepTrace
+from worker.steps import verifies_drafts
 
 POLL_MS = 100  # how often the receive loop looks at the stop flag
 STEP_POLL_MS = 1  # while a step runs: how often the loop looks whether it is done (a plan wakes it at once)
@@ -393,7 +394,10 @@ def _follow(runner: ModelRunner, parallel: ParallelContext, log: Any, stop: _Sto
         msg = decode(frames)
         if isinstance(msg, StepPlan):
             try:
-                while msg.draft_slots and runner.in_flight:  # drafts read the tokens on the host (rank 0 too)
+                # As on rank 0, whose scheduler waits for these answers: a plan that drafts waits for the
+                # tokens in flight (drafts read them on the host), and a step that verifies drafts finishes
+                # before the next plan is applied (the drafts it accepts move the positions).
+                while runner.in_flight and (msg.draft_slots or verifies_drafts(runner.in_flight)):
                     runner.finish()
                 runner.launch(msg)  # behind the step before it, as rank 0 does
                 while len(runner.in_flight) > 1:

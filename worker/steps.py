@@ -3,6 +3,7 @@ queued and whose sampler is not yet (`ForwardedStep`), and the per-step columns 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +67,15 @@ class ForwardedStep:
     started: torch.cuda.Event | None
     ended: torch.cuda.Event | None  # recorded once the sampler is queued
     spec: SpecBatch | None = None  # drafts verified in this step: `logits` holds 1 + d rows for those
+
+
+def verifies_drafts(in_flight: Iterable[LaunchedStep]) -> bool:
+    """Whether a step in flight verifies drafts. No plan may be launched behind it before it is finished: the
+    drafts it accepts move its sequences' next positions and the spare slots it drops cut their block
+    tables, which the next plan's inputs read. The scheduler plans nothing then (scheduler/speculation.py
+    `blocks_planning`); a tensor-parallel follower, whose next plan comes while its step may still be in
+    flight, finishes that step first (worker/server.py `_follow`)."""
+    return any(step.spec is not None for step in in_flight)
 
 
 def batch_indices(plan: StepPlan) -> list[int]:
