@@ -21,8 +21,8 @@ harness), in a subprocess, and the table puts each configuration's before and af
 `--stagger K` first feeds each row a random number of tokens below K, untimed, so that the timed steps see
 rows at every depth of their documents (the workload mid-run) rather than all at their start. `--profile`
 splits each step of the one-thread runs (timers around xgrammar's two batched calls, medians over the
-steps): xgrammar's accept (`batch_accept_token`, its Python wrapper included), its mask fill
-(`batch_fill_next_token_bitmask`), and the rest (this repository's Python per row, the stop rows, the
+steps): xgrammar's accept (`worker.grammar_batch.batch_accept`, or `batch_accept_token` and its Python
+wrapper in a tree before it), its mask fill (`batch_fill_next_token_bitmask`), and the rest (this repository's Python per row, the stop rows, the
 packing; on the CPU there is no copy to a device). `--structured-module` names another
 module with the same class to compare against.
 """
@@ -296,15 +296,21 @@ def bench_worker_path(
 
 @contextlib.contextmanager
 def _timing_xgrammar(spent: dict[str, float]):
-    """Adds the seconds spent in xgrammar's batched accept and fill to `spent` while open (one thread)."""
+    """Adds the seconds spent in xgrammar's batched accept and fill to `spent` while open (one thread). The
+    accept is timed where the worker calls it: `worker.grammar_batch.batch_accept` since it calls xgrammar's
+    core, the public `batch_accept_token` before."""
     import xgrammar as xgr
 
+    from worker import grammar_batch
+
     cls = xgr.BatchGrammarMatcher
-    accept, fill = cls.__dict__["batch_accept_token"], cls.batch_fill_next_token_bitmask
+    fill = cls.batch_fill_next_token_bitmask
+    owner, name = (grammar_batch, "batch_accept") if hasattr(grammar_batch, "batch_accept") else (cls, "")
+    accept = getattr(grammar_batch, "batch_accept", None) or cls.__dict__["batch_accept_token"].__func__
 
     def timed_accept(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        out = accept.__func__(*args, **kwargs)
+        out = accept(*args, **kwargs)
         spent["accept"] += time.perf_counter() - t0
         return out
 
@@ -314,11 +320,19 @@ def _timing_xgrammar(spent: dict[str, float]):
         spent["fill"] += time.perf_counter() - t0
         return out
 
-    cls.batch_accept_token, cls.batch_fill_next_token_bitmask = staticmethod(timed_accept), timed_fill
+    if name:
+        setattr(owner, name, timed_accept)
+    else:
+        cls.batch_accept_token = staticmethod(timed_accept)
+    cls.batch_fill_next_token_bitmask = timed_fill
     try:
         yield
     finally:
-        cls.batch_accept_token, cls.batch_fill_next_token_bitmask = accept, fill
+        if name:
+            setattr(owner, name, accept)
+        else:
+            cls.batch_accept_token = staticmethod(accept)
+        cls.batch_fill_next_token_bitmask = fill
 
 
 def worker_main(args: argparse.Namespace) -> None:

@@ -338,3 +338,41 @@ def test_fills_measure_a_rows_work_on_one_thread_only(tiny_model_dir):
     assert batch.run(states, [[] for _ in states], mask) == [] and batch.last_threads == 4
     assert batch.row_fill_s == 1.0 and batch._parallel_fills == 1
     assert bool((mask != 0).any(dim=1).all())  # every row allows something
+
+
+@pytest.mark.parametrize("core", [True, False])
+def test_batch_accept_matches_one_matcher_at_a_time(tiny_model_dir, core, monkeypatch):
+    """The batched accept (xgrammar's core call, or its public wrapper where the core is missing) feeds each
+    matcher its token as its own accept_token does: None when all are accepted, else each one's acceptance,
+    and the matchers' states (their next masks) as the one-at-a-time twins'."""
+    from worker import grammar_batch
+
+    if not core:
+        monkeypatch.setattr(grammar_batch, "_BATCH_ACCEPT", None)
+    else:
+        assert grammar_batch._BATCH_ACCEPT is not None  # (the pinned xgrammar has it)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], torch.device("cpu"), 1)
+    grammar = structured._compiler.result().compile_regex("[a-z]{1,20}( [0-9]{1,6})?")
+    mine = [xgr.GrammarMatcher(grammar) for _ in range(40)]
+    twins = [xgr.GrammarMatcher(grammar) for _ in range(40)]
+    rng = random.Random(5)
+    vocab = tokenizer.get_vocab()
+    allowed = [t for w, t in vocab.items() if w.isalpha() and w.islower() and w.isascii()]
+    refused = [t for w, t in vocab.items() if w and w[0] in "{}[]"]
+    results = []
+    for step in range(6):
+        tokens = [rng.choice(refused if rng.random() < (0.1 if step else 0) else allowed) for _ in mine]
+        want = [twin.accept_token(t) for twin, t in zip(twins, tokens, strict=True)]
+        got = grammar_batch.batch_accept(mine, tokens)
+        assert (got is None) == all(want)
+        assert got is None or got == want
+        results.append(got)
+    assert results[0] is None and any(r is not None for r in results)  # both kinds of answer
+    width = -(-structured.mask_vocab_size // 32)
+    masks = [torch.zeros(1, width, dtype=torch.int32) for _ in range(2)]
+    for m, twin in zip(mine, twins, strict=True):
+        m.fill_next_token_bitmask(masks[0])
+        twin.fill_next_token_bitmask(masks[1])
+        assert torch.equal(masks[0], masks[1])

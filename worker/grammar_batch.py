@@ -58,6 +58,26 @@ class Matcher:
     terminated: bool = False
 
 
+try:  # xgrammar's batched accept without its Python wrapper, which reads the result row by row
+    from xgrammar.matcher import _core as _xgrammar_core
+
+    _BATCH_ACCEPT = _xgrammar_core.BatchGrammarMatcher.batch_accept_token
+except (ImportError, AttributeError):  # (another xgrammar: its public call)
+    _BATCH_ACCEPT = None
+
+
+def batch_accept(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[bool] | None:
+    """Feeds matchers[i] tokens[i] in one batched call. Returns None when every token was accepted (almost
+    every call: the tokens were drawn under the masks), else each token's acceptance. The public
+    `BatchGrammarMatcher.batch_accept_token` turns its result into Python booleans one element at a time
+    (0.2 ms of 450 rows on this CPU, 40% of the call), where testing the result for a 0 takes microseconds."""
+    if _BATCH_ACCEPT is None:
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        return None if all(accepted) else accepted
+    result = _BATCH_ACCEPT([m._handle for m in matchers], tokens, False)
+    return None if 0 not in result else [bool(ok) for ok in result]
+
+
 def advance_and_fill(
     batch: xgr.BatchGrammarMatcher,
     rows: list[int],
@@ -87,8 +107,8 @@ def advance_and_fill(
         if not live:
             break
         fed = [tokens[i][k] for i in live]
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token([states[i].matcher for i in live], fed)
-        if not all(accepted):
+        accepted = batch_accept([states[i].matcher for i in live], fed)
+        if accepted is not None:
             for i, token, ok in zip(live, fed, accepted, strict=True):
                 if not ok:
                     log.error("sequence %d: token %d breaks its grammar", states[i].seq_id, token)
