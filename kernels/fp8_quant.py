@@ -75,16 +75,26 @@ def _quantize_rows_kernel(
     tl.store(scale_ptr + row, scale)
 
 
+def empty_per_token(num_rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for an activation quantized per token: e4m3 [num_rows, width], float32 scales [num_rows, 1]."""
+    out = torch.empty(num_rows, width, dtype=FP8_DTYPE, device=device)
+    return out, torch.empty(num_rows, 1, dtype=torch.float32, device=device)
+
+
+def row_program(width: int, max_one_pass: int) -> dict[str, int | bool]:
+    """The launch constants of a kernel with one program per row of `width` elements: the block it takes
+    at a time, whether the row fits in one (else it is read twice: its maximum, then its values), warps."""
+    block = min(triton.next_power_of_2(width), max_one_pass)
+    return {"BLOCK": block, "ONE_PASS": width <= block, "num_warps": min(16, max(1, block // 512))}
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [M, K] -> e4m3 [M, K], [M, 1]
     """`reference_fp8.quantize_per_token` in one launch (one program per row); `x`'s rows may be strided."""
     assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
     num_rows, k = x.shape
-    out = torch.empty(num_rows, k, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+    out, scale = empty_per_token(num_rows, k, x.device)
     if num_rows:
-        block = min(triton.next_power_of_2(k), MAX_ONE_PASS)
         _quantize_rows_kernel[(num_rows,)](
-            out, scale, x, k, x.stride(0), out.stride(0),
-            BLOCK=block, ONE_PASS=k <= block, num_warps=min(16, max(1, block // 512)),
+            out, scale, x, k, x.stride(0), out.stride(0), **row_program(k, MAX_ONE_PASS)
         )  # fmt: skip
     return out, scale

@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import quantize_e4m3, row_scale
-from kernels.reference import FP8_DTYPE
+from kernels.fp8_quant import empty_per_token, quantize_e4m3, row_program, row_scale
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
@@ -205,8 +204,7 @@ def rms_norm_fp8(
     """`rms_norm`'s result quantized per token (`fp8_quant.quantize_per_token` of it, to the bit) in the
     same launch: what an FP8 projection takes. The residual is updated as `rms_norm` updates it."""
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.shape == (x.shape[1],)
-    out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    out, scale = empty_per_token(x.shape[0], x.shape[1], x.device)
     res = x
     if residual is not None:
         assert residual.shape == x.shape and residual.is_contiguous()
@@ -281,12 +279,10 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     num_tokens, two_inter = gate_up.shape
     inter = two_inter // 2
     assert gate_up.stride(-1) == 1
-    out = torch.empty(num_tokens, inter, dtype=FP8_DTYPE, device=gate_up.device)
-    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=gate_up.device)
+    out, scale = empty_per_token(num_tokens, inter, gate_up.device)
     if num_tokens:
-        block = min(triton.next_power_of_2(inter), MAX_ONE_PASS_SILU)
         _silu_and_mul_fp8_kernel[(num_tokens,)](
             out, scale, gate_up, inter, out.stride(0), gate_up.stride(0),
-            BLOCK=block, ONE_PASS=inter <= block, num_warps=min(16, max(1, block // 512)),
+            **row_program(inter, MAX_ONE_PASS_SILU),
         )  # fmt: skip
     return out, scale
