@@ -22,9 +22,9 @@ harness), in a subprocess, and the table puts each configuration's before and af
 rows at every depth of their documents (the workload mid-run) rather than all at their start. `--profile`
 splits each step of the one-thread runs (timers around xgrammar's two batched calls, medians over the
 steps): xgrammar's accept (`worker.grammar_batch.batch_accept`, or `batch_accept_token` and its Python
-wrapper in a tree before it), its mask fill (`batch_fill_next_token_bitmask`), and the rest (this repository's Python per row, the stop rows, the
-packing; on the CPU there is no copy to a device). `--structured-module` names another
-module with the same class to compare against.
+wrapper in a tree before it), its mask fill (`batch_fill_next_token_bitmask`), and the rest (this
+repository's Python per row, the stop rows, the packing; on the CPU there is no copy to a device).
+`--structured-module` names another module with the same class to compare against.
 """
 
 from __future__ import annotations

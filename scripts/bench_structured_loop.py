@@ -36,14 +36,10 @@ def run_once(model_dir: Path, order: str, ahead: bool, args: argparse.Namespace)
     from worker.model_runner import ModelRunner
 
     config = WorkerConfig(
-        model=str(model_dir), device="cpu", dtype="float32", block_size=16, num_kv_blocks=2048
-    )
+        model=str(model_dir), device="cpu", dtype="float32", block_size=16, num_kv_blocks=2048,
+        grammar_threads=args.grammar_threads,
+    )  # fmt: skip
     runner = ModelRunner(config)
-    if args.grammar_threads:
-        from worker.grammar_batch import GrammarBatch
-
-        runner.structured.batch.close()
-        runner.structured.batch = GrammarBatch(args.grammar_threads)
     runner.structured.fill_ahead = ahead
     runner.trace_launches = True
     spec = (Path(__file__).parent / "bench_schema.json").read_text()

@@ -80,24 +80,25 @@ def batch_accept(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[
 
 def advance_and_fill(
     batch: xgr.BatchGrammarMatcher,
-    rows: list[int],
     states: list[Matcher],
     tokens: list[list[int]],
     mask: torch.Tensor,
     out_rows: list[int] | None = None,
     spent: list[float] | None = None,
 ) -> list[int]:
-    """Feeds each of `rows`' matcher (states[i]) its tokens (tokens[i], oldest first), then fills the
-    bitmask rows (`mask` [N, W] int32, row out_rows[i], or i) of the matchers still running. Returns the
-    rows whose matcher is done: terminated, failed before, or broken by a token its grammar refuses (its
-    `matcher` set to None); their bitmask rows are left for the caller to fill with their stop tokens.
+    """Feeds each matcher (states[i]) its tokens (tokens[i], oldest first), then fills the bitmask rows
+    (`mask` [N, W] int32, row out_rows[i], or i) of the matchers still running. Returns the rows (indices
+    into `states`) whose matcher is done: terminated, failed before, or broken by a token its grammar
+    refuses (its `matcher` set to None); their bitmask rows are left for the caller to fill with their stop
+    tokens.
     `spent`, when given, gets this call's seconds in the accept and in the fill added to its two entries.
 
     Tokens past a matcher's end (which a pipelined step drew after the stop token, and which are dropped)
     are counted as fed and not accepted. Python per row is kept to list comprehensions: at ~900 rows a
     step it costs as much as xgrammar's own work."""
     started = time.perf_counter()
-    depth = max((len(tokens[i]) for i in rows), default=0)
+    rows = range(len(states))
+    depth = max(map(len, tokens), default=0)
     for k in range(depth):  # one token of each row per batched call: rows gain one token per step
         live = [
             i
@@ -173,7 +174,7 @@ class GrammarBatch:
         if batch is None:
             batch = self._batches[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
         spent = [0.0, 0.0]
-        done = advance_and_fill(batch, list(range(n)), states, tokens, mask, out_rows, spent)
+        done = advance_and_fill(batch, states, tokens, mask, out_rows, spent)
         self.last_spent = spent
         filled = n - len(done)
         if threads > 1:
