@@ -170,8 +170,8 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
     finished, then step N+1's sampler. A step's own matchers advance and fill only after its forward is
     queued and after the previous step's tokens are on the host (in the background when step N's answer
     starts: prefetched); step N's rows advance and fill earlier, in a thread that waits for step N's
-    tokens to reach the host (`prefill_after`), and step N+1 takes those rows' masks. The outputs are
-    valid documents."""
+    tokens to reach the host (`prefill_after`), and step N+1 takes those rows' masks; its launch takes the
+    masks prefetched for it as they are. The outputs are valid documents."""
     runner = _runner(tiny_model_dir, 400)
     events: list[tuple[str, int]] = []
     launch_forward, finish = runner.launch_forward, runner.finish
@@ -181,6 +181,7 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
     prefetched: list[int] = []  # the steps whose fill ran in the background, started by `finish`
     ahead: list[int] = []  # the steps whose rows filled ahead of the next plan
     reused: list[int] = []  # rows of a step's masks filled ahead
+    launching: list[int] = []  # the steps whose rows the launching thread went through itself
 
     def traced_forward(plan):
         forwarded = launch_forward(plan)
@@ -207,7 +208,9 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
             events.append(("fill", step_id))
             if threading.current_thread().name.startswith("grammar-prefetch"):
                 prefetched.append(step_id)
-        masks = host_masks(step_id, seq_ids, samplers, pending_tokens, filled)
+            else:
+                launching.append(step_id)
+        masks = host_masks(step_id, seq_ids, samplers, pending_tokens, filled, ends)
         if step_id is not None and masks is not None:
             reused.append(masks.reused)
         return masks
@@ -231,7 +234,10 @@ def test_the_step_launches_the_forward_before_the_masks(tiny_model_dir):
             assert tokens < position[("fill", step_id)]
             pipelined += 1
     assert pipelined > 10 and len(prefetched) > 10
-    assert len(ahead) > 10 and sum(reused) > 0
+    # (the prefetched steps' rows come mostly from the fills ahead)
+    assert len(ahead) > 10 and sum(r > 0 for r in reused) > 10
+    # the masks prefetched for a step are its masks: the launch takes them without going over its rows
+    assert not set(prefetched) & set(launching)
 
 
 def test_masks_are_as_wide_as_the_tokenizer_and_ban_the_ids_past_it(tiny_model_dir):
