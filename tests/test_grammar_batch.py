@@ -17,7 +17,14 @@ from transformers import AutoTokenizer
 from common.sampling_params import SamplingParams, StructuredOutput
 from tests.structured_schemas import random_schema
 from tests.test_structured_output import _assert_valid, _prompts, _run, _runner, _schema_params
-from worker.grammar_batch import MIN_MEASURED_ROWS, PROBE_EVERY, WORK_PER_THREAD_S, GrammarBatch, Matcher
+from worker.grammar_batch import (
+    MIN_MEASURED_ROWS,
+    PROBE_EVERY,
+    WORK_PER_THREAD_S,
+    GrammarBatch,
+    Matcher,
+    advance_and_fill,
+)
 from worker.sequences import SeqState
 from worker.structured import StructuredOutputs, _json_safe_words, apply_token_bitmask
 
@@ -329,7 +336,8 @@ def test_a_fill_takes_the_threads_its_rows_work_pays_for():
 
 
 def test_fills_measure_a_rows_work_on_one_thread_only(tiny_model_dir):
-    """A fill on one thread sets the row cost (its seconds / rows filled); fills on several leave it."""
+    """A run on one thread sets the row cost (its accept's and fill's seconds / rows filled); runs on
+    several leave it."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     eos = tokenizer.eos_token_id
     structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], torch.device("cpu"), 4)
@@ -339,7 +347,7 @@ def test_fills_measure_a_rows_work_on_one_thread_only(tiny_model_dir):
     batch = structured.batch
     assert batch.run(states, [[] for _ in states], mask) == [] and batch.last_threads == 1
     measured = batch.row_fill_s
-    assert measured == pytest.approx(batch.last_spent[1] / len(states)) and measured > 0
+    assert measured == pytest.approx(sum(batch.last_spent) / len(states)) and measured > 0
     batch.row_fill_s = 1.0  # so that the next fill takes all 4 threads
     assert batch.run(states, [[] for _ in states], mask) == [] and batch.last_threads == 4
     assert batch.row_fill_s == 1.0 and batch._parallel_fills == 1
@@ -382,3 +390,42 @@ def test_batch_accept_matches_one_matcher_at_a_time(tiny_model_dir, core, monkey
         m.fill_next_token_bitmask(masks[0])
         twin.fill_next_token_bitmask(masks[1])
         assert torch.equal(masks[0], masks[1])
+
+
+def test_chunked_runs_advance_and_fill_as_one_thread_does(tiny_model_dir):
+    """A run on several threads of rows gaining one token at most (each chunk accepted and filled by one
+    thread) ends as the one-thread run of twin matchers does: the same rows done (a stop token accepted, a
+    token the grammar refuses, a matcher broken before), the same masks for the others, the same counts."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    structured = StructuredOutputs(str(tiny_model_dir), PADDED_VOCAB, [eos], torch.device("cpu"), 4)
+    grammar = structured._compiler.result().compile_regex("[a-z]{1,30}")
+    vocab = tokenizer.get_vocab()
+    allowed = [t for w, t in vocab.items() if w.isalpha() and w.islower() and w.isascii() and len(w) < 4]
+    refused = [t for w, t in vocab.items() if w and w[0] in "{}[]"]
+    width = -(-structured.mask_vocab_size // 32)
+    rng = random.Random(11)
+    pairs = [[Matcher(xgr.GrammarMatcher(grammar), (eos,), seq_id=i) for _ in range(2)] for i in range(61)]
+    pairs[7][0].matcher = pairs[7][1].matcher = None  # broken before
+    batch = structured.batch
+    single = xgr.BatchGrammarMatcher(max_threads=1)
+    for step in range(5):
+        tokens = []
+        for i in range(len(pairs)):
+            r = rng.random()
+            token = eos if r < 0.05 and step else rng.choice(refused) if r < 0.08 else rng.choice(allowed)
+            tokens.append([] if i % 9 == 4 else [token])
+        out_rows = rng.sample(range(len(pairs)), len(pairs))
+        masks = [torch.zeros(len(pairs), width, dtype=torch.int32) for _ in range(2)]
+        batch.row_fill_s = 1.0  # every run on the 4 threads
+        batch._parallel_fills = 0
+        done = batch.run([p[0] for p in pairs], tokens, masks[0], out_rows)
+        assert batch.last_threads == 4
+        want = advance_and_fill(single, [p[1] for p in pairs], tokens, masks[1], out_rows)
+        assert done == want and len(done) > step  # (some rows end at each step)
+        for i, (mine, twin) in enumerate(pairs):
+            assert (mine.matcher is None) == (twin.matcher is None)
+            assert (mine.terminated, mine.num_fed) == (twin.terminated, twin.num_fed)
+            if i not in done:
+                assert torch.equal(masks[0][out_rows[i]], masks[1][out_rows[i]])
+    batch.close()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from bisect import bisect_left
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,9 +147,11 @@ class GrammarBatch:
         self.threads = threads or default_grammar_threads()  # the most a fill takes
         self.last_spent = [0.0, 0.0]  # the last `run`'s seconds in the accept and in the fill
         self.last_threads = 1  # the threads the last `run`'s fill took
-        self.row_fill_s = 0.0  # a row's fill in seconds of one thread, averaged; 0: not measured yet
+        self.row_fill_s = 0.0  # a row's accept and fill in seconds of one thread, averaged; 0: not yet
         self._batches: dict[int, xgr.BatchGrammarMatcher] = {}
         self._parallel_fills = 0  # fills on several threads since the last one on one
+        self._chunk_pool: ThreadPoolExecutor | None = None  # `_run_chunks`' threads but the caller's
+        self._chunk_batches: list[xgr.BatchGrammarMatcher] = []  # one a chunk, one thread each
 
     def threads_for(self, rows: int) -> int:
         """The threads a fill of `rows` rows takes: one until a fill has been measured, and as a probe."""
@@ -174,19 +178,88 @@ class GrammarBatch:
         if batch is None:
             batch = self._batches[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
         spent = [0.0, 0.0]
-        done = advance_and_fill(batch, states, tokens, mask, out_rows, spent)
+        if threads > 1 and max(map(len, tokens), default=0) <= 1:
+            done = self._run_chunks(threads, states, tokens, mask, out_rows, spent)
+        else:
+            done = advance_and_fill(batch, states, tokens, mask, out_rows, spent)
         self.last_spent = spent
         filled = n - len(done)
         if threads > 1:
             self._parallel_fills += 1
         elif filled >= MIN_MEASURED_ROWS:
             self._parallel_fills = 0
-            per_row = spent[1] / filled
+            per_row = (spent[0] + spent[1]) / filled
             self.row_fill_s = per_row if self.row_fill_s == 0.0 else 0.8 * self.row_fill_s + 0.2 * per_row
         return done
 
+    def _run_chunks(
+        self,
+        chunks: int,
+        states: list[Matcher],
+        tokens: list[list[int]],
+        mask: torch.Tensor,
+        out_rows: list[int] | None,
+        spent: list[float],
+    ) -> list[int]:
+        """`advance_and_fill` of rows that gain one token at most (a step's, the steady state), the rows
+        dealt out in `chunks` contiguous chunks, each accepted and filled by one thread in two of xgrammar's
+        calls (both release the GIL). The Python over the rows stays on the calling thread: threads that
+        ran it too took the GIL from the worker's main thread (module doc). A row fed a stop token is done
+        (terminated, or broken if its grammar refused it) and is not filled."""
+        started = time.perf_counter()
+        n = len(states)
+        out = range(n) if out_rows is None else out_rows
+        live = [i for i in range(n) if states[i].matcher is not None and not states[i].terminated]
+        fed = [i for i in live if tokens[i]]
+        stopping = {i for i in fed if tokens[i][0] in states[i].stop_ids}
+        for i in range(n):  # (a token past a matcher's end too: counted, not accepted)
+            states[i].num_fed += len(tokens[i])
+        running = [i for i in live if i not in stopping]
+        fed_matchers = [states[i].matcher for i in fed]
+        fed_tokens = [tokens[i][0] for i in fed]
+        run_matchers = [states[i].matcher for i in running]
+        run_rows = [out[i] for i in running]
+        bounds = [n * c // chunks for c in range(chunks + 1)]
+        fed_at = [bisect_left(fed, b) for b in bounds]
+        run_at = [bisect_left(running, b) for b in bounds]
+        while len(self._chunk_batches) < chunks:
+            self._chunk_batches.append(xgr.BatchGrammarMatcher(max_threads=1))
+
+        def chunk(c: int) -> tuple[list[bool] | None, float, float]:
+            t0 = time.perf_counter()
+            a, b = fed_at[c], fed_at[c + 1]
+            accepted = batch_accept(fed_matchers[a:b], fed_tokens[a:b]) if b > a else None
+            t1 = time.perf_counter()
+            a, b = run_at[c], run_at[c + 1]
+            if b > a:
+                self._chunk_batches[c].batch_fill_next_token_bitmask(run_matchers[a:b], mask, run_rows[a:b])
+            return accepted, t1 - t0, time.perf_counter() - t1
+
+        if self._chunk_pool is None:
+            self._chunk_pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="grammar-fill")
+        prepared = time.perf_counter()
+        jobs = [self._chunk_pool.submit(chunk, c) for c in range(1, chunks)]
+        results = [chunk(0)] + [job.result() for job in jobs]
+        ended = time.perf_counter()
+        for c, (accepted, _, _) in enumerate(results):
+            if accepted is not None:
+                for k, ok in enumerate(accepted):
+                    if not ok:
+                        i = fed[fed_at[c] + k]
+                        log.error("sequence %d: token %d breaks its grammar", states[i].seq_id, tokens[i][0])
+                        states[i].matcher = None
+        for i in stopping:
+            m = states[i].matcher
+            states[i].terminated = m is None or m.is_terminated()
+        accept_s = (prepared - started) + max(r[1] for r in results)
+        spent[0] += accept_s
+        spent[1] += (ended - started) - accept_s
+        return [i for i in range(n) if states[i].matcher is None or states[i].terminated]
+
     def close(self) -> None:
-        """Nothing to stop: xgrammar's threads live only within a fill."""
+        """Stops the chunk threads (xgrammar's own live only within a fill)."""
+        if self._chunk_pool is not None:
+            self._chunk_pool.shutdown(wait=False)
 
 
 def fill_stop_rows(mask: torch.Tensor, rows: list[tuple[int, tuple[int, ...]]]) -> None:
