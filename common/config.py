@@ -227,8 +227,8 @@ class WorkerConfig:
     # config.json (and the tokenizer) read, for benchmarks of a model's shape (worker/dummy_weights.py)
     load_format: LoadFormat = "auto"
     seed: int = 0  # seeds what the worker draws itself: the weights of --load-format dummy
-    # structured output: xgrammar's threads filling the masks (worker/grammar_batch.py); 0: three quarters
-    # of the cores, at most 16
+    # structured output: the most threads advancing and filling a step's masks (worker/grammar_batch.py);
+    # 0: half the cores, at most 8
     grammar_threads: int = 0
 
     def __post_init__(self) -> None:

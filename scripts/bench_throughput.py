@@ -187,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="the worker's --grammar-threads: xgrammar's threads filling the masks (0: the worker's default, "
-        "three quarters of the cores); e.g. --json-schema FILE --compare grammar_threads=1 grammar_threads=0",
+        "half the cores, at most 8); e.g. --json-schema FILE --compare grammar_threads=1 grammar_threads=0",
     )
     p.add_argument(
         "--quantization",

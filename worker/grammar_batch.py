@@ -2,12 +2,17 @@
 their sequences gained and filling their next-token bitmasks, in xgrammar's batched calls, into a reused host
 buffer that goes to the device in one transfer.
 
-One Python thread makes the calls; the fill's parallelism is xgrammar's own (`batch_fill_next_token_bitmask`
-runs its C++ threads with the GIL released), as many threads as the rows' work pays for (`GrammarBatch`).
-Dealing the rows out to Python threads instead (one batched call per chunk) cost the worker's main thread the
-GIL: measured on an H200 (docs/benchmarks.md, 2026-11-26), the JSON-schema workload ran at 0.68 of the plain
-one with 12 such threads, 0.80 with 4, and 0.84 with one thread and xgrammar's 12; the main thread's
-launches took 5 ms longer per step under the 12.
+xgrammar's batched accept and fill release the GIL, so their C++ runs in parallel on several threads; the
+Python between them does not, and every thread that runs it takes the GIL from the worker's main thread,
+which launches the GPU's work. So one background thread does all the Python over a step's rows, and the
+calls are made on as many threads as the rows' work pays for (`GrammarBatch`): in the steady state (a row
+gains one token a step) the rows are dealt out in chunks, each accepted and filled by one thread in two
+calls (`GrammarBatch._run_chunks`); rows that catch up by several tokens go through `advance_and_fill` with
+xgrammar's own fill threads. Measured on an H200's 16-core host (docs/benchmarks.md, 2026-11-26), the
+JSON-schema workload against the plain one: 0.68 with 12 threads that each ran the Python over a chunk, 0.84
+with one thread and xgrammar's 12 fill threads, and with the chunks 0.92 where a run's fills took 6 threads
+but 0.80 where they took 9-10 (the main thread's launches 3 ms slower a step): hence at most 8 threads, one
+per 0.5 ms of a run's measured work.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
-# A fill thread's share of the work worth starting it for: xgrammar starts its threads in every fill (tens of
-# microseconds each, more under load)
-WORK_PER_THREAD_S = 250e-6
+# A thread's share of a run's work worth taking it for: each takes the GIL to start and end its calls, and
+# xgrammar starts its own fill threads in every fill (tens of microseconds each, more under load)
+WORK_PER_THREAD_S = 500e-6
 MIN_MEASURED_ROWS = 8  # fills of fewer rows are not averaged into a row's cost: their fixed costs dominate
 PROBE_EVERY = 64  # fills on several threads between two on one thread, which measure a row's work again
 # one a step copied to the device, two filled ahead (after the copy, behind the forward), the merge
@@ -35,15 +40,14 @@ NUM_HOST_BUFFERS = 4
 
 
 def default_grammar_threads() -> int:
-    """xgrammar's threads for the masks: three quarters of the cores this process may run on (the rest run
-    the worker's main thread, the scheduler's and the api's processes), at least 1, at most 16 (12 on the
-    GPU host's 16 cores)."""
+    """The most threads a step's masks take: half the cores this process may run on (the rest run the
+    worker's main thread, the scheduler's and the api's processes), at least 1, at most 8 (module doc)."""
     cores = os.cpu_count() or 2
     try:
         cores = min(cores, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         pass
-    return max(1, min(16, cores * 3 // 4))
+    return max(1, min(8, cores // 2))
 
 
 @dataclass
@@ -133,15 +137,15 @@ def advance_and_fill(
 
 
 class GrammarBatch:
-    """`advance_and_fill` over a step's rows from the calling thread, the fill over as many of xgrammar's
-    threads as the rows' work pays for.
+    """A step's rows advanced and filled on as many threads as their work pays for (module doc): in chunks
+    when each row gains one token at most, else `advance_and_fill` with xgrammar's fill threads.
 
-    xgrammar starts its threads anew in every batched fill (one clone each), so a thread is worth its start
-    only with enough rows' work to share: a row of the benchmark checkpoints' 4,096-token tokenizer fills in
-    well under a microsecond, one of a 128k-token tokenizer in tens. A row's work is measured on fills made
-    with one thread (a fill on several counts their starts too, and would inflate it); each fill takes one
-    thread per `WORK_PER_THREAD_S` of expected work, within [1, threads], and every `PROBE_EVERY`-th fill
-    that would take several takes one, to measure again (rows grow costlier or cheaper as outputs go on)."""
+    A thread is worth taking only with enough rows' work to share: a row of the benchmark checkpoints'
+    4,096-token tokenizer accepts and fills in microseconds, one of a 128k-token tokenizer in tens. A row's
+    work (accept and fill) is measured on runs made on one thread (a run on several counts their starts
+    too, and would inflate it); each run takes one thread per `WORK_PER_THREAD_S` of expected work, within
+    [1, threads], and every `PROBE_EVERY`-th run that would take several takes one, to measure again (rows
+    grow costlier or cheaper as outputs go on)."""
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads or default_grammar_threads()  # the most a fill takes
