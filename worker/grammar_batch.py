@@ -243,7 +243,11 @@ class GrammarBatch:
             self._chunk_pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="grammar-fill")
         prepared = time.perf_counter()
         jobs = [self._chunk_pool.submit(chunk, c) for c in range(1, chunks)]
-        results = [chunk(0)] + [job.result() for job in jobs]
+        try:
+            first = chunk(0)
+        finally:  # (no chunk still writes the mask once this returns, or raises)
+            rest = [job.result() for job in jobs]
+        results = [first, *rest]
         ended = time.perf_counter()
         for c, (accepted, _, _) in enumerate(results):
             if accepted is not None:
