@@ -23,6 +23,7 @@ import time
 from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -297,6 +298,16 @@ class HostMasks:
     spent: tuple[float, float] = (0.0, 0.0)  # seconds in the accept, in the fill
     took_s: float = 0.0  # the whole call's
     reused: int = 0  # rows whose masks came from the ones filled ahead
+
+    def taken_whole(self, seq_ids: list[int], samplers: list[Any]) -> HostMasks | None:
+        """These masks, all kept (a prefetch made them for this step), when they are of exactly the step's
+        constrained rows (`samplers`: its SeqStates), as they are unless the step changed in between; else
+        None, and the step's are made anew."""
+        rows = [j for j, s in enumerate(samplers) if s.params.structured is not None]
+        if self.rows != rows or self.seq_ids != [seq_ids[j] for j in rows]:
+            return None
+        self.reused = len(rows)
+        return self
 
 
 class HostMaskBuffers:

@@ -41,10 +41,11 @@ from worker.loader import load_model_config
 from worker.model_runner import ModelRunner
 from worker.parallel import ParallelContext, init_parallel
 from worker.step_trace import StepTrace
+from worker.step_waiter import StepWaiter
 from worker.steps import verifies_drafts
 
 POLL_MS = 100  # how often the receive loop looks at the stop flag
-STEP_POLL_MS = 1  # while a step runs: how often the loop looks whether it is done (a plan wakes it at once)
+STEP_POLL_MS = 5  # while a step runs: the longest the loop sleeps (a plan, or the step's end, wakes it)
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM, beyond shutdown_timeout_s: time for the scheduler's Shutdown to come
 
 
@@ -80,6 +81,10 @@ class _Connection:
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH,
         )
         self.sock.connect(address)
+        self.waiter = StepWaiter(self.ctx)  # wakes the poll when the step in flight ends
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.waiter.wake, zmq.POLLIN)
         self.up = False  # a scheduler is connected
         self.ever_up = False
 
@@ -93,6 +98,7 @@ class _Connection:
     def close(self) -> None:
         self.sock.disable_monitor()
         self.monitor.close()
+        self.waiter.close()
         self.sock.close()
         self.ctx.term()
 
@@ -233,15 +239,19 @@ def serve(cfg: WorkerConfig) -> int:
         conn.close()
 
 
-def _next_plan_or_done(sock: zmq.Socket, runner: ModelRunner) -> bool:
+def _next_plan_or_done(conn: _Connection, runner: ModelRunner) -> bool:
     """While a step runs: True as soon as a message waits (the next plan, to be queued behind the step), or
-    False once the step is done and nothing waits (then it is answered)."""
+    False once the step is done and nothing waits (then it is answered). The step's end wakes the poll
+    (worker/step_waiter.py); the timeout only bounds a missed wake-up."""
     while True:
-        if sock.poll(0):
+        if conn.sock.poll(0):
             return True
-        if runner.in_flight[0].done():
+        step = runner.in_flight[0]
+        if step.done():
             return False
-        sock.poll(STEP_POLL_MS)
+        conn.waiter.watch(step.ended)
+        conn.poller.poll(STEP_POLL_MS)
+        conn.waiter.drain()
 
 
 def _answer(sock: zmq.Socket, runner: ModelRunner, trace: StepTrace | None) -> None:
@@ -275,7 +285,7 @@ def _loop(
         if stop.signum is not None and not conn.up:
             break  # stopping, and no scheduler to drain for
         if runner.in_flight:
-            if not _next_plan_or_done(sock, runner):
+            if not _next_plan_or_done(conn, runner):
                 _answer(sock, runner, trace)
                 continue
         elif not sock.poll(POLL_MS):

@@ -250,7 +250,7 @@ class StructuredOutputs:
         if prefetched is not None and prefetched[0] == step_id and ahead is not None:
             # Made for this very step, from its rows once all their tokens were on the host (`prefetch`):
             # taken whole, without the row-by-row check below on this (the launching) thread.
-            masks = _same_rows(ahead, seq_ids, samplers)
+            masks = ahead.taken_whole(seq_ids, samplers)
         if masks is None:  # (a matcher a prefetch fed is not fed again: each counts the tokens it accepted)
             masks = self._host_masks(step_id, seq_ids, samplers, pending_tokens, ahead)
         computed = time.perf_counter()
@@ -415,17 +415,6 @@ def _json_safe_words(decoded_vocab: list[bytes], vocab_size: int, any_whitespace
         if piece.translate(None, bad) != piece:
             safe[token_id] = 0
     return torch.from_numpy(np.packbits(safe, bitorder="little").view(np.int32).copy())
-
-
-def _same_rows(masks: HostMasks, seq_ids: list[int], samplers: list[SeqState]) -> HostMasks | None:
-    """`masks`, all kept (a prefetch made them for this step), when they are of exactly the step's
-    constrained rows (as they are unless the step changed in between); else None, and the step's are made
-    anew."""
-    rows = [j for j, s in enumerate(samplers) if s.params.structured is not None]
-    if masks.rows != rows or masks.seq_ids != [seq_ids[j] for j in rows]:
-        return None
-    masks.reused = len(rows)
-    return masks
 
 
 def step_tokens(step: Any) -> dict[int, int]:
