@@ -37,7 +37,9 @@ more that writes the last draft's KV (`DecodeGraphs.replay`: no LM head). That s
 every draft's KV written the next call lacks one token whatever the target accepted (the target's own
 token after the accepted drafts), so its first forward is a decode step too and replays a graph; else a
 sequence whose drafts were all accepted would lack two tokens, and the happy path would run eagerly. The
-drafts' KV stays written: the next call keeps what the target accepted.
+drafts' KV stays written: the next call keeps what the target accepted. In that steady state (every planned
+row lacks one token and draws k = num_speculative_tokens drafts, within the graphs' sizes) the 1 + k steps
+replay as one CUDA graph instead (worker/spec/draft_graphs.py `DraftChain`; `num_chain_replays`).
 """
 
 from __future__ import annotations
