@@ -160,7 +160,9 @@ class DraftChain:
         else:
             drafts = self._chain(size)
         self.num_replays += 1
-        # A fresh table: the graph's output is overwritten by the next call, maybe before the target reads it.
+        # Copied out at once into a fresh table: the graph's output is rewritten by the next call (maybe
+        # before the target has read these drafts) and may lie in memory that the decode graphs sharing its
+        # pool use as scratch.
         table = torch.zeros((num_rows, self.num_drafts), dtype=torch.int64, device=self.device)
         table[staged[2, :batch]] = drafts[:batch]
         return table
