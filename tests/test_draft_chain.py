@@ -81,6 +81,33 @@ def _propose(proposer: DraftModelProposer, rows: list[ProposeRow]) -> tuple[Devi
     return drafts, drafts.host()
 
 
+def _round(
+    steps: DraftModelProposer,
+    chained: DraftModelProposer,
+    seqs: dict[int, list[int]],
+    nums: list[int],
+    k: int,
+) -> tuple[list[list[int]], int]:
+    """One call of both proposers on the same rows (row i asks for nums[i] drafts): the same drafts, state
+    and KV. Returns the drafts and how many times the chain ran."""
+    rows = [
+        ProposeRow(seq_id, list(tokens), n) for (seq_id, tokens), n in zip(seqs.items(), nums, strict=True)
+    ]
+    before = chained.num_chain_replays
+    (a, drafts), (b, chain_drafts) = _propose(steps, rows), _propose(chained, rows)
+    assert chain_drafts == drafts
+    assert b.tokens.shape == a.tokens.shape and b.counts == a.counts
+    _assert_same_state(steps, chained)
+    return drafts, chained.num_chain_replays - before
+
+
+def _grow(seqs: dict[int, list[int]], drafts: list[list[int]], rng: random.Random) -> None:
+    """The target accepts some drafts of each row and adds its own token."""
+    for tokens, draft in zip(seqs.values(), drafts, strict=True):
+        accepted = rng.randrange(len(draft) + 1)
+        tokens += draft[:accepted] + [rng.choice([t for t in range(50) if draft[accepted:][:1] != [t]])]
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_the_eager_chain_drafts_and_writes_what_the_step_by_step_path_does(
     tiny_model_dir: Path, draft_dir: Path, k: int
@@ -90,32 +117,50 @@ def test_the_eager_chain_drafts_and_writes_what_the_step_by_step_path_does(
         _proposer(tiny_model_dir, draft_dir, k, True),
     )
     rng = random.Random(k)
-    crossed = False
+    crossed = 0
     for batch in range(1, 6):
         seqs = {
             100 * batch + i: [rng.randrange(4096) for _ in range(rng.randrange(2, 40))] for i in range(batch)
         }
-        for call in range(3):  # a catch-up (step by step), then two steady-state calls (chained)
-            rows = [ProposeRow(seq_id, list(tokens), k) for seq_id, tokens in seqs.items()]
-            before = chained.num_chain_replays
-            (a, drafts), (b, chain_drafts) = _propose(steps, rows), _propose(chained, rows)
-            assert chain_drafts == drafts and all(len(d) == k for d in drafts)
-            assert b.tokens.shape == a.tokens.shape and b.counts == a.counts
-            assert chained.num_chain_replays == before + (call > 0)
-            _assert_same_state(steps, chained)
-            if call:
-                crossed |= any(
-                    (len(t) - 1) // BLOCK_SIZE != (len(t) + k - 1) // BLOCK_SIZE for t in seqs.values()
+        for call in range(4):  # a catch-up (step by step), steady-state calls (chained)
+            # Some rows ask for fewer drafts; in the last call all do (unless k = 1): the step-by-step path.
+            most = k if call < 3 or k == 1 else k - 1
+            nums = [most] + [rng.randint(1, most) for _ in range(batch - 1)]
+            rng.shuffle(nums)
+            drafts, ran = _round(steps, chained, seqs, nums, k)
+            assert [len(d) for d in drafts] == nums
+            assert ran == (call > 0 and most == k)
+            if ran:  # rows whose chain crosses into another block
+                crossed += sum(
+                    (len(t) - 1) // BLOCK_SIZE != (len(t) + n - 1) // BLOCK_SIZE
+                    for t, n in zip(seqs.values(), nums, strict=True)
                 )
-            for seq_id, draft in zip(seqs, drafts, strict=True):  # the target accepts some, adds its own
-                accepted = rng.randrange(k + 1)
-                bonus = rng.choice([t for t in range(50) if accepted == k or t != draft[accepted]])
-                seqs[seq_id] += draft[:accepted] + [bonus]
+            _grow(seqs, drafts, rng)
         for seq_id in seqs:
             steps.free(seq_id)
             chained.free(seq_id)
-    assert crossed
-    assert chained.chain is not None and chained.chain.num_replays == chained.num_chain_replays == 10
+    assert crossed >= 5
+    assert chained.chain is not None and chained.chain.num_replays == chained.num_chain_replays
+
+
+def test_a_row_near_max_model_len_drafts_fewer_inside_a_chain(tiny_model_dir: Path, draft_dir: Path) -> None:
+    """Its steps past its drafts stay at its last position (RoPE covers no further) and write nothing."""
+    k = 4
+    steps, chained = (
+        _proposer(tiny_model_dir, draft_dir, k, False),
+        _proposer(tiny_model_dir, draft_dir, k, True),
+    )
+    ref = Reference(draft_dir)
+    rng = random.Random(3)
+    seqs = {1: [rng.randrange(4096) for _ in range(125)], 2: [rng.randrange(4096) for _ in range(9)]}
+    _round(steps, chained, seqs, [k, k], k)  # catching up
+    for length in (126, 127):  # max_model_len 128: 2, then 1 draft
+        seqs[1].append(rng.randrange(4096))
+        seqs[2].append(rng.randrange(4096))
+        assert len(seqs[1]) == length
+        drafts, ran = _round(steps, chained, seqs, [k, k], k)
+        assert ran == 1 and [len(d) for d in drafts] == [128 - length, k]
+        assert drafts == [ref.greedy(t, len(d)) for t, d in zip(seqs.values(), drafts, strict=True)]
 
 
 def test_calls_off_the_steady_state_take_the_step_by_step_path(tiny_model_dir: Path, draft_dir: Path) -> None:
@@ -136,7 +181,8 @@ def test_calls_off_the_steady_state_take_the_step_by_step_path(tiny_model_dir: P
     assert call([0, 1, 2]) == 0  # catching up
     assert call([0, 1, 2]) == 1  # the steady state
     assert call([0, 1, 2, 3]) == 0  # a row catching up beside them
-    assert call([0, 1, 2, 3], {1: 2}) == 0  # fewer drafts for one row
+    assert call([0, 1, 2, 3], {1: 2}) == 1  # fewer drafts for one row: masked in the chain
+    assert call([0, 1, 2, 3], {0: 3, 1: 2, 2: 1, 3: 3}) == 0  # fewer for every row
     assert call([0, 1, 2, 3]) == 1
     assert call(list(range(10))) == 0  # catch-ups
     assert call(list(range(10))) == 0  # 10 rows: past the largest chain (8)
@@ -151,20 +197,27 @@ def test_chain_inputs_are_build_inputs_per_step_and_padding_writes_nothing() -> 
     rows = [tables.add(rng.permutation(64)[: rng.integers(4, 16)].tolist()) for _ in range(5)]
     held = tables.num_blocks[rows].astype(np.int64)
     k = 4
-    lengths = np.array([rng.integers(1, n * BLOCK_SIZE - k + 1) for n in held], dtype=np.int64)
+    num_drafts = np.array([4, 1, 3, 4, 2], dtype=np.int64)
+    lengths = np.array(
+        [rng.integers(1, n * BLOCK_SIZE - d + 1) for n, d in zip(held, num_drafts, strict=True)],
+        dtype=np.int64,
+    )
     width = int(held.max())
     padded = 8  # three padding rows after the five
-    lens = torch.zeros(padded, dtype=torch.int64)
-    lens[:5] = torch.from_numpy(lengths)
+    lens, drafts = torch.zeros(padded, dtype=torch.int64), torch.zeros(padded, dtype=torch.int64)
+    lens[:5], drafts[:5] = torch.from_numpy(lengths), torch.from_numpy(num_drafts)
     block_tables = torch.zeros(padded, width, dtype=torch.int32)
     block_tables[:5] = torch.from_numpy(tables.tables[rows, :width])
     steps = torch.arange(k + 1).unsqueeze(1)
-    positions, slots, seq_lens = chain_inputs(lens, block_tables, steps, BLOCK_SIZE)
+    positions, slots, seq_lens = chain_inputs(lens, drafts, block_tables, steps, BLOCK_SIZE)
     for j in range(k + 1):
         one = np.ones(5, dtype=np.int64)
-        want = build_inputs(tables, np.array(rows), lengths - 1 + j, one, 0 * one, BLOCK_SIZE)
+        # past its drafts a row stays at its last step's position and context, and writes nothing
+        want = build_inputs(
+            tables, np.array(rows), lengths - 1 + np.minimum(j, num_drafts), one, 0 * one, BLOCK_SIZE
+        )
         assert positions[j, :5].tolist() == want.positions.tolist()
-        assert slots[j, :5].tolist() == want.slot_mapping.tolist()
+        assert slots[j, :5].tolist() == np.where(j <= num_drafts, want.slot_mapping, -1).tolist()
         assert seq_lens[j, :5].tolist() == want.seq_lens.tolist()
         assert positions[j, 5:].tolist() == [0] * 3 and seq_lens[j, 5:].tolist() == [1] * 3
         assert slots[j, 5:].tolist() == [-1] * 3  # the KV write skips them

@@ -1,20 +1,24 @@
 """The draft model's steady-state `propose` as one CUDA graph replay (issue 24).
 
 In the steady state every drafting row lacks exactly one token (the target's own after the drafts it
-accepted: the draft wrote every draft's KV at its last call) and draws the same number k of drafts. The
-step-by-step path (worker/spec/draft_model.py `_first_forward`, `_decode`) then runs 1 + k decode steps, each
-with its own `build_inputs`, staging transfer and graph replay, and at low load that host work, not the
-draft's GPU time, is what the target's verification waits for. A `DraftChain` records the 1 + k steps in one
-graph per padded batch size:
+accepted: the draft wrote every draft's KV at its last call) and draws k drafts. The step-by-step path
+(worker/spec/draft_model.py `_first_forward`, `_decode`) then runs 1 + k decode steps, each with its own
+`build_inputs`, staging transfer and graph replay, and at low load that host work, not the draft's GPU time,
+is what the target's verification waits for. A `DraftChain` records the 1 + k steps in one graph per padded
+batch size:
 
     step 0        each row's last token, at position length - 1       -> argmax: draft 0
     step j < k    draft j - 1, at position length + j - 1             -> argmax: draft j
     step k        draft k - 1, at position length + k - 1             (its KV only: no LM head)
 
-Each step's positions, slots and context lengths are computed on the device from each row's length and
-block table (`chain_inputs`), so the host writes a call's inputs once, in one staging transfer: the rows'
-last tokens, their lengths, their rows of the call, and their block tables. The drafts [B, k] stay on the
-device; the KV the chain writes is exactly what the steps would write.
+Each step's positions, slots and context lengths are computed on the device from each row's length, draft
+count and block table (`chain_inputs`), so the host writes a call's inputs once, in one staging transfer:
+the rows' last tokens, lengths, draft counts and rows of the call, and their block tables. The drafts [B, k]
+stay on the device; the KV the chain writes is exactly what the steps would write. A row with d < k drafts
+(near its max_tokens or max_model_len, where the scheduler gives fewer) writes the KV of steps 0 .. d only,
+as the step-by-step path, whose shrinking batches leave it out after its step d: past it the row stays at
+its last position with slot -1 (no write, no position its blocks or RoPE lack), and its columns past d are
+never read (`DeviceDrafts` counts).
 
 The chain runs over the draft's `DecodeGraphs` (worker/cuda_graphs.py): their static buffers (token ids,
 positions, slots, lengths, block tables), their forward (so the split-KV choice of the attention is theirs)
@@ -23,13 +27,14 @@ padding rows have length 0, which makes them what `DecodeGraphs` pads with: posi
 skips it), a context of one token of whatever blocks their table row last held. They compute a row nobody
 reads and write nothing.
 
-Chains are captured for k = num_speculative_tokens only: the scheduler's policy gives every row k drafts
-while the running sequences are at most the draft budget / k (16 at the defaults), and past that the draft's
-host cost is spread over many rows. A call with fewer drafts for some row, with a row still catching up, or
-with more rows than the largest graph takes the step-by-step path. A size's chain records 1 + k forwards and
-k LM heads (argmax included): its capture takes about 1 + k times a decode graph's, and its memory is that of
-its largest intermediate ([size, V] logits) in the shared pool, plus its [size, k] drafts; `capture_time_s`
-and `capture_bytes` say what they were.
+Chains are captured for k = num_speculative_tokens only, and a call is chained when its rows' most drafts
+is k: the scheduler's policy gives rows k drafts while the running sequences are at most the draft budget /
+k (16 at the defaults), and past that the draft's host cost is spread over many rows (and a chain of k steps
+would compute steps nobody asked for). A call with a row still catching up, with fewer than k drafts for
+every row, or with more rows than the largest graph takes the step-by-step path. A size's chain records
+1 + k forwards and k LM heads (argmax included): its capture takes about 1 + k times a decode graph's, and
+its memory is that of its largest intermediate ([size, V] logits) in the shared pool, plus its [size, k]
+drafts; `capture_time_s` and `capture_bytes` say what they were.
 
 `capture=False` runs the same chain eagerly on any device: what the CPU tests hold to the step-by-step path.
 """
@@ -47,18 +52,20 @@ from worker.staging import stage
 
 def chain_inputs(
     lengths: torch.Tensor,  # [S] int64: each row's token count (the first draft's position); 0: padding
+    num_drafts: torch.Tensor,  # [S] int64: each row's drafts d, 1 .. k (0: padding)
     block_tables: torch.Tensor,  # [S, W] int32: each row's blocks, enough for its last draft's slot
     steps: torch.Tensor,  # [N, 1] int64: the chain's steps 0 .. k (arange)
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every step's decode inputs: positions [N, S] int64, slots [N, S] int64 and context lengths [N, S]
-    int32. At step j row b computes the token at position lengths[b] - 1 + j, in slot block * block_size +
-    offset of its table; a padding row is at position 0 with slot -1 and one token of context. No host sync:
-    a graph records it."""
+    int32. At step j <= d row b computes the token at position lengths[b] - 1 + j, in slot block *
+    block_size + offset of its table; past its d it stays at its last position and writes nothing (slot -1);
+    a padding row is at position 0 with slot -1 and one token of context. No host sync: a graph records it."""
     valid = lengths > 0  # [S]
-    positions = torch.where(valid, lengths - 1 + steps, 0)  # [N, S]
+    positions = torch.where(valid, lengths - 1 + torch.minimum(steps, num_drafts), 0)  # [N, S]
     blocks = block_tables.gather(1, (positions // block_size).T).T.to(torch.int64)  # [N, S]
-    slots = torch.where(valid, blocks * block_size + positions % block_size, -1)
+    writes = valid & (steps <= num_drafts)  # [N, S]
+    slots = torch.where(writes, blocks * block_size + positions % block_size, -1)
     return positions, slots, (positions + 1).to(torch.int32)
 
 
@@ -80,8 +87,8 @@ class DraftChain:
         device = graphs.token_ids.device
         self.device = device
         n = graphs.sizes[-1]
-        # A call's inputs: each row's last token (row 0) and its length (row 1; 0 for a padding row).
-        self.inputs = torch.zeros(2, n, dtype=torch.int64, device=device)  # [2, N]
+        # A call's inputs: each row's last token, its length and its drafts (0, 0, 0 for a padding row).
+        self.inputs = torch.zeros(3, n, dtype=torch.int64, device=device)  # [3, N]
         self._steps = torch.arange(num_drafts + 1, dtype=torch.int64, device=device).unsqueeze(
             1
         )  # [k + 1, 1]
@@ -101,9 +108,9 @@ class DraftChain:
     def _chain(self, size: int) -> torch.Tensor:  # [size, k] int64
         """The chain over the first `size` rows of the static inputs: what a graph records."""
         g = self.graphs
-        lengths = self.inputs[1, :size]
+        lengths, num_drafts = self.inputs[1, :size], self.inputs[2, :size]
         positions, slots, seq_lens = chain_inputs(
-            lengths, g.block_tables[:size], self._steps, self.block_size
+            lengths, num_drafts, g.block_tables[:size], self._steps, self.block_size
         )
         drafts = torch.empty(self.num_drafts, size, dtype=torch.int64, device=self.device)  # [k, size]
         g.token_ids[:size].copy_(self.inputs[0, :size])
@@ -138,20 +145,23 @@ class DraftChain:
         self,
         token_ids: np.ndarray,  # [B] int64: each row's last token (the one it lacks)
         lengths: np.ndarray,  # [B] int64: each row's token count, that token included
+        num_drafts: np.ndarray,  # [B] int64: each row's drafts, 1 .. k
         block_tables: np.ndarray,  # [B, W] int32: the rows' blocks, through the last draft's slot
         index: np.ndarray,  # [B] int64: each row's row of the call
         num_rows: int,  # the call's rows
-    ) -> torch.Tensor:  # [num_rows, k] int64 on the device: row index[b]'s drafts; 0s for the others
+    ) -> torch.Tensor:  # [num_rows, k] int64 on the device: row index[b]'s drafts first; 0s for the others
         """One chained call: its inputs in one transfer, the chain's replay, the drafts in call order."""
         batch = len(lengths)
         size = self.padded_size(batch)
         assert size is not None and lengths.min() > 0
-        host = np.zeros((3, size), dtype=np.int64)  # padding rows: token 0, length 0
+        assert num_drafts.min() > 0 and num_drafts.max() <= self.num_drafts
+        host = np.zeros((4, size), dtype=np.int64)  # padding rows: token 0, length 0, no drafts
         host[0, :batch] = token_ids
         host[1, :batch] = lengths
-        host[2, :batch] = index
+        host[2, :batch] = num_drafts
+        host[3, :batch] = index
         staged, tables = stage([host, block_tables], self.device)
-        self.inputs[:, :size].copy_(staged[:2])
+        self.inputs[:, :size].copy_(staged[:3])
         # Only the columns the rows use (`chain_inputs` and the attention read no further).
         self.graphs.block_tables[:batch, : block_tables.shape[1]].copy_(tables)
         if self.captured:
@@ -164,5 +174,5 @@ class DraftChain:
         # before the target has read these drafts) and may lie in memory that the decode graphs sharing its
         # pool use as scratch.
         table = torch.zeros((num_rows, self.num_drafts), dtype=torch.int64, device=self.device)
-        table[staged[2, :batch]] = drafts[:batch]
+        table[staged[3, :batch]] = drafts[:batch]
         return table

@@ -38,8 +38,9 @@ every draft's KV written the next call lacks one token whatever the target accep
 token after the accepted drafts), so its first forward is a decode step too and replays a graph; else a
 sequence whose drafts were all accepted would lack two tokens, and the happy path would run eagerly. The
 drafts' KV stays written: the next call keeps what the target accepted. In that steady state (every planned
-row lacks one token and draws k = num_speculative_tokens drafts, within the graphs' sizes) the 1 + k steps
-replay as one CUDA graph instead (worker/spec/draft_graphs.py `DraftChain`; `num_chain_replays`).
+row lacks one token and drafts, at most k = num_speculative_tokens and some row k, within the graphs'
+sizes) the 1 + k steps replay as one CUDA graph instead (worker/spec/draft_graphs.py `DraftChain`;
+`num_chain_replays`).
 """
 
 from __future__ import annotations
@@ -319,19 +320,21 @@ class DraftModelProposer:
 
     def _chain(self, num_rows: int, planned: list[_Planned]) -> torch.Tensor | None:
         """The call's drafts [num_rows, k] from one run of the draft chain (worker/spec/draft_graphs.py) when
-        the call is in the steady state: every planned row computes the one token it lacks and draws k drafts,
-        and a chain holds them all. None otherwise: the step-by-step path runs."""
+        the call is in the steady state: every planned row computes the one token it lacks and drafts, the
+        most drafts are k, and a chain holds the rows. None otherwise: the step-by-step path runs."""
         chain = self.chain
         if chain is None or chain.padded_size(len(planned)) is None:
             return None
-        if any(len(p.token_ids) != 1 or p.num_drafts != chain.num_drafts for p in planned):
+        num_drafts = np.array([p.num_drafts for p in planned], dtype=np.int64)
+        if num_drafts.max() != chain.num_drafts or any(len(p.token_ids) != 1 for p in planned):
             return None
         assert self.pool is not None
         lengths = np.array([p.length for p in planned], dtype=np.int64)
-        width = -(-(int(lengths.max()) + chain.num_drafts) // self.block_size)  # through the last draft
+        width = -(-int((lengths + num_drafts).max()) // self.block_size)  # through each row's last draft
         table = chain.run(
             np.array([p.token_ids[0] for p in planned], dtype=np.int64),
             lengths,
+            num_drafts,
             self.pool.tables.tables[np.array([p.seq.row for p in planned], dtype=np.int64), :width],
             np.array([p.index for p in planned], dtype=np.int64),
             num_rows,
