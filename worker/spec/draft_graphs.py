@@ -77,7 +77,7 @@ class DraftChain:
         self,
         graphs: DecodeGraphs,
         block_size: int,
-        num_drafts: int,  # k: the drafts of every row of a chained call
+        num_drafts: int,  # k: the most drafts a row of a chained call draws
         capture: bool = True,
     ) -> None:
         self.graphs = graphs
@@ -89,9 +89,7 @@ class DraftChain:
         n = graphs.sizes[-1]
         # A call's inputs: each row's last token, its length and its drafts (0, 0, 0 for a padding row).
         self.inputs = torch.zeros(3, n, dtype=torch.int64, device=device)  # [3, N]
-        self._steps = torch.arange(num_drafts + 1, dtype=torch.int64, device=device).unsqueeze(
-            1
-        )  # [k + 1, 1]
+        self._steps = torch.arange(num_drafts + 1, device=device).unsqueeze(1)  # [k + 1, 1] int64
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._drafts: dict[int, torch.Tensor] = {}  # each graph's output: [size, k] int64
         self.captured = capture
