@@ -17,3 +17,6 @@ def test_bench_draft_times_each_batch_and_writes_json(tiny_model_dir: Path, tmp_
     assert [r["batch"] for r in results] == [1, 3]
     assert all(r["propose_ms"] > 0 and r["drafted_per_call"] == 4 for r in results)
     assert json.loads(out.read_text())["runs"] == results
+    assert all(r["chained"] == 0 for r in results)  # the CPU has no graphs: the step-by-step path
+    both = main([*argv, "--context", "20", "--repeat", "1", "--number", "2", "--chain", "both"])
+    assert [r["batch"] for r in both] == [1, 1, 3, 3]

@@ -55,6 +55,7 @@ class DecodeGraphs:
         max_model_len: int,
         device: torch.device,
         show_progress: bool = True,
+        capture: bool = True,  # False: the buffers and `_forward` only, run eagerly (the CPU's tests)
     ) -> None:
         self.model = model
         self.kv_layers = kv_layers
@@ -76,7 +77,10 @@ class DecodeGraphs:
         self._hidden: dict[int, torch.Tensor] = {}
         self.capture_time_s = 0.0
         self.num_replays = 0
-        self._capture(show_progress)
+        # Their memory pool, which more graphs over these buffers can share (worker/spec/draft_graphs.py)
+        self.pool: torch.cuda._POOL_HANDLE | None = None
+        if capture:
+            self._capture(show_progress)
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -92,10 +96,15 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:  # [size, H]
         return self.model(self.token_ids[:size], self.positions[:size], self._meta(size), self.kv_layers)
 
+    def forward(self, size: int) -> torch.Tensor:  # [size, H]
+        """The model's forward over the first `size` rows of the static buffers, as each graph records it:
+        for graphs that chain several steps over these buffers (worker/spec/draft_graphs.py)."""
+        return self._forward(size)
+
     @torch.inference_mode()
     def _capture(self, show_progress: bool) -> None:
         started = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         # Largest first: the smaller graphs reuse the memory of the larger ones from the shared pool.
         for i, size in enumerate(reversed(self.sizes)):
             self._forward(size)  # warm-up: compiles kernels and allocates their buffers outside the graph

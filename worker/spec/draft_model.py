@@ -37,7 +37,10 @@ more that writes the last draft's KV (`DecodeGraphs.replay`: no LM head). That s
 every draft's KV written the next call lacks one token whatever the target accepted (the target's own
 token after the accepted drafts), so its first forward is a decode step too and replays a graph; else a
 sequence whose drafts were all accepted would lack two tokens, and the happy path would run eagerly. The
-drafts' KV stays written: the next call keeps what the target accepted.
+drafts' KV stays written: the next call keeps what the target accepted. In that steady state (every planned
+row lacks one token and drafts, at most k = num_speculative_tokens and some row k, within the graphs'
+sizes) the 1 + k steps replay as one CUDA graph instead (worker/spec/draft_graphs.py `DraftChain`;
+`num_chain_replays`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from worker.models.registry import build_model
 from worker.parallel import ParallelContext
 from worker.spec.device_drafts import DeviceDrafts
 from worker.spec.draft_checks import check_draft
+from worker.spec.draft_graphs import DraftChain
 from worker.spec.draft_pool import DraftBlockPool, DraftSeq
 from worker.spec.proposer import ProposeRow
 from worker.staging import stage
@@ -122,6 +126,9 @@ class DraftModelProposer:
         self.pool: DraftBlockPool | None = None
         self.graphs: DecodeGraphs | None = None
         self.num_kv_only_replays = 0  # graph replays of a last step that only writes the drafts' KV
+        # Steady-state calls as one graph replay each (worker/spec/draft_graphs.py), with the decode graphs
+        self.chain: DraftChain | None = None
+        self.num_chain_replays = 0  # calls that ran the chain (its last step counts as a KV-only replay too)
         # The last call's drafts, whose ids its sequences' records lack until they are on the host:
         # (drafts, [(seq_id, seq, first draft's index in seq.computed, row of the call)])
         self._unsettled: tuple[DeviceDrafts, list[tuple[int, DraftSeq, int, int]]] | None = None
@@ -170,6 +177,7 @@ class DraftModelProposer:
                 "show_progress": False,
             }
             self.graphs = DecodeGraphs(self.model, self.kv.layers, **sizes)  # type: ignore[arg-type]
+            self.chain = DraftChain(self.graphs, self.block_size, self.num_speculative_tokens)
 
     def free(self, seq_id: int) -> None:
         """Returns the sequence's blocks; unknown ids are ignored."""
@@ -200,17 +208,21 @@ class DraftModelProposer:
         counts = [0] * len(rows)
         # Drafting rows, most drafts first: the decode steps run on a shrinking prefix of them.
         drafting = sorted((p for p in planned if p.num_drafts), key=lambda p: -p.num_drafts)
-        first = self._first_forward(planned, drafting) if planned else None  # [D] each drafting row's first
+        table = self._chain(len(rows), planned)  # [R, k] the whole call in one replay, in the steady state
+        first = None
+        if planned and table is None:
+            first = self._first_forward(planned, drafting)  # [D] each drafting row's first
         for p in planned:
             p.seq.computed += p.token_ids
             p.seq.num_truth = len(p.seq.computed)
         if not drafting:
             return DeviceDrafts(counts, empty)
-        assert first is not None
-        tokens = self._decode(drafting, first)  # [D, max drafts], on the device
-        index = stage([np.array([p.index for p in drafting], dtype=np.int64)], self.device)[0]
-        table = torch.zeros((len(rows), tokens.shape[1]), dtype=torch.int64, device=self.device)
-        table[index] = tokens
+        if table is None:
+            assert first is not None
+            tokens = self._decode(drafting, first)  # [D, max drafts], on the device
+            index = stage([np.array([p.index for p in drafting], dtype=np.int64)], self.device)[0]
+            table = torch.zeros((len(rows), tokens.shape[1]), dtype=torch.int64, device=self.device)
+            table[index] = tokens
         for p in drafting:
             counts[p.index] = p.num_drafts
         drafts = DeviceDrafts(counts, table).start_copy()
@@ -305,6 +317,32 @@ class DraftModelProposer:
         token_ids = feed if feed is not None else token_ids
         hidden = self.model(token_ids, positions, meta, self.kv.layers)  # [T, H]
         return self.model.compute_logits(hidden[picked])
+
+    def _chain(self, num_rows: int, planned: list[_Planned]) -> torch.Tensor | None:
+        """The call's drafts [num_rows, k] from one run of the draft chain (worker/spec/draft_graphs.py) when
+        the call is in the steady state: every planned row computes the one token it lacks and drafts, the
+        most drafts are k, and a chain holds the rows. None otherwise: the step-by-step path runs."""
+        chain = self.chain
+        if chain is None or chain.padded_size(len(planned)) is None:
+            return None
+        num_drafts = np.array([p.num_drafts for p in planned], dtype=np.int64)
+        if num_drafts.max() != chain.num_drafts or any(len(p.token_ids) != 1 for p in planned):
+            return None
+        assert self.pool is not None
+        lengths = np.array([p.length for p in planned], dtype=np.int64)
+        width = -(-int((lengths + num_drafts).max()) // self.block_size)  # through each row's last draft
+        table = chain.run(
+            np.array([p.token_ids[0] for p in planned], dtype=np.int64),
+            lengths,
+            num_drafts,
+            self.pool.tables.tables[np.array([p.seq.row for p in planned], dtype=np.int64), :width],
+            np.array([p.index for p in planned], dtype=np.int64),
+            num_rows,
+        )
+        self.num_chain_replays += 1
+        if chain.captured:  # its last step is the step-by-step path's KV-only replay
+            self.num_kv_only_replays += 1
+        return table
 
     def _first_forward(self, planned: list[_Planned], drafting: list[_Planned]) -> torch.Tensor:
         """Computes every planned row's tokens; returns the first drafts [D] of `drafting` (planned rows, in
