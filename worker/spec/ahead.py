@@ -16,7 +16,10 @@ to the plan's k). The other rows are proposed at the plan in a second call; `pro
 first call's drafts and syncs each row's draft KV with its tokens (their common prefix), so that call is
 correct whatever the first one computed. The plan gets one `DeviceDrafts` with a row per plan row, put
 together on the device from the two calls' tables by index (no host sync). Drafts ahead that the plan does
-not take are dropped; the proposer's per-sequence state is freed as ever, by the plans' `freed_seq_ids`.
+not take are dropped, and the blocks of the draft's pool that only they hold go back to it at once
+(`drop_drafts`): drafting ahead for a sequence the plan leaves out (no room for its draft slots, preempted)
+must not take the draft's blocks from the rows that do draft. The proposer's per-sequence state is freed
+as ever, by the plans' `freed_seq_ids`.
 
 Only a proposer that drafts on the device (the draft model) drafts ahead: prompt lookup is cheap on the
 host and stays at the plan. Never under tensor parallelism: the followers cannot see whether a message
@@ -40,6 +43,11 @@ from worker.spec.proposer import ProposeRow
 from worker.staging import stage
 
 ProposeOnDevice = Callable[[list[ProposeRow]], DeviceDrafts]
+
+
+def _on_device(proposer: object) -> ProposeOnDevice | None:
+    """The proposer's way to draft on the device (the draft model's), None for one that drafts on the host."""
+    return getattr(proposer, "propose_on_device", None)
 
 
 @dataclass(frozen=True)
@@ -66,19 +74,28 @@ class DraftAhead:
         self.num_rows_taken = 0  # plan rows whose drafts were made ahead
         self.num_rows_proposed = 0  # plan rows proposed at the plan (the ahead drafts did not fit)
 
-    def drop(self) -> None:
-        """Forgets the drafts made ahead and the candidates (a plan without drafts, a reset)."""
+    def drop(self, proposer: object | None = None) -> None:
+        """Forgets the drafts made ahead and the candidates (a plan without drafts, a reset); with the
+        `proposer`, the draft blocks that only the drafts made ahead hold go back to its pool."""
+        self._release(proposer, list(self._rows))
         self._candidates = []
         self._drafts = None
         self._rows = {}
         self.stats = {}
 
-    def draft(self, on_device: ProposeOnDevice | None, live: dict[int, SeqState]) -> list[int]:
+    @staticmethod
+    def _release(proposer: object | None, seq_ids: list[int]) -> None:
+        drop_drafts = getattr(proposer, "drop_drafts", None)
+        if drop_drafts is not None and seq_ids:
+            drop_drafts(seq_ids)
+
+    def draft(self, proposer: object, live: dict[int, SeqState]) -> list[int]:
         """Drafts ahead for the last plan's drafting rows that are still `live` (the runner's sequences)
         with nothing pending and tokens left to generate; returns the seq ids the proposer was asked about.
         Once per drafting plan: the candidates are used up."""
         candidates = self._candidates
-        self.drop()
+        self.drop(proposer)
+        on_device = _on_device(proposer)
         if on_device is None:
             return []
         rows: list[ProposeRow] = []
@@ -100,15 +117,16 @@ class DraftAhead:
         self.num_calls += 1
         return [row.seq_id for row in rows]
 
-    def propose(
-        self, on_device: ProposeOnDevice | None, rows: list[ProposeRow], seqs: list[SeqState]
-    ) -> DeviceDrafts | None:
+    def propose(self, proposer: object, rows: list[ProposeRow], seqs: list[SeqState]) -> DeviceDrafts | None:
         """The plan's drafts on the device, one row per row of `rows` (`seqs`: their sequences): those made
         ahead where they fit, the others proposed now; None without a proposer that drafts on the device.
         The rows become the candidates of the next draft ahead."""
         ahead, ahead_rows = self._drafts, self._rows
+        self._rows = {}
         self.drop()
+        on_device = _on_device(proposer)
         if on_device is None or not rows:
+            self._release(proposer, list(ahead_rows))
             return None
         self._candidates = list(zip(rows, seqs, strict=True))
         taken: list[tuple[int, int]] = []  # (plan row, ahead call row)
@@ -119,6 +137,8 @@ class DraftAhead:
                 taken.append((i, a.call_row))  # (a row with no drafts ahead was catching up: again now)
             else:
                 rest.append(i)
+        taken_ids = {rows[i].seq_id for i, _ in taken}
+        self._release(proposer, [seq_id for seq_id in ahead_rows if seq_id not in taken_ids])
         fresh = on_device([rows[i] for i in rest]) if rest else None
         counts = [0] * len(rows)
         for i, r in taken:
