@@ -65,6 +65,7 @@ class DraftAhead:
     counters of how the plans used them."""
 
     def __init__(self) -> None:
+        self.enabled = True  # --no-speculative-draft-ahead turns it off (common/config.py)
         self._candidates: list[tuple[ProposeRow, SeqState]] = []  # the last plan's drafting rows
         self._drafts: DeviceDrafts | None = None  # made ahead, not yet taken by a plan
         self._rows: dict[int, _AheadRow] = {}  # seq id -> its row of `_drafts`
@@ -96,7 +97,7 @@ class DraftAhead:
         candidates = self._candidates
         self.drop(proposer)
         on_device = _on_device(proposer)
-        if on_device is None:
+        if on_device is None or not self.enabled:
             return []
         rows: list[ProposeRow] = []
         seqs: list[SeqState] = []
