@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -149,7 +150,7 @@ def test_the_ngram_proposer_never_drafts_ahead(tiny_model_dir: Path, baseline: d
 
 
 class _Plans:
-    """Plans for a runner whose sequences each hold 8 blocks of 4 tokens (room for every step here)."""
+    """Plans for a runner whose sequences each hold 8 blocks of its pool (room for every step here)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -189,7 +190,7 @@ class _Plans:
             seq = self.runner.sequences.seqs.get(seq_id)
             if seq is not None and seq_id not in freed:
                 have = int(self.runner.tables.num_blocks[seq.row])
-                need = -(-(seq.num_computed_tokens + 1 + k) // 4)
+                need = -(-(seq.num_computed_tokens + 1 + k) // self.runner.block_size)
                 grown += [(seq_id, self.tables[seq_id][have:need])] if need > have else []
         plan = StepPlan(
             self.step,
@@ -212,8 +213,12 @@ def test_a_plan_whose_rows_differ_gets_each_rows_own_drafts(tiny_model_dir: Path
     cut), 2 for 4 (more than drafted ahead: proposed at the plan), in another order. Then 1 comes back as a
     new sequence (preempted, recomputed from the prefix cache): proposed at the plan, the others taken.
     Every row's drafts are the draft checkpoint's greedy continuation of its tokens."""
-    ref = Reference(draft_dir)
-    runner = make_runner(tiny_model_dir, 64, _spec(draft_dir))
+    rows_differ_scenario(make_runner(tiny_model_dir, 64, _spec(draft_dir)), Reference(draft_dir).greedy)
+
+
+def rows_differ_scenario(runner: ModelRunner, greedy: Callable[[list[int], int], list[int]]) -> None:
+    """The plans of `test_a_plan_whose_rows_differ_gets_each_rows_own_drafts` on `runner` (64 blocks, a
+    draft model with k = 4); `greedy(tokens, n)`: the draft's n greedy tokens after `tokens`."""
     ahead, pool = runner.spec.ahead, runner.spec.proposer.pool
     rng = random.Random(3)
     plans = _Plans(runner)
@@ -224,7 +229,7 @@ def test_a_plan_whose_rows_differ_gets_each_rows_own_drafts(tiny_model_dir: Path
     def check(drafts: dict[int, list[int]], before: dict[int, list[int]], ks: dict[int, int]) -> None:
         assert set(drafts) == set(ks)
         for seq_id, k in ks.items():
-            assert drafts[seq_id] == ref.greedy(before[seq_id], k), seq_id
+            assert drafts[seq_id] == greedy(before[seq_id], k), seq_id
 
     ks = {1: 4, 2: 2, 3: 4, 4: 4}
     check(*plans.decode(list(ks.items())), ks)
@@ -254,7 +259,8 @@ def test_a_plan_whose_rows_differ_gets_each_rows_own_drafts(tiny_model_dir: Path
     assert not ahead._rows
     for seq_id in (2, 3):  # the blocks that only the dropped drafts held went back to the draft's pool
         seq = pool.seqs[seq_id]
-        assert len(seq.computed) == seq.num_truth and len(seq.block_ids) == -(-seq.num_truth // 4)
+        assert len(seq.computed) == seq.num_truth
+        assert len(seq.block_ids) == -(-seq.num_truth // pool.block_size)
     ks = {2: 2, 3: 2}
     check(*plans.decode(list(ks.items())), ks)
     assert (ahead.num_rows_taken, ahead.num_rows_proposed) == (4, 8)
