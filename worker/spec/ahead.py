@@ -148,8 +148,8 @@ class DraftAhead:
             counts[i] = fresh.counts[j]  # type: ignore[union-attr]
         self.num_rows_taken += len(taken)
         self.num_rows_proposed += len(rest)
-        self.stats = {"ahead_ms": round(self._ahead_ms, 3) if taken else 0.0, "ahead_rows": len(taken)}
-        self.stats["plan_rows"] = len(rest)
+        ahead_ms = round(self._ahead_ms, 3) if taken else 0.0
+        self.stats = {"ahead_ms": ahead_ms, "ahead_rows": len(taken), "plan_rows": len(rest)}
         return _combine(counts, ahead, taken, fresh, rest)
 
 
