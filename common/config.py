@@ -230,6 +230,9 @@ class WorkerConfig:
     # structured output: the most threads advancing and filling a step's masks (worker/grammar_batch.py);
     # 0: half the cores, at most 8
     grammar_threads: int = 0
+    # With a draft model: draft a drafting step's next tokens right after answering it, while the scheduler
+    # plans the next step (worker/spec/ahead.py); never under tensor parallelism
+    speculative_draft_ahead: bool = True
 
     def __post_init__(self) -> None:
         check_choices(self)

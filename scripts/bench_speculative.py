@@ -18,6 +18,12 @@ Per (config, concurrency): TTFT and TPOT p50 / p99 (TPOT = (latency - TTFT) / (t
 tokens/s, and from the scheduler's metrics the draft tokens verified and accepted, the mean accepted per
 drafting sequence and step, and the acceptance-length histogram. The speedup column is TPOT p50 without
 speculation over TPOT p50 with it, at the same concurrency, on the same machine.
+
+`--draft-ahead both` runs each speculative config twice, with the worker drafting ahead of the plans (a
+draft model: worker/spec/ahead.py) and without (`--no-speculative-draft-ahead`, the row's config says
+"no draft ahead"). With `--step-trace DIR`, each run's trace (all its concurrencies) is summarized into the
+JSON's `step_traces` (worker/step_trace.py `summarize`: the decode steps' GPU and idle time, the launch's
+phases, the steps that took drafts made ahead and the host time drafting ahead took).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ from scripts._bench import (  # noqa: E402
 from scripts._servers import free_port  # noqa: E402
 from scripts.bench_serving import RequestTiming, stats_ms, stream_completion, wait_healthy  # noqa: E402
 from scripts.train_synthetic import SyntheticLanguage  # noqa: E402
+from worker.step_trace import read_trace  # noqa: E402
+from worker.step_trace import summarize as summarize_trace  # noqa: E402
 
 SPEC_KEYS = ("draft_tokens", "accepted_tokens")
 
@@ -75,7 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--step-trace",
         default="",
-        help="a directory: the worker traces each step of config i to DIR/config-i.jsonl (worker/step_trace)",
+        help="a directory: the worker traces each step of run i to DIR/config-i.jsonl (worker/step_trace)",
+    )
+    p.add_argument(
+        "--draft-ahead",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the worker's --speculative-draft-ahead for the speculative configs; both: a run with each",
     )
     args = p.parse_args(argv)
     try:
@@ -169,17 +183,26 @@ def spec_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, A
 
 
 async def run_config(
-    args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], config: str, log_dir: Path
+    args: argparse.Namespace,
+    model_dir: Path,
+    prompts: list[list[int]],
+    config: str,
+    log_dir: Path,
+    index: int = 0,
+    ahead: bool = True,
 ) -> list[dict]:
+    """Run `index` of the benchmark: one engine with `config`, every concurrency."""
     port = free_port()
     extra: dict[str, object] = {"host": "127.0.0.1", "port": port}
     extra["speculative_config"] = "" if config == "off" else config
+    extra["speculative_draft_ahead"] = ahead
+    label = config if ahead or config == "off" else f"{config} (no draft ahead)"
     for name in ("speculative_draft_budget", "speculative_min_accepted"):
         if getattr(args, name) is not None:
             extra[name] = getattr(args, name)
     if args.step_trace:
         Path(args.step_trace).mkdir(parents=True, exist_ok=True)
-        extra["step_trace"] = str(Path(args.step_trace) / f"config-{args.configs.index(config)}.jsonl")
+        extra["step_trace"] = str(Path(args.step_trace) / f"config-{index}.jsonl")
     settings = engine_settings(args, **extra)
     base_url = f"http://127.0.0.1:{port}"
     url = base_url + "/v1/completions"
@@ -204,7 +227,11 @@ async def run_config(
             before = await read_metrics(client)
             timings, duration = await run_streams(session, url, prompts, c, args, f"{config}-{c}")
             after = await read_metrics(client)
-            rows.append(summarize(config, c, timings, duration, spec_delta(before, after)))
+            rows.append(summarize(label, c, timings, duration, spec_delta(before, after)))
+    if args.step_trace:  # (the worker has closed the file)
+        trace = summarize_trace(read_trace(Path(str(extra["step_trace"]))))
+        for row in rows:
+            row["step_trace"] = trace
     return rows
 
 
@@ -242,6 +269,12 @@ def print_table(rows: list[dict]) -> None:
     print("(latencies in ms; speedup: TPOT p50 without speculation / with it)")
 
 
+def _ahead_modes(config: str, draft_ahead: str) -> list[bool]:
+    if config == "off":
+        return [True]
+    return {"on": [True], "off": [False], "both": [True, False]}[draft_ahead]
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -253,14 +286,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = make_prompts(model_dir, vocab_size, max(args.concurrency) * args.requests_per_stream, args)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bench-spec-"))
     rows = []
-    for config in args.configs:
-        rows += asyncio.run(run_config(args, model_dir, prompts, config, log_dir))
+    runs = [(config, ahead) for config in args.configs for ahead in _ahead_modes(config, args.draft_ahead)]
+    for index, (config, ahead) in enumerate(runs):
+        rows += asyncio.run(run_config(args, model_dir, prompts, config, log_dir, index, ahead))
     print_table(rows)
+    traces = {r["config"]: r.pop("step_trace") for r in rows if "step_trace" in r}
+    for config, trace in traces.items():
+        keys = ("gpu_ms_p50", "idle_ms_p50", "propose_ms_p50", "drafted_ahead_steps", "drafted_ahead_ms_p50")
+        print(f"step trace, {config}: " + ", ".join(f"{k} {trace.get(k)}" for k in keys))
     report = {
         "record": run_record(__file__, argv),
         "benchmark": "speculative",
         "model": str(model_dir),
         "runs": rows,
+        "step_traces": traces,
     }
     write_json(args.json_out, report)
     return report

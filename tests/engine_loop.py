@@ -5,7 +5,9 @@ The scheduler's side plays scheduler/server.py `_run_steps`: a plan goes to the 
 at the worker before the scheduler waits for the oldest one's output, except after a plan that schedules
 nothing or while the next plan would draft (it needs the tokens in flight: docs/speculative.md). The
 worker's side plays worker/server.py `_loop`: on each plan, `launch_forward`, then the step before it
-answered, then `launch_sampling`; a step is answered on its own when the scheduler waits for it.
+answered, then `launch_sampling`; a step is answered on its own when the scheduler waits for it, and then,
+nothing being in flight, the runner drafts ahead of the next plan as the worker does (`draft_ahead`: a
+draft model's drafts for the step's drafting sequences, worker/spec/ahead.py).
 
 Every message crosses the wire format (common.messages encode/decode) as between the processes: each plan,
 each step output and each output to a client. The scheduler's invariants are checked after every
@@ -72,9 +74,10 @@ class _Worker:
     tensor-parallel follower's (`_follow`: the whole step launched, then the one before it finished); the
     answers queue in `sent`."""
 
-    def __init__(self, runner: ModelRunner, split: bool) -> None:
+    def __init__(self, runner: ModelRunner, split: bool, draft_ahead: bool = True) -> None:
         self.runner = runner
         self.split = split
+        self.draft_ahead = draft_ahead and split  # (a follower never drafts ahead: worker/spec/ahead.py)
         self.sent: deque[StepOutput] = deque()  # answered, not yet read by the scheduler
 
     def receive(self, plan: StepPlan) -> None:
@@ -98,6 +101,8 @@ class _Worker:
         """The oldest answer; the step is finished now if it was not answered yet."""
         if not self.sent:
             self._answer()
+            if self.draft_ahead and not self.runner.in_flight:  # the scheduler plans meanwhile
+                self.runner.draft_ahead()
         return self.sent.popleft()
 
 
@@ -113,6 +118,7 @@ def run_engine(
     owner: bytes = b"test",
     prefix: str = "r",
     max_steps: int = 5000,
+    draft_ahead: bool = True,
     **settings,
 ) -> EngineRun:
     """Runs `requests` to the end through a new scheduler core (`settings` as in `make_scheduler`) and
@@ -120,10 +126,11 @@ def run_engine(
     request (index i) arrives now (default: all at once, before the first step); `on_plan` sees each plan
     sent to the worker (as decoded there); `after_step` runs after each update, for the caller's invariants.
     `split_launch` off launches each step whole before the one in flight is finished (a tensor-parallel
-    follower's order) instead of the worker's forward / answer / sampler."""
+    follower's order) instead of the worker's forward / answer / sampler. `draft_ahead` off: no drafting
+    ahead of the plans (the worker drafts ahead with a draft model on one rank)."""
     scheduler = make_scheduler(runner, **settings)
     run = EngineRun(scheduler, outputs={i: [] for i in range(len(requests))})
-    worker = _Worker(runner, split_launch)
+    worker = _Worker(runner, split_launch, draft_ahead)
     depth = 2 if pipelined else 1
     waiting = deque(enumerate(requests))
     stalls = 0  # no-op plans with nothing in flight: waiting for a request to arrive

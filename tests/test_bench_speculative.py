@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from scripts.bench_speculative import main, parse_args, spec_delta
@@ -48,3 +50,26 @@ def test_a_cpu_run_with_and_without_ngram(tiny_model_dir, tmp_path) -> None:
     assert all(r["tpot_ms"]["p50"] > 0 for r in rows)
     assert all(r["draft_tokens"] == 0 for r in rows[:2])
     assert (tmp_path / "spec.json").exists()
+
+
+def test_a_cpu_run_with_a_draft_model_drafting_ahead_and_not(tiny_model_dir, tmp_path) -> None:
+    """Through the real processes (the worker's own loop): the target as its own draft, with and without
+    drafting ahead; the step traces say which steps took drafts made ahead (worker/spec/ahead.py)."""
+    config = json.dumps({"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3})
+    report = main(
+        [
+            "--model", str(tiny_model_dir), "--device", "cpu", "--configs", config, "--draft-ahead", "both",
+            "--concurrency", "1", "--requests-per-stream", "2", "--output-len", "24",
+            "--min-prompt-len", "8", "--max-prompt-len", "16", "--step-trace", str(tmp_path / "trace"),
+        ]
+    )  # fmt: skip
+    rows = report["runs"]
+    label = f"{config} (no draft ahead)"
+    assert [r["config"] for r in rows] == [config, label]
+    assert all(r["completed"] == 2 and not r["errors"] for r in rows)
+    assert all(r["accepted_tokens"] == r["draft_tokens"] > 0 for r in rows)  # the target drafts itself
+    ahead, plain = report["step_traces"][config], report["step_traces"][label]
+    assert ahead["drafting_steps"] > 0 and plain["drafting_steps"] > 0
+    assert ahead["drafted_ahead_steps"] > 0 and ahead["drafted_ahead_ms_p50"] > 0
+    assert plain["drafted_ahead_steps"] == 0 and plain["drafted_ahead_rows"] == 0
+    assert plain["drafted_at_plan_rows"] > 0

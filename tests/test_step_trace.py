@@ -124,3 +124,31 @@ def test_the_trace_line_carries_the_split(tmp_path: Path) -> None:
     trace.close()
     (line,) = read_trace(tmp_path / "steps.jsonl")
     assert line["split"] == split
+
+
+def test_the_trace_says_how_a_steps_drafts_were_made(tmp_path: Path) -> None:
+    """A step whose drafts were made ahead of its plan (worker/spec/ahead.py) carries `ahead`; one without
+    drafts, nothing; `summarize` counts the steps that took drafts made ahead and their host time."""
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    stats = [
+        {"ahead_ms": 2.0, "ahead_rows": 1, "plan_rows": 0},
+        {},
+        {"ahead_ms": 0.0, "ahead_rows": 0, "plan_rows": 2},
+    ]
+    for step, s in enumerate(stats):
+        plan = StepPlan(
+            step, [], [], [], scheduled_seq_ids=[1], num_scheduled_tokens=[1], sampling_seq_ids=[1]
+        )
+        trace.launched(plan, trace._origin, trace._origin)
+        trace.drafted(step, s)
+        trace.answered(StepOutput(step, [1], [5], [None]), *(trace._origin,) * 3)
+    trace.drafted(9, stats[0])  # a step not launched: nothing
+    trace.close()
+    lines = read_trace(tmp_path / "steps.jsonl")
+    assert [line.get("ahead") for line in lines] == [stats[0], None, stats[2]]
+    summary = summarize(lines)
+    assert summary["drafting_steps"] == 2 and summary["drafted_ahead_steps"] == 1
+    assert summary["drafted_ahead_ms_p50"] == 2.0
+    assert (summary["drafted_ahead_rows"], summary["drafted_at_plan_rows"]) == (1, 2)
+    plain = summarize([_step(k, recv=5.0 * k, done=5.0 * k + 4, idle_ms=0.0) for k in range(2)])
+    assert plain["drafting_steps"] == 0 and plain["drafted_ahead_ms_p50"] is None

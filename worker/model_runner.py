@@ -323,6 +323,7 @@ class ModelRunner:
         self.structured.on_plan(plan)
         num_tokens = plan.num_scheduled_tokens
         if not seqs:
+            prepare_drafts(self.spec, plan, seqs, [], self.tables)  # (the proposer frees the freed)
             self._queue(LaunchedStep(plan.step_id, [], [], None, None, None, None))
             return None
         sampling = batch_indices(plan)
@@ -394,6 +395,11 @@ class ModelRunner:
         launched.spec = step.spec
         self._queue(launched)
         self.structured.prefill_after(launched)  # its rows' next masks, once its tokens are on the host
+
+    def draft_ahead(self) -> None:
+        """Drafts ahead of the next plan, with nothing in flight, on one rank (worker/spec/ahead.py)."""
+        if self.spec is not None and not self.in_flight and self.parallel.world_size == 1:
+            self.spec.draft_ahead(self.sequences.seqs)
 
     def _mark_launch(self, phase: str) -> None:
         if self.trace_launches:

@@ -287,6 +287,8 @@ def _loop(
         if runner.in_flight:
             if not _next_plan_or_done(conn, runner):
                 _answer(sock, runner, trace)
+                if not runner.in_flight and not sock.poll(0):
+                    runner.draft_ahead()  # while the scheduler plans the next step (worker/spec/ahead.py)
                 continue
         elif not sock.poll(POLL_MS):
             parallel.keep_followers_alive()
@@ -322,6 +324,7 @@ def _loop(
                     runner.launch_sampling(forwarded)
                 if trace is not None:
                     trace.launched(msg, received, time.perf_counter(), runner.launch_marks)
+                    trace.drafted(msg.step_id, runner.spec.ahead.stats if runner.spec else None)
             except Exception:
                 # The device's state is unknown after a failed step: exit loudly; the supervisor restarts.
                 # Launching msg or finishing the step before it: name every step involved.

@@ -21,7 +21,11 @@ milliseconds on one monotonic clock (`perf_counter`, from the worker's start):
   launch, `sampler_gpu_ms`), and with structured output the masks' costs (`structured_rows`, `_wait_ms`:
   the launch waiting for the masks filled in the background, `_host_ms`, `_accept_ms`, `_fill_ms`,
   `_fill_threads`: xgrammar's threads in the last fill, `_copy_ms`, `_reused_rows`: rows filled ahead of
-  the plan, `_ahead`: 0 none, 1 behind the forward, 2 ahead of the plan).
+  the plan, `_ahead`: 0 none, 1 behind the forward, 2 ahead of the plan);
+- `ahead` (a draft model, a step with drafts; worker/spec/ahead.py): `ahead_ms`, the host time the draft
+  model took drafting ahead, after the step before was answered and before this plan came (0 when none of
+  its drafts was taken), `ahead_rows`, the rows whose drafts were made ahead, `plan_rows`, the rows
+  proposed at the plan (inside the `propose` phase).
 
 With async scheduling, plan N + 1 is made from step N - 1's answer, so `recv[N + 1] - sent[N - 1]` is the
 scheduler's turnaround; the GPU idles before step N + 1 when that turnaround plus the worker's launch outlasts
@@ -67,6 +71,7 @@ class _Open:
     recv: float
     launched: float
     phases: dict[str, float]
+    ahead: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +101,12 @@ class StepTrace:
         phases = {name: round((t - before) * 1e3, 3) for (_, before), (name, t) in itertools.pairwise(times)}
         self._open[plan.step_id] = _Open(len(tokens), sum(tokens), decode, received, launched, phases)
 
+    def drafted(self, step_id: int, stats: dict[str, float] | None) -> None:
+        """After `launched`: how the step's drafts were made (worker/spec/ahead.py `DraftAhead.stats`)."""
+        step = self._open.get(step_id)
+        if step is not None and stats:
+            step.ahead = dict(stats)
+
     def answered(
         self, out: StepOutput, wait: float, done: float, sent: float, split: dict[str, float] | None = None
     ) -> None:
@@ -118,6 +129,8 @@ class StepTrace:
         }
         if split:
             line["split"] = split
+        if step.ahead:
+            line["ahead"] = step.ahead
         drafts = sum(out.num_drafts)
         if drafts:  # speculation: the draft tokens the step verified (beside `tokens`, the plan's)
             line["drafts"] = drafts
@@ -194,4 +207,19 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
             for key in SPLIT_KEYS
         },
         "structured_ahead_steps": sum(1 for s in decode if s.get("split", {}).get("structured_ahead")),
+        **_drafting_summary(steps),
+    }
+
+
+def _drafting_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The steps with drafts: how many took drafts made ahead, the host time drafting ahead took, and the
+    rows drafted ahead and at the plan."""
+    drafting = [s["ahead"] for s in steps if s.get("ahead")]
+    taken = [a for a in drafting if a.get("ahead_rows")]
+    return {
+        "drafting_steps": len(drafting),
+        "drafted_ahead_steps": len(taken),
+        "drafted_ahead_ms_p50": _median([a["ahead_ms"] for a in taken]),
+        "drafted_ahead_rows": sum(a.get("ahead_rows", 0) for a in drafting),
+        "drafted_at_plan_rows": sum(a.get("plan_rows", 0) for a in drafting),
     }

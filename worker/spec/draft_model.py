@@ -184,6 +184,15 @@ class DraftModelProposer:
         if self.pool is not None:
             self.pool.free(seq_id)
 
+    def drop_drafts(self, seq_ids: list[int]) -> None:
+        """Gives back the blocks that only the last call's drafts hold, for sequences whose drafts went unused
+        (drafts made ahead that the plan did not take: worker/spec/ahead.py), keeping their tokens' KV."""
+        self._settle()  # (their record first: it is cut back with the blocks)
+        for seq_id in seq_ids:
+            seq = self.pool.seqs.get(seq_id) if self.pool is not None else None
+            if seq is not None:
+                self.pool.truncate(seq, seq.num_truth)  # type: ignore[union-attr]
+
     @torch.inference_mode()
     def propose(self, rows: list[ProposeRow]) -> list[list[int]]:
         """Each row's greedy drafts (at most its num_tokens, at most num_speculative_tokens); none for a row

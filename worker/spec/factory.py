@@ -37,4 +37,6 @@ def build_speculation(cfg: WorkerConfig, device: torch.device, dtype: torch.dtyp
     proposer = build_proposer(cfg, spec, device, dtype)
     if spec is None or proposer is None:
         return None
-    return Speculation(proposer, None, spec.num_speculative_tokens)
+    speculation = Speculation(proposer, None, spec.num_speculative_tokens)
+    speculation.ahead.enabled = cfg.speculative_draft_ahead  # (worker/spec/ahead.py)
+    return speculation

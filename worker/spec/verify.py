@@ -34,6 +34,7 @@ from worker.logits_processors import LogitsProcessors
 from worker.plan_check import PlanError, PlanLimits
 from worker.sampler import MASK64, SamplingTensors
 from worker.sequences import BlockTableArray, SeqState
+from worker.spec.ahead import DraftAhead
 from worker.spec.device_drafts import DeviceDrafts
 from worker.spec.proposer import Proposer, ProposeRow
 from worker.structured import TokenBitmask
@@ -174,12 +175,19 @@ class Speculation:
         self._limits = limits  # set by `with_limits` once the runner's pool is sized
         self.proposer_k = num_speculative_tokens  # announced to the scheduler (WorkerReady)
         self._known: set[int] = set()  # sequences the proposer was asked about and not told to free
+        self.ahead = DraftAhead()  # drafts made while the next plan is made (worker/spec/ahead.py)
 
     def reset(self) -> None:
         """The runner forgot every sequence (a new scheduler): so does the proposer."""
         for seq_id in self._known:
             self.proposer.free(seq_id)
         self._known.clear()
+        self.ahead.drop()  # (the proposer forgot everything)
+
+    def draft_ahead(self, live: dict[int, SeqState]) -> None:
+        """The last drafting plan's sequences draft their next tokens now, before the next plan
+        (worker/spec/ahead.py); `live`: the runner's sequences."""
+        self._known.update(self.ahead.draft(self.proposer, live))
 
     def with_limits(self, limits: PlanLimits) -> Speculation:
         self._limits = limits
@@ -216,6 +224,7 @@ class Speculation:
                 self._known.discard(seq_id)
                 self.proposer.free(seq_id)
         if not plan.draft_slots:
+            self.ahead.drop(self.proposer)
             return None
         batch_of = {plan.scheduled_seq_ids[b]: b for b in sampling}
         slots = {seq_id for seq_id, _ in plan.draft_slots}
@@ -237,8 +246,8 @@ class Speculation:
                 rows.append(ProposeRow(seq_id, seq.token_ids, k))
                 batches.append(b)
         self._known.update(row.seq_id for row in rows)
-        on_device = getattr(self.proposer, "propose_on_device", None)  # drafts left on the device
-        device = on_device(rows) if on_device is not None and rows else None
+        # drafts left on the device (the draft model's), some of them made ahead (worker/spec/ahead.py)
+        device = self.ahead.propose(self.proposer, rows, [seqs[b] for b in batches])
         if device is not None:  # their ids reach the target on the device (`draft_feed`); 0s stand in here
             device.counts = [min(n, row.num_tokens) for n, row in zip(device.counts, rows, strict=True)]
         proposed = self.proposer.propose(rows) if rows and device is None else []
