@@ -307,7 +307,7 @@ class DraftModelProposer:
                 self.num_kv_only_replays += 1
                 self.graphs.replay(inputs, fed)
                 return torch.empty((0, self.model_config.vocab_size), dtype=self.dtype, device=self.device)
-            if len(rows) == batch:
+            if len(rows) == batch and (rows == np.arange(batch)).all():  # (rows in another order: picked)
                 return self.graphs.run(inputs, fed)  # [B, V]
             return self.graphs.run(inputs, fed, stage([rows], self.device)[0])
         arrays = [inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables]
