@@ -20,8 +20,8 @@ milliseconds on one monotonic clock (`perf_counter`, from the worker's start):
   the start of its sampler (`forward_gpu_ms`, `sampler_wait_gpu_ms`: the GPU waiting for the sampler's
   launch, `sampler_gpu_ms`), and with structured output the masks' costs (`structured_rows`, `_wait_ms`:
   the launch waiting for the masks filled in the background, `_host_ms`, `_accept_ms`, `_fill_ms`,
-  `_fill_threads`: the threads of the last accept-and-fill run, `_copy_ms`, `_reused_rows`: rows filled ahead of
-  the plan, `_ahead`: 0 none, 1 behind the forward, 2 ahead of the plan);
+  `_fill_threads`: the threads of the last accept-and-fill run, `_copy_ms`, `_reused_rows`: rows filled
+  ahead of the plan, `_ahead`: 0 none, 1 behind the forward, 2 ahead of the plan);
 - `ahead` (a draft model, a step with drafts; worker/spec/ahead.py): `ahead_ms`, the host time the draft
   model took drafting ahead, after the step before was answered and before this plan came (0 when none of
   its drafts was taken), `ahead_rows`, the rows whose drafts were made ahead, `plan_rows`, the rows
