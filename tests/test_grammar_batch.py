@@ -403,6 +403,7 @@ def test_chunked_runs_advance_and_fill_as_one_thread_does(tiny_model_dir):
     vocab = tokenizer.get_vocab()
     allowed = [t for w, t in vocab.items() if w.isalpha() and w.islower() and w.isascii() and len(w) < 4]
     refused = [t for w, t in vocab.items() if w and w[0] in "{}[]"]
+    refused_ids = set(refused)
     width = -(-structured.mask_vocab_size // 32)
     rng = random.Random(11)
     pairs = [[Matcher(xgr.GrammarMatcher(grammar), (eos,), seq_id=i) for _ in range(2)] for i in range(61)]
@@ -419,6 +420,7 @@ def test_chunked_runs_advance_and_fill_as_one_thread_does(tiny_model_dir):
         masks = [torch.zeros(len(pairs), width, dtype=torch.int32) for _ in range(2)]
         batch.row_fill_s = 1.0  # every run on the 4 threads
         batch._parallel_fills = 0
+        live = {i for i, (mine, _) in enumerate(pairs) if mine.matcher is not None and not mine.terminated}
         done = batch.run([p[0] for p in pairs], tokens, masks[0], out_rows)
         assert batch.last_threads == 4
         want = advance_and_fill(single, [p[1] for p in pairs], tokens, masks[1], out_rows)
@@ -426,6 +428,8 @@ def test_chunked_runs_advance_and_fill_as_one_thread_does(tiny_model_dir):
         for i, (mine, twin) in enumerate(pairs):
             assert (mine.matcher is None) == (twin.matcher is None)
             assert (mine.terminated, mine.num_fed) == (twin.terminated, twin.num_fed)
+            if i in live and tokens[i] and tokens[i][0] in refused_ids:  # (a refused token breaks it)
+                assert mine.matcher is None and i in done
             if i not in done:
                 assert torch.equal(masks[0][out_rows[i]], masks[1][out_rows[i]])
     batch.close()

@@ -116,14 +116,8 @@ def advance_and_fill(
             break
         fed = [tokens[i][k] for i in live]
         accepted = batch_accept([states[i].matcher for i in live], fed)
-        if accepted is not None:
-            for i, token, ok in zip(live, fed, accepted, strict=True):
-                if not ok:
-                    log.error("sequence %d: token %d breaks its grammar", states[i].seq_id, token)
-                    states[i].matcher = None
-        for i in [i for i, token in zip(live, fed, strict=True) if token in states[i].stop_ids]:
-            m = states[i].matcher
-            states[i].terminated = m is None or m.is_terminated()
+        stopping = [i for i, token in zip(live, fed, strict=True) if token in states[i].stop_ids]
+        _after_accept(states, live, fed, accepted, stopping)
     for i in rows:
         states[i].num_fed += len(tokens[i])
     accepted_at = time.perf_counter()
@@ -134,7 +128,28 @@ def advance_and_fill(
     if spent is not None:
         spent[0] += accepted_at - started
         spent[1] += time.perf_counter() - accepted_at
-    return [i for i in rows if states[i].matcher is None or states[i].terminated]
+    return _done_rows(states)
+
+
+def _after_accept(
+    states: list[Matcher], fed_rows: list[int], fed: list[int], accepted: list[bool] | None, stopping: Any
+) -> None:
+    """After a batched accept of token fed[j] by the matcher of row fed_rows[j] (`accepted`: None when all
+    were accepted): a matcher whose grammar refused its token is broken (None), and the rows in `stopping`
+    (fed a stop token) are terminated, or broken."""
+    if accepted is not None:
+        for i, token, ok in zip(fed_rows, fed, accepted, strict=True):
+            if not ok:
+                log.error("sequence %d: token %d breaks its grammar", states[i].seq_id, token)
+                states[i].matcher = None
+    for i in stopping:
+        m = states[i].matcher
+        states[i].terminated = m is None or m.is_terminated()
+
+
+def _done_rows(states: list[Matcher]) -> list[int]:
+    """The rows whose matcher is done: terminated, or broken (None)."""
+    return [i for i, state in enumerate(states) if state.matcher is None or state.terminated]
 
 
 class GrammarBatch:
@@ -250,20 +265,16 @@ class GrammarBatch:
             rest = [job.result() for job in jobs]
         results = [first, *rest]
         ended = time.perf_counter()
-        for c, (accepted, _, _) in enumerate(results):
-            if accepted is not None:
-                for k, ok in enumerate(accepted):
-                    if not ok:
-                        i = fed[fed_at[c] + k]
-                        log.error("sequence %d: token %d breaks its grammar", states[i].seq_id, tokens[i][0])
-                        states[i].matcher = None
-        for i in stopping:
-            m = states[i].matcher
-            states[i].terminated = m is None or m.is_terminated()
+        accepted: list[bool] | None = None  # (the chunks' answers in row order, where one refused a token)
+        if any(r[0] is not None for r in results):
+            accepted = []
+            for c, (answer, _, _) in enumerate(results):
+                accepted += answer if answer is not None else [True] * (fed_at[c + 1] - fed_at[c])
+        _after_accept(states, fed, fed_tokens, accepted, stopping)
         accept_s = (prepared - started) + max(r[1] for r in results)
         spent[0] += accept_s
         spent[1] += (ended - started) - accept_s
-        return [i for i in range(n) if states[i].matcher is None or states[i].terminated]
+        return _done_rows(states)
 
     def close(self) -> None:
         """Stops the chunk threads (xgrammar's own live only within a fill)."""
