@@ -44,6 +44,11 @@ from worker.parallel import (
 )
 
 WORLD_SIZE = 2
+# The GPU variants' marks (tests/*tensor_parallel_gpu.py): on the device, with WORLD_SIZE CUDA devices
+ON_GPUS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < WORLD_SIZE, reason=f"needs {WORLD_SIZE} CUDA devices"),
+]
 MAX_TOKENS = 8
 NUM_KV_BLOCKS = 24  # of 4 tokens: small enough that the prompts below preempt one another
 NUM_CPU_BLOCKS = 64  # the scheduler's swap pool, the same for both runs (the ranks' pools hold more)

@@ -14,6 +14,7 @@ import torch
 from scripts._servers import free_port
 from tests.test_tensor_parallel import (
     CHECKPOINTS,
+    ON_GPUS,
     WORLD_SIZE,
     _run_ranks,
     check_two_ranks_match_one_process,
@@ -21,10 +22,7 @@ from tests.test_tensor_parallel import (
     spawn_ranks,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < WORLD_SIZE, reason=f"needs {WORLD_SIZE} CUDA devices"),
-]
+pytestmark = ON_GPUS
 
 
 @pytest.fixture(scope="module")

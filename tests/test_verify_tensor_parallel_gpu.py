@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from tests.test_tensor_parallel import WORLD_SIZE
+from tests.test_tensor_parallel import ON_GPUS
 from tests.test_verify_tensor_parallel import (
     SPEC_NAMES,
     check_ranks_verify_as_one_process,
@@ -19,10 +18,7 @@ from tests.test_verify_tensor_parallel import (
     run_ranks,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < WORLD_SIZE, reason=f"needs {WORLD_SIZE} CUDA devices"),
-]
+pytestmark = ON_GPUS
 
 
 @pytest.fixture(scope="module")
