@@ -305,8 +305,12 @@ def _timing_xgrammar(spent: dict[str, float]):
 
     cls = xgr.BatchGrammarMatcher
     fill = cls.batch_fill_next_token_bitmask
-    owner, name = (grammar_batch, "batch_accept") if hasattr(grammar_batch, "batch_accept") else (cls, "")
-    accept = getattr(grammar_batch, "batch_accept", None) or cls.__dict__["batch_accept_token"].__func__
+    if hasattr(grammar_batch, "batch_accept"):
+        owner, name, wrap = grammar_batch, "batch_accept", lambda f: f
+    else:  # (a tree before it: xgrammar's static method)
+        owner, name, wrap = cls, "batch_accept_token", staticmethod
+    original = owner.__dict__[name]  # put back as it was
+    accept = getattr(owner, name)
 
     def timed_accept(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -320,18 +324,12 @@ def _timing_xgrammar(spent: dict[str, float]):
         spent["fill"] += time.perf_counter() - t0
         return out
 
-    if name:
-        setattr(owner, name, timed_accept)
-    else:
-        cls.batch_accept_token = staticmethod(timed_accept)
+    setattr(owner, name, wrap(timed_accept))
     cls.batch_fill_next_token_bitmask = timed_fill
     try:
         yield
     finally:
-        if name:
-            setattr(owner, name, accept)
-        else:
-            cls.batch_accept_token = staticmethod(accept)
+        setattr(owner, name, original)
         cls.batch_fill_next_token_bitmask = fill
 
 
