@@ -7,8 +7,8 @@ from typing import Any
 
 from aiohttp import web
 
-from client import RequestRejected
-from common.messages import ErrorKind
+from pagedserve.client import RequestRejected
+from pagedserve.common.messages import ErrorKind
 
 STATUS_BY_KIND = {ErrorKind.INVALID_REQUEST: 400, ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500}
 

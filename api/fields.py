@@ -10,7 +10,7 @@ import math
 import reprlib
 from typing import Any
 
-from api.errors import invalid
+from pagedserve.api.errors import invalid
 
 MAX_INT = 2**31 - 1  # bounds integers we forward, so they always fit the wire format
 MAX_N = 128  # sequences per prompt, as the scheduler allows

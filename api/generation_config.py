@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from common.log import get_logger
-from common.sampling_params import MAX_PENALTY
+from pagedserve.common.log import get_logger
+from pagedserve.common.sampling_params import MAX_PENALTY
 
 log = get_logger(component="api.generation_config")
 FILE_NAME = "generation_config.json"

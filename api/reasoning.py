@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from api.tool_parsers.base import held_prefix
+from pagedserve.api.tool_parsers.base import held_prefix
 
 START = "<think>"
 END = "</think>"

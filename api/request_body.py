@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from api.errors import invalid
+from pagedserve.api.errors import invalid
 
 
 def _refuse_constant(name: str) -> Any:

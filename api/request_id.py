@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from api.errors import invalid
-from api.state import RECORD
+from pagedserve.api.errors import invalid
+from pagedserve.api.state import RECORD
 
 HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 256  # W3C trace ids take 55, AWS's 40; room for a prefix or two

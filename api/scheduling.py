@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from api.errors import invalid
-from api.fields import Fields
-from api.model import ServedModel
+from pagedserve.api.errors import invalid
+from pagedserve.api.fields import Fields
+from pagedserve.api.model import ServedModel
 
 
 def parse_priority(f: Fields, model: ServedModel) -> int:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from api.errors import invalid
-from api.fields import Fields
-from api.model import ServedModel
-from client import RequestHandle, ScoredPrompt
-from common.messages import SamplingParams, TokenLogprobs
+from pagedserve.api.errors import invalid
+from pagedserve.api.fields import Fields
+from pagedserve.api.model import ServedModel
+from pagedserve.client import RequestHandle, ScoredPrompt
+from pagedserve.common.messages import SamplingParams, TokenLogprobs
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; OpenAI and vLLM report this instead
 

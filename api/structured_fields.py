@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from api.errors import invalid
-from api.fields import show
-from common.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutput
+from pagedserve.api.errors import invalid
+from pagedserve.api.fields import show
+from pagedserve.common.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutput
 
 LEGACY_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *LEGACY_FIELDS})
@@ -154,7 +154,7 @@ def parse_structured(body: dict[str, Any]) -> StructuredOutput | None:
         names = ", ".join(name.split(".")[0] for name, _ in found)
         raise invalid(f"give one output constraint, not several ({names})", found[1][0])
     param, structured = found[0]
-    from common.grammars import GrammarError, grammar_of  # xgrammar (and torch) load on first use
+    from pagedserve.common.grammars import GrammarError, grammar_of  # xgrammar (and torch) load on first use
 
     try:
         grammar_of(structured)

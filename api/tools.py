@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 import jsonschema
 
-from api.errors import invalid
-from api.fields import show
-from api.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolParser
-from common.config import ApiConfig
-from common.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutput
+from pagedserve.api.errors import invalid
+from pagedserve.api.fields import show
+from pagedserve.api.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolParser
+from pagedserve.common.config import ApiConfig
+from pagedserve.common.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutput
 
 MAX_TOOLS = 128
 MAX_TOOL_CHARS = 64 * 1024  # one tool's definition as JSON

@@ -10,8 +10,9 @@ from pathlib import Path
 from aiohttp import web
 
 PACKAGE = "pagedserve"
-# In a checkout the api runs from the repository (`python -m api`), whose pyproject.toml names the version;
-# installed, api/ sits in site-packages/pagedserve/ and the version is the distribution's metadata.
+# In a checkout the api runs from the repository (`python -m pagedserve.api`), whose pyproject.toml names
+# the version; installed, api/ sits in site-packages/pagedserve/ and the version is the distribution's
+# metadata.
 CHECKOUT_PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 

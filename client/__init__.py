@@ -18,11 +18,11 @@ The wire protocol itself (messages, codec, config, security) is common/'s.
             print(delta.index, delta.text, delta.finish_reason)
 """
 
-from client.async_client import AsyncEngineClient, Prompt, load_tokenizer
-from client.errors import ClientClosed, RequestRejected
-from client.request_stream import RequestHandle, RequestResult, SequenceDelta, SequenceResult
-from client.scored_prompt import ScoredPrompt
-from client.sync_client import EngineClient, SyncRequestHandle
+from pagedserve.client.async_client import AsyncEngineClient, Prompt, load_tokenizer
+from pagedserve.client.errors import ClientClosed, RequestRejected
+from pagedserve.client.request_stream import RequestHandle, RequestResult, SequenceDelta, SequenceResult
+from pagedserve.client.scored_prompt import ScoredPrompt
+from pagedserve.client.sync_client import EngineClient, SyncRequestHandle
 
 __all__ = [
     "AsyncEngineClient",

@@ -21,19 +21,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from client.connection import SchedulerConnection
-from client.errors import RequestRejected
-from client.request_stream import RequestHandle, RequestResult, _RequestState
-from common.config import default_cluster_key_file
-from common.log import get_logger
-from common.messages import (
+from pagedserve.client.connection import SchedulerConnection
+from pagedserve.client.errors import RequestRejected
+from pagedserve.client.request_stream import RequestHandle, RequestResult, _RequestState
+from pagedserve.common.config import default_cluster_key_file
+from pagedserve.common.log import get_logger
+from pagedserve.common.messages import (
     ErrorKind,
     InfoReply,
     KVSnapshot,
     SamplingParams,
     SubmitRequest,
 )
-from common.wire_types import MAX_INT32, MAX_NAME_CHARS, MAX_PROMPT_TOKENS
+from pagedserve.common.wire_types import MAX_INT32, MAX_NAME_CHARS, MAX_PROMPT_TOKENS
 
 Prompt = str | Sequence[int]  # text (tokenized here) or token ids (sent exactly as given)
 log = get_logger(component="client")

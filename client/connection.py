@@ -21,10 +21,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from client.errors import ClientClosed, RequestRejected
-from client.request_stream import _RequestState
-from common.log import get_logger
-from common.messages import (
+from pagedserve.client.errors import ClientClosed, RequestRejected
+from pagedserve.client.request_stream import _RequestState
+from pagedserve.common.log import get_logger
+from pagedserve.common.messages import (
     AbortRequest,
     CodecError,
     ErrorKind,
@@ -38,8 +38,8 @@ from common.messages import (
     decode,
     encode,
 )
-from common.monitor import open_monitor
-from common.security import load_cluster_key, secure_client
+from pagedserve.common.monitor import open_monitor
+from pagedserve.common.security import load_cluster_key, secure_client
 
 log = get_logger(component="client")
 LIVENESS_PING_S = 1.0  # with requests in flight and nothing heard for this long, the client asks for info

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.messages import PromptLogprobs, TokenLogprobs
+from pagedserve.common.messages import PromptLogprobs, TokenLogprobs
 
 
 @dataclass

@@ -11,9 +11,9 @@ import threading
 from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from client.async_client import AsyncEngineClient, Prompt
-from client.request_stream import RequestHandle, RequestResult, SequenceDelta
-from common.messages import InfoReply, SamplingParams
+from pagedserve.client.async_client import AsyncEngineClient, Prompt
+from pagedserve.client.request_stream import RequestHandle, RequestResult, SequenceDelta
+from pagedserve.common.messages import InfoReply, SamplingParams
 
 T = TypeVar("T")
 

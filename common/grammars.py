@@ -9,8 +9,8 @@ import re
 
 import xgrammar as xgr
 
-from common.grammar_chains import chain_bounded_repeats
-from common.sampling_params import StructuredOutput
+from pagedserve.common.grammar_chains import chain_bounded_repeats
+from pagedserve.common.sampling_params import StructuredOutput
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object, as vLLM
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from common.messages import KVSnapshot
+from pagedserve.common.messages import KVSnapshot
 
 TRACE_FORMAT = "pagedserve-kv-trace/1"  # the first line of a trace file: {"format": TRACE_FORMAT, ...}
 CELL_STATES = ("free", "cached", "used", "shared")  # a cell's state value indexes this

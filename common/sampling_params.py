@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from common.wire_types import (
+from pagedserve.common.wire_types import (
     MAX_INT32,
     MAX_N,
     MAX_STOP_STRING_CHARS,

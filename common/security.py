@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from common.log import get_logger
+from pagedserve.common.log import get_logger
 
 ZAP_DOMAIN = "pagedserve"
 log = get_logger(component="security")

@@ -15,7 +15,7 @@ from typing import Annotated, Literal, get_args
 
 from msgspec import Meta
 
-from common.wire_types import MAX_PLAN_ITEMS
+from pagedserve.common.wire_types import MAX_PLAN_ITEMS
 
 SpeculativeMethod = Literal["ngram", "draft_model"]
 MAX_SPECULATIVE_TOKENS = 16  # a verification step's query tokens per sequence stay within a kernel tile

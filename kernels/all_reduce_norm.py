@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference_ops
-from kernels.fused_ops import _round
+from pagedserve.kernels import reference_ops
+from pagedserve.kernels.fused_ops import _round
 
 MAX_PROGRAMS = 128  # below an H100's 132 SMs: every program resident at once (see above)
 

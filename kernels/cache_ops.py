@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_MAX as _FP8_MAX
-from kernels.reference import byte_view, is_fp8
+from pagedserve.kernels.reference import FP8_MAX as _FP8_MAX
+from pagedserve.kernels.reference import byte_view, is_fp8
 
 FP8_MAX: tl.constexpr = tl.constexpr(_FP8_MAX)
 FP8_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-6)

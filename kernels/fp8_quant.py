@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cache_ops import FP8_MAX, _round_to_e4m3
-from kernels.reference import FP8_DTYPE
-from kernels.reference_fp8 import INV_FP8_MAX as _INV_FP8_MAX
-from kernels.reference_fp8 import MIN_SCALE as _MIN_SCALE
+from pagedserve.kernels.cache_ops import FP8_MAX, _round_to_e4m3
+from pagedserve.kernels.reference import FP8_DTYPE
+from pagedserve.kernels.reference_fp8 import INV_FP8_MAX as _INV_FP8_MAX
+from pagedserve.kernels.reference_fp8 import MIN_SCALE as _MIN_SCALE
 
 MIN_SCALE: tl.constexpr = tl.constexpr(_MIN_SCALE)
 INV_FP8_MAX: tl.constexpr = tl.constexpr(_INV_FP8_MAX)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_ops import _round
+from pagedserve.kernels.fused_ops import _round
 
 
 @triton.jit

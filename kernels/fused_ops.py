@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import empty_per_token, quantize_e4m3, row_program, row_scale
+from pagedserve.kernels.fp8_quant import empty_per_token, quantize_e4m3, row_program, row_scale
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernels

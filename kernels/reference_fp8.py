@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import FP8_DTYPE, FP8_MAX
+from pagedserve.kernels.reference import FP8_DTYPE, FP8_MAX
 
 MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale (its values quantize to 0)
 # A row's scale is its absolute maximum times float32(1 / 448), not divided by 448: PyTorch on CUDA divides by

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_config import (
+from pagedserve.kernels.attention_config import (
     FP8_DOTS_IN_FP16,
     AttentionConfig,
     choose_num_splits,
@@ -41,7 +41,7 @@ from kernels.attention_config import (
     padded_head_dim,
     prefill_config,
 )
-from kernels.attention_tiles import (
+from pagedserve.kernels.attention_tiles import (
     attend_decode_tile,
     attend_decode_tiles_prefetched,
     attend_tiles,
@@ -49,7 +49,7 @@ from kernels.attention_tiles import (
     load_rows,
     store_rows,
 )
-from kernels.reference import is_fp8
+from pagedserve.kernels.reference import is_fp8
 
 
 # Arguments that change from call to call: not specialized (on divisibility by 16, or == 1), which would

@@ -1,21 +1,20 @@
-"""pagedserve, installed: `pagedserve serve MODEL` (pagedserve/cli.py).
+"""pagedserve: the one import name of the server's packages.
 
-The server's packages keep their folders at the top of the repository (api/, client/, common/, kernels/,
-scheduler/, worker/) and import one another by those names (`from common.config import WorkerConfig`), as
-`python -m scheduler` from a checkout needs. Installed, they must not take those generic names in
-site-packages (`kernels` is also a Hugging Face package that transformers looks for), so setup.py puts them
-inside this package (site-packages/pagedserve/common, ...), and importing this package puts the folder that
-holds them on sys.path: only a process that imports pagedserve sees them as top-level names. `CODE_ROOT` is
-that folder: this package's own in an installed copy, the checkout's root in a checkout (or an editable
-install). Use the top-level names (`import common.config`) after `import pagedserve`, never
-`pagedserve.common...`, which would load a second copy of each module.
+The packages keep their folders at the top of the repository (api/, client/, common/, kernels/, scheduler/,
+worker/), and every import names them through this package: `from pagedserve.common.config import
+WorkerConfig`, `python -m pagedserve.scheduler`. Installed, setup.py puts the folders inside this package
+(site-packages/pagedserve/common, ...), so the environment gains no generic top-level names (`common`,
+`client`, `kernels`, which is also a Hugging Face package) and a user's own modules of those names are never
+shadowed. In a checkout (or an editable install) the folders sit beside this one, and this package's search
+path takes in the repository's root, so `pagedserve.common` is <root>/common there. `CODE_ROOT` is the folder
+that holds them either way; `IMPORT_ROOT` is the folder a process needs on its path to import pagedserve.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+FOLDERS = ("api", "client", "common", "kernels", "scheduler", "worker")
 _HERE = Path(__file__).resolve().parent
 
 
@@ -27,5 +26,6 @@ def _code_root() -> Path:
 
 
 CODE_ROOT = _code_root()
-if str(CODE_ROOT) not in sys.path:
-    sys.path.insert(0, str(CODE_ROOT))
+IMPORT_ROOT = _HERE.parent
+if CODE_ROOT != _HERE and str(CODE_ROOT) not in __path__:
+    __path__.append(str(CODE_ROOT))  # a checkout: pagedserve.common is <root>/common

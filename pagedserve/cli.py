@@ -19,9 +19,14 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-import pagedserve  # noqa: F401  (first: it puts the server's packages on sys.path in an installed copy)
-from common.config import ApiConfig, SchedulerConfig, WorkerConfig, add_config_args, field_descriptions
-from common.model_source import ModelSourceError, resolve_model
+from pagedserve.common.config import (
+    ApiConfig,
+    SchedulerConfig,
+    WorkerConfig,
+    add_config_args,
+    field_descriptions,
+)
+from pagedserve.common.model_source import ModelSourceError, resolve_model
 from pagedserve.launcher import Child, Launcher
 
 PROCESSES: tuple[tuple[str, type], ...] = (
@@ -114,10 +119,10 @@ def serve_children(
         except ValueError as e:
             parser.error(f"bad setting: {e}")
     env = {ENV_PREFIX + k.upper(): _env_value(v) for k, v in values.items() if v is not None}
-    children = [Child("api", "api"), Child("scheduler", "scheduler")]
+    children = [Child("api", "pagedserve.api"), Child("scheduler", "pagedserve.scheduler")]
     for rank in range(num_ranks):  # ranks other than 0 are stopped by rank 0, then signalled (launcher.py)
         name, after = (f"worker{rank}", "worker") if rank else ("worker", "")
-        children.append(Child(name, "worker", {ENV_PREFIX + "RANK": str(rank)}, after=after))
+        children.append(Child(name, "pagedserve.worker", {ENV_PREFIX + "RANK": str(rank)}, after=after))
     return children, env
 
 

@@ -1,6 +1,7 @@
 """Runs the server's processes as `scripts/start` does under honcho, without honcho: each under its own
-`python -m common.supervisor NAME` (restarts with backoff; exit status 2, a usage or configuration error, is
-not restarted), and the launcher stops them all when one supervisor exits, as honcho does.
+`python -m pagedserve.common.supervisor MODULE` (restarts with backoff; exit status 2, a usage or
+configuration error, is not restarted), and the launcher stops them all when one supervisor exits, as
+honcho does.
 
 SIGTERM or SIGINT (Ctrl-C) to the launcher goes to every supervisor once, which passes it on: the api and
 the scheduler drain (`--shutdown-timeout-s`), the scheduler then tells the worker to stop. Tensor-parallel
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import pagedserve
-from common.log import configure_logging
+from pagedserve.common.log import configure_logging
 
 GRACE_S = 15.0  # beyond the drain: the worker's own grace and a process's exit
 POLL_S = 0.1
@@ -51,9 +52,11 @@ def child_env(base: dict[str, str], settings: dict[str, str]) -> dict[str, str]:
     """The processes' environment: `base` without its PAGEDSERVE_* variables (`settings` holds every value),
     with the server's packages found first, wherever the command runs from."""
     env = {k: v for k, v in base.items() if not k.startswith("PAGEDSERVE_")} | settings
-    root = str(pagedserve.CODE_ROOT)
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [base.get("PYTHONPATH")])])
-    env["PYTHONSAFEPATH"] = "1"  # the working directory's own `common/` or `kernels/` must not come first
+    if pagedserve.CODE_ROOT == pagedserve.IMPORT_ROOT:  # a checkout: its root holds the pagedserve folder
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(pagedserve.IMPORT_ROOT), *filter(None, [base.get("PYTHONPATH")])]
+        )
+    env["PYTHONSAFEPATH"] = "1"  # the working directory's own `pagedserve/` must not come first
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -80,7 +83,7 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         for child in self.children:
             self.procs[child.name] = subprocess.Popen(
-                [sys.executable, "-m", "common.supervisor", child.module],
+                [sys.executable, "-m", "pagedserve.common.supervisor", child.module],
                 env=self.env | child.env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,

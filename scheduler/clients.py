@@ -12,9 +12,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from common.messages import Message, MsgType, RequestOutputs, SeqOutput, encode
-from common.wire_types import MAX_REQUEST_ID_CHARS
-from scheduler.request import Output
+from pagedserve.common.messages import Message, MsgType, RequestOutputs, SeqOutput, encode
+from pagedserve.common.wire_types import MAX_REQUEST_ID_CHARS
+from pagedserve.scheduler.request import Output
 
 log = structlog.get_logger(process="scheduler")
 # Messages queued for one client before it counts as not reading (a stopped process: its own socket takes

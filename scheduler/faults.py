@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import structlog
 
-from common.messages import ErrorKind, FinishReason, RequestError
-from scheduler.metrics import SchedulerMetrics
-from scheduler.queues import RunQueue
-from scheduler.request import Error, Request, SeqStatus, Sequence, SequenceTable
+from pagedserve.common.messages import ErrorKind, FinishReason, RequestError
+from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.queues import RunQueue
+from pagedserve.scheduler.request import Error, Request, SeqStatus, Sequence, SequenceTable
 
 log = structlog.get_logger(process="scheduler")
 

@@ -3,14 +3,14 @@ tests run after every step. Read-only: it is handed the owners of the state and 
 
 from __future__ import annotations
 
-from common.messages import KVSnapshot
-from scheduler.block_manager import BlockManager, KVUsage
-from scheduler.metrics import SchedulerMetrics
-from scheduler.queues import RunQueue, SwappedQueue
-from scheduler.request import Request, SeqStatus, SequenceTable
-from scheduler.settings import SchedulerSettings
-from scheduler.snapshot import build_snapshot
-from scheduler.waiting import WaitingQueue
+from pagedserve.common.messages import KVSnapshot
+from pagedserve.scheduler.block_manager import BlockManager, KVUsage
+from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.queues import RunQueue, SwappedQueue
+from pagedserve.scheduler.request import Request, SeqStatus, SequenceTable
+from pagedserve.scheduler.settings import SchedulerSettings
+from pagedserve.scheduler.snapshot import build_snapshot
+from pagedserve.scheduler.waiting import WaitingQueue
 
 
 class Inspection:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
-from scheduler.beam import BeamGroup
-from scheduler.preemption import PreemptionPolicy
-from scheduler.request import Request, SeqStatus, Sequence, SequenceTable
-from scheduler.settings import SchedulerSettings
-from scheduler.waiting import WaitingQueue
+from pagedserve.scheduler.beam import BeamGroup
+from pagedserve.scheduler.preemption import PreemptionPolicy
+from pagedserve.scheduler.request import Request, SeqStatus, Sequence, SequenceTable
+from pagedserve.scheduler.settings import SchedulerSettings
+from pagedserve.scheduler.waiting import WaitingQueue
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) over distinct seeds
 

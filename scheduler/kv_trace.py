@@ -15,8 +15,8 @@ from typing import IO
 
 import structlog
 
-from common.kv_view import snapshot_json, trace_header
-from common.messages import KVSnapshot
+from pagedserve.common.kv_view import snapshot_json, trace_header
+from pagedserve.common.messages import KVSnapshot
 
 log = structlog.get_logger(process="scheduler")
 

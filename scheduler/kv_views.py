@@ -14,11 +14,11 @@ import time
 import msgspec
 import structlog
 
-from common.config import SchedulerConfig
-from common.messages import KVSnapshot, KVSnapshotRequest
-from scheduler.kv_trace import KVTrace, open_trace
-from scheduler.scheduler import Scheduler
-from scheduler.snapshot import SnapshotCache
+from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.messages import KVSnapshot, KVSnapshotRequest
+from pagedserve.scheduler.kv_trace import KVTrace, open_trace
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.snapshot import SnapshotCache
 
 log = structlog.get_logger(process="scheduler")
 

@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from common.monitor import open_monitor
+from pagedserve.common.monitor import open_monitor
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.request import Sequence
+    from pagedserve.scheduler.request import Sequence
 
 ACCEPTED_BUCKETS = tuple(float(n) for n in range(17))  # accepted drafts of one sequence in one step
 LATENCY_BUCKETS = (

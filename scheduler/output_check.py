@@ -11,10 +11,10 @@ import math
 from collections.abc import Set
 from typing import Any
 
-from common.messages import StepOutput, TokenLogprobs
-from common.speculative import MAX_SPECULATIVE_TOKENS
-from scheduler.prompt_logprobs import check_prompt_logprobs
-from scheduler.request import Sequence
+from pagedserve.common.messages import StepOutput, TokenLogprobs
+from pagedserve.common.speculative import MAX_SPECULATIVE_TOKENS
+from pagedserve.scheduler.prompt_logprobs import check_prompt_logprobs
+from pagedserve.scheduler.request import Sequence
 
 
 def _is_number(x: Any) -> bool:

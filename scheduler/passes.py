@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.block_manager import BlockManager
-from scheduler.metrics import SchedulerMetrics
-from scheduler.prompt_logprobs import cacheable_prefix
-from scheduler.queues import RunQueue, SwappedQueue
-from scheduler.request import SeqStatus, Sequence, new_sequence_message
-from scheduler.settings import SchedulerSettings
-from scheduler.speculation import Speculation
-from scheduler.step import Step
-from scheduler.waiting import WaitingQueue
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.prompt_logprobs import cacheable_prefix
+from pagedserve.scheduler.queues import RunQueue, SwappedQueue
+from pagedserve.scheduler.request import SeqStatus, Sequence, new_sequence_message
+from pagedserve.scheduler.settings import SchedulerSettings
+from pagedserve.scheduler.speculation import Speculation
+from pagedserve.scheduler.step import Step
+from pagedserve.scheduler.waiting import WaitingQueue
 
 
 class RunningPass:

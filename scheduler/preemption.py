@@ -11,9 +11,9 @@ randomness depends only on its seed and the position.
 
 from __future__ import annotations
 
-from common.config import PreemptionMode, SchedulingPolicy
-from scheduler.request import Request, Sequence
-from scheduler.settings import SchedulerSettings
+from pagedserve.common.config import PreemptionMode, SchedulingPolicy
+from pagedserve.scheduler.request import Request, Sequence
+from pagedserve.scheduler.settings import SchedulerSettings
 
 # Under preemption_mode "auto", a victim with at least this many computed tokens is swapped: recomputing
 # its KV would cost more than copying it over PCIe and back.

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from common.messages import PromptLogprobs, SeqOutput, StepOutput, TokenLogprobs
-from scheduler.request import Output, Request, Sequence
+from pagedserve.common.messages import PromptLogprobs, SeqOutput, StepOutput, TokenLogprobs
+from pagedserve.scheduler.request import Output, Request, Sequence
 
 
 def cacheable_prefix(request: Request, hits: list[int], block_size: int) -> list[int]:

@@ -11,7 +11,7 @@ import bisect
 import heapq
 from collections.abc import Container, Iterable, Iterator
 
-from scheduler.request import Request, SeqStatus, Sequence
+from pagedserve.scheduler.request import Request, SeqStatus, Sequence
 
 
 def _sort_key(seq: Sequence) -> tuple[int, int, int]:

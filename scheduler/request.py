@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.messages import NewSequence, RequestError, SamplingParams, SeqOutput, TokenLogprobs
-from scheduler.beam import BeamGroup
+from pagedserve.common.messages import NewSequence, RequestError, SamplingParams, SeqOutput, TokenLogprobs
+from pagedserve.scheduler.beam import BeamGroup
 
 Output = tuple[bytes, SeqOutput]  # (owner, output)
 Error = tuple[bytes, RequestError]  # (owner, error)

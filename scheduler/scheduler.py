@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import structlog
 
-from common.messages import (
+from pagedserve.common.messages import (
     ErrorKind,
     FinishReason,
     KVSnapshot,
@@ -38,17 +38,17 @@ from common.messages import (
     SubmitRequest,
     TokenLogprobs,
 )
-from scheduler.block_manager import BlockManager, KVUsage
-from scheduler.faults import CONSTRAINT_FAILED, RequestFaults
-from scheduler.inspection import Inspection
-from scheduler.intake import queue_request
-from scheduler.metrics import SchedulerMetrics
-from scheduler.output_check import check_step_output
-from scheduler.passes import Admission, RunningPass
-from scheduler.preemption import PreemptionPolicy
-from scheduler.prompt_logprobs import prompt_logprob_outputs
-from scheduler.queues import RunQueue, SwappedQueue
-from scheduler.request import (
+from pagedserve.scheduler.block_manager import BlockManager, KVUsage
+from pagedserve.scheduler.faults import CONSTRAINT_FAILED, RequestFaults
+from pagedserve.scheduler.inspection import Inspection
+from pagedserve.scheduler.intake import queue_request
+from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.output_check import check_step_output
+from pagedserve.scheduler.passes import Admission, RunningPass
+from pagedserve.scheduler.preemption import PreemptionPolicy
+from pagedserve.scheduler.prompt_logprobs import prompt_logprob_outputs
+from pagedserve.scheduler.queues import RunQueue, SwappedQueue
+from pagedserve.scheduler.request import (
     Error,
     Output,
     Request,
@@ -58,11 +58,11 @@ from scheduler.request import (
     num_seqs,
     seq_output,
 )
-from scheduler.search import BeamSearch
-from scheduler.settings import SchedulerSettings, check_request
-from scheduler.speculation import Speculation
-from scheduler.step import Step
-from scheduler.waiting import WaitingQueue
+from pagedserve.scheduler.search import BeamSearch
+from pagedserve.scheduler.settings import SchedulerSettings, check_request
+from pagedserve.scheduler.speculation import Speculation
+from pagedserve.scheduler.step import Step
+from pagedserve.scheduler.waiting import WaitingQueue
 
 __all__ = ["Error", "Output", "Scheduler"]
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.messages import FinishReason, SeqOutput, TokenLogprobs
-from scheduler.beam import Candidate, Hypothesis, select
-from scheduler.block_manager import BlockManager
-from scheduler.metrics import SchedulerMetrics
-from scheduler.preemption import PreemptionPolicy
-from scheduler.queues import RunQueue
-from scheduler.request import Output, Request, SeqStatus, Sequence, SequenceTable
-from scheduler.waiting import WaitingQueue
+from pagedserve.common.messages import FinishReason, SeqOutput, TokenLogprobs
+from pagedserve.scheduler.beam import Candidate, Hypothesis, select
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.preemption import PreemptionPolicy
+from pagedserve.scheduler.queues import RunQueue
+from pagedserve.scheduler.request import Output, Request, SeqStatus, Sequence, SequenceTable
+from pagedserve.scheduler.waiting import WaitingQueue
 
 
 class BeamSearch:

@@ -7,9 +7,15 @@ from dataclasses import dataclass
 
 import structlog
 
-from common.config import DEFAULT_MAX_NUM_SEQS, KVPolicy, PreemptionMode, SchedulerConfig, SchedulingPolicy
-from common.messages import SubmitRequest, WorkerReady
-from scheduler.request import Sequence, num_seqs
+from pagedserve.common.config import (
+    DEFAULT_MAX_NUM_SEQS,
+    KVPolicy,
+    PreemptionMode,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
+from pagedserve.common.messages import SubmitRequest, WorkerReady
+from pagedserve.scheduler.request import Sequence, num_seqs
 
 log = structlog.get_logger(process="scheduler")
 

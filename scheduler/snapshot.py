@@ -20,15 +20,15 @@ from collections.abc import Callable, Collection, Iterable
 
 import numpy as np
 
-from common.messages import (
+from pagedserve.common.messages import (
     MAX_ROW_RUNS,
     MAX_SNAPSHOT_ROWS,
     KVRequestRow,
     KVSnapshot,
 )
-from scheduler.block_manager import BlockManager, KVUsage
-from scheduler.metrics import SchedulerMetrics
-from scheduler.request import Request, SeqStatus, Sequence
+from pagedserve.scheduler.block_manager import BlockManager, KVUsage
+from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.request import Request, SeqStatus, Sequence
 
 FREE, CACHED, USED, SHARED = 0, 1, 2, 3
 DEFAULT_ROWS = 256  # requests listed in a snapshot's table (running ones first); the rest are counted

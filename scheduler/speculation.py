@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from itertools import repeat
 
-from common.messages import StepOutput, TokenLogprobs
-from scheduler.block_manager import BlockManager
-from scheduler.metrics import SchedulerMetrics
-from scheduler.request import Output, SeqStatus, Sequence
-from scheduler.settings import SchedulerSettings
+from pagedserve.common.messages import StepOutput, TokenLogprobs
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.request import Output, SeqStatus, Sequence
+from pagedserve.scheduler.settings import SchedulerSettings
 
 _EWMA = 0.1  # weight of one step in the acceptance average (about the last 10 drafting steps)
 

@@ -5,11 +5,11 @@ samples."""
 
 from __future__ import annotations
 
-from common.messages import Fork, NewSequence, StepPlan
-from scheduler.block_manager import Allocation, BlockManager
-from scheduler.queues import RunQueue
-from scheduler.request import Sequence
-from scheduler.settings import SchedulerSettings
+from pagedserve.common.messages import Fork, NewSequence, StepPlan
+from pagedserve.scheduler.block_manager import Allocation, BlockManager
+from pagedserve.scheduler.queues import RunQueue
+from pagedserve.scheduler.request import Sequence
+from pagedserve.scheduler.settings import SchedulerSettings
 
 
 class Step:

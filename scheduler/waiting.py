@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from scheduler.request import Request, SeqStatus, Sequence
+from pagedserve.scheduler.request import Request, SeqStatus, Sequence
 
 
 def seats_held(request: Request) -> int:

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-from client import AsyncEngineClient
-from common.config import WorkerConfig, choices_of
-from common.messages import InfoReply
+from pagedserve.client import AsyncEngineClient
+from pagedserve.common.config import WorkerConfig, choices_of
+from pagedserve.common.messages import InfoReply
 from scripts._servers import ROOT, Engine, start_engine
 
 
@@ -399,8 +399,8 @@ def worker_config(args: argparse.Namespace, names: Sequence[str], **settings: ob
 def in_process_scheduler(runner: Any, max_num_seqs: int, max_num_batched_tokens: int = 8192) -> Any:
     """A scheduler core (scheduler/scheduler.py) sized to `runner`'s KV pool and model, as the worker's
     announcement sizes the real one: for scripts that run the core and a ModelRunner in one process."""
-    from scheduler.scheduler import Scheduler  # the CPU-only scripts need no scheduler
-    from scheduler.settings import SchedulerSettings
+    from pagedserve.scheduler.scheduler import Scheduler  # the CPU-only scripts need no scheduler
+    from pagedserve.scheduler.settings import SchedulerSettings
 
     return Scheduler(
         SchedulerSettings(

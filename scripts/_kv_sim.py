@@ -18,10 +18,10 @@ from pathlib import Path
 
 import msgspec
 
-from common.kv_view import snapshot_json, trace_header
-from common.messages import SamplingParams, StepOutput, StepPlan, SubmitRequest
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from pagedserve.common.kv_view import snapshot_json, trace_header
+from pagedserve.common.messages import SamplingParams, StepOutput, StepPlan, SubmitRequest
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.settings import SchedulerSettings
 
 STEP_S = 0.02  # trace seconds per step
 EOS = 2

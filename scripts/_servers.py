@@ -53,7 +53,11 @@ class Engine:
         env = self.env | {"PAGEDSERVE_RANK": str(rank)} if rank else self.env
         with open(self.log_dir / f"{key}.log", mode) as log:  # the child holds its own copy of the fd
             self.procs[key] = subprocess.Popen(
-                [sys.executable, "-m", name], cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, "-m", f"pagedserve.{name}"],
+                cwd=self.root,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         return self.procs[key]
 

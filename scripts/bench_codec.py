@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.messages import (  # noqa: E402
+from pagedserve.common.messages import (  # noqa: E402
     Message,
     NewSequence,
     SamplingParams,

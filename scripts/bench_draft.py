@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from common.config import WorkerConfig  # noqa: E402
-from common.speculative import SpeculativeConfig  # noqa: E402
+from pagedserve.common.config import WorkerConfig  # noqa: E402
+from pagedserve.common.speculative import SpeculativeConfig  # noqa: E402
+from pagedserve.worker.spec.draft_model import DraftModelProposer  # noqa: E402
+from pagedserve.worker.spec.proposer import ProposeRow  # noqa: E402
 from scripts._bench import format_table, run_record, time_repeats, write_json  # noqa: E402
-from worker.spec.draft_model import DraftModelProposer  # noqa: E402
-from worker.spec.proposer import ProposeRow  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

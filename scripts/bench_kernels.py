@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels import cache_ops, reference  # noqa: E402
-from kernels.attention_config import (  # noqa: E402
+from pagedserve.kernels import cache_ops, reference  # noqa: E402
+from pagedserve.kernels.attention_config import (  # noqa: E402
     DECODE_CONFIG,
     AttentionConfig,
     SplitCombine,
@@ -41,9 +41,9 @@ from kernels.attention_config import (  # noqa: E402
     padded_head_dim,
     prefill_config,
 )
-from kernels.attention_tiles import load_rows  # noqa: E402
-from kernels.reference import is_fp8, kv_pool  # noqa: E402
-from kernels.triton_attention import paged_attention  # noqa: E402
+from pagedserve.kernels.attention_tiles import load_rows  # noqa: E402
+from pagedserve.kernels.reference import is_fp8, kv_pool  # noqa: E402
+from pagedserve.kernels.triton_attention import paged_attention  # noqa: E402
 from scripts._bench import git_commit, write_json  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

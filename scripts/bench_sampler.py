@@ -32,14 +32,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import worker.sampler  # noqa: E402
-from common.messages import SamplingParams  # noqa: E402
-from kernels import reference_processors  # noqa: E402
-from kernels.reference_nucleus import draw_nucleus_reference  # noqa: E402
+from pagedserve.common.messages import SamplingParams  # noqa: E402
+from pagedserve.kernels import reference_processors  # noqa: E402
+from pagedserve.kernels.reference_nucleus import draw_nucleus_reference  # noqa: E402
+from pagedserve.worker import sampler as worker_sampler  # noqa: E402
+from pagedserve.worker.logits_processors import LogitsProcessors  # noqa: E402
+from pagedserve.worker.nucleus_draw import round_uniforms_for  # noqa: E402
+from pagedserve.worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors, uniforms_for  # noqa: E402
 from scripts._bench import format_table, run_record, time_repeats, write_json  # noqa: E402
-from worker.logits_processors import LogitsProcessors  # noqa: E402
-from worker.nucleus_draw import round_uniforms_for  # noqa: E402
-from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors, uniforms_for  # noqa: E402
 
 
 def _row(
@@ -133,15 +133,15 @@ def legacy_paths(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":  # the CPU runs those anyway
         yield
         return
-    from kernels import processors as kernel_rules
+    from pagedserve.kernels import processors as kernel_rules
 
-    saved = kernel_rules.penalize_, kernel_rules.min_p_, worker.sampler.device_round_uniforms
+    saved = kernel_rules.penalize_, kernel_rules.min_p_, worker_sampler.device_round_uniforms
     kernel_rules.penalize_, kernel_rules.min_p_ = reference_processors.penalize_, reference_processors.min_p_
-    worker.sampler.device_round_uniforms = lambda *args, **kwargs: None
+    worker_sampler.device_round_uniforms = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        kernel_rules.penalize_, kernel_rules.min_p_, worker.sampler.device_round_uniforms = saved
+        kernel_rules.penalize_, kernel_rules.min_p_, worker_sampler.device_round_uniforms = saved
 
 
 COMPARE_CASES: dict[str, dict] = {
@@ -177,7 +177,7 @@ def draw_results(args: argparse.Namespace, rows: torch.Tensor, device: torch.dev
     results.append({"batch": batch, "version": "draw", "case": "top_p=0.9 rejection (PyTorch reference)",
                     "step_ms": ref_ms * 1e3})  # fmt: skip
     if device.type == "cuda":
-        from kernels.nucleus import draw_nucleus
+        from pagedserve.kernels.nucleus import draw_nucleus
 
         kernel_ms = median_seconds(lambda: draw_nucleus(*args_), args.iters, device)
         results.append({"batch": batch, "version": "draw", "case": "top_p=0.9 rejection (Triton)",

@@ -29,16 +29,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from common.messages import (  # noqa: E402
+from pagedserve.common.messages import (  # noqa: E402
     SamplingParams,
     StepOutput,
     StepPlan,
     SubmitRequest,
     encode,  # noqa: E402
 )
-from scheduler.scheduler import Scheduler  # noqa: E402
-from scheduler.settings import SchedulerSettings  # noqa: E402
-from scheduler.snapshot import SnapshotCache  # noqa: E402
+from pagedserve.scheduler.scheduler import Scheduler  # noqa: E402
+from pagedserve.scheduler.settings import SchedulerSettings  # noqa: E402
+from pagedserve.scheduler.snapshot import SnapshotCache  # noqa: E402
 from scripts._bench import format_table, write_json  # noqa: E402
 
 

@@ -42,7 +42,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from client import load_tokenizer  # noqa: E402
+from pagedserve.client import load_tokenizer  # noqa: E402
 from scripts._bench import (  # noqa: E402
     BenchRequest,
     MetricsSampler,

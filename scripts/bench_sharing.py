@@ -39,8 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from client import AsyncEngineClient  # noqa: E402
-from common.messages import SamplingParams  # noqa: E402
+from pagedserve.client import AsyncEngineClient  # noqa: E402
+from pagedserve.common.messages import SamplingParams  # noqa: E402
 from scripts._bench import (  # noqa: E402
     MetricsSampler,
     add_engine_flags,

@@ -43,7 +43,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from common.speculative import parse_speculative_config  # noqa: E402
+from pagedserve.common.speculative import parse_speculative_config  # noqa: E402
+from pagedserve.worker.step_trace import read_trace  # noqa: E402
+from pagedserve.worker.step_trace import summarize as summarize_trace  # noqa: E402
 from scripts._bench import (  # noqa: E402
     add_engine_flags,
     engine_session,
@@ -57,8 +59,6 @@ from scripts._bench import (  # noqa: E402
 from scripts._servers import free_port  # noqa: E402
 from scripts.bench_serving import RequestTiming, stats_ms, stream_completion, wait_healthy  # noqa: E402
 from scripts.train_synthetic import SyntheticLanguage  # noqa: E402
-from worker.step_trace import read_trace  # noqa: E402
-from worker.step_trace import summarize as summarize_trace  # noqa: E402
 
 SPEC_KEYS = ("draft_tokens", "accepted_tokens")
 

@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 
 import torch  # noqa: E402
 
-from common.log import get_logger  # noqa: E402
-from common.messages import SamplingParams, Shutdown, SubmitRequest, decode, encode  # noqa: E402
+from pagedserve.common.log import get_logger  # noqa: E402
+from pagedserve.common.messages import SamplingParams, Shutdown, SubmitRequest, decode, encode  # noqa: E402
+from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
 from scripts._bench import add_worker_flags, in_process_scheduler, worker_config, write_json  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
 
 # The worker's own flags (--fused-ops, --piecewise-graphs, ...); the rest of its config follows the workload.
 WORKER_FLAGS = ("model", "device", "fused_ops", "piecewise_graphs", "load_format")
@@ -133,7 +133,7 @@ def profile(args: argparse.Namespace, mode: str, parallel: Any = None, **overrid
     runner = ModelRunner(cfg, attention_backend=cfg.resolved_attention_backend, parallel=parallel)
     startup_s = time.monotonic() - started
     if parallel is not None and not parallel.is_driver:
-        from worker.server import _follow  # runs the plans rank 0 forwards until its Shutdown
+        from pagedserve.worker.server import _follow  # runs the plans rank 0 forwards until its Shutdown
 
         _follow(runner, parallel, get_logger(process="bench", rank=parallel.rank))
         runner.close()

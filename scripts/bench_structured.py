@@ -239,8 +239,8 @@ def bench_worker_path(
     with `profile` the medians' split: xgrammar's accept, its fill, the rest."""
     import importlib
 
-    from common.sampling_params import SamplingParams, StructuredOutput
-    from worker.sequences import SeqState
+    from pagedserve.common.sampling_params import SamplingParams, StructuredOutput
+    from pagedserve.worker.sequences import SeqState
 
     cls = importlib.import_module(module).StructuredOutputs
     from transformers import AutoTokenizer
@@ -301,7 +301,7 @@ def _timing_xgrammar(spent: dict[str, float]):
     core, the public `batch_accept_token` before."""
     import xgrammar as xgr
 
-    from worker import grammar_batch
+    from pagedserve.worker import grammar_batch
 
     cls = xgr.BatchGrammarMatcher
     fill = cls.batch_fill_next_token_bitmask
@@ -422,7 +422,7 @@ def main() -> None:
     p.add_argument("--version", default=None, help=argparse.SUPPRESS)  # the label of --before's rows
     p.add_argument("--stagger", type=int, default=0, help="--worker-path: rows start up to K tokens in")
     p.add_argument("--profile", action="store_true", help="--worker-path: split the one-thread runs")
-    p.add_argument("--structured-module", default="worker.structured")
+    p.add_argument("--structured-module", default="pagedserve.worker.structured")
     args = p.parse_args()
     if args.worker_path:
         if args.batches == "1,32,256":

@@ -30,10 +30,10 @@ from scripts._bench import format_table, run_record, write_json  # noqa: E402
 
 
 def run_once(model_dir: Path, order: str, ahead: bool, args: argparse.Namespace) -> dict[str, float]:
-    from common.config import WorkerConfig
-    from common.sampling_params import SamplingParams, StructuredOutput
+    from pagedserve.common.config import WorkerConfig
+    from pagedserve.common.sampling_params import SamplingParams, StructuredOutput
+    from pagedserve.worker.model_runner import ModelRunner
     from tests.engine_loop import run_engine
-    from worker.model_runner import ModelRunner
 
     config = WorkerConfig(
         model=str(model_dir), device="cpu", dtype="float32", block_size=16, num_kv_blocks=2048,

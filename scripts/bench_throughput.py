@@ -77,9 +77,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from client import AsyncEngineClient, RequestResult  # noqa: E402
-from common.messages import SamplingParams  # noqa: E402
-from common.sampling_params import StructuredOutput  # noqa: E402
+from pagedserve.client import AsyncEngineClient, RequestResult  # noqa: E402
+from pagedserve.common.messages import SamplingParams  # noqa: E402
+from pagedserve.common.sampling_params import StructuredOutput  # noqa: E402
+from pagedserve.worker.step_trace import read_trace  # noqa: E402
+from pagedserve.worker.step_trace import summarize as summarize_trace  # noqa: E402
 from scripts._bench import (  # noqa: E402
     BenchRequest,
     Bracketed,
@@ -100,8 +102,6 @@ from scripts._bench import (  # noqa: E402
     write_json,
 )
 from scripts._servers import ROOT  # noqa: E402
-from worker.step_trace import read_trace  # noqa: E402
-from worker.step_trace import summarize as summarize_trace  # noqa: E402
 
 POLICIES = ("paged", "reserved", "reserved-max")
 # run name -> (kv policy, async scheduling, fused elementwise kernels (None: the worker's default), piecewise

@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from pagedserve.worker.loader import load_model_config  # noqa: E402
+from pagedserve.worker.parallel import init_parallel  # noqa: E402
+from pagedserve.worker.tp_all_reduce import make_symm_mem_all_reduce  # noqa: E402
+from pagedserve.worker.tp_fused import make_row_parallel  # noqa: E402
 from scripts._bench import add_worker_flags, write_json  # noqa: E402
 from scripts.bench_step import WORKER_FLAGS, profile  # noqa: E402
-from worker.loader import load_model_config  # noqa: E402
-from worker.parallel import init_parallel  # noqa: E402
-from worker.tp_all_reduce import make_symm_mem_all_reduce  # noqa: E402
-from worker.tp_fused import make_row_parallel  # noqa: E402
 
 VARIANTS = ("nccl", "one-shot", "no-copy", "fused")
 TIMEOUT_S = 530.0

@@ -29,15 +29,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.config import WorkerConfig  # noqa: E402
-from kernels.reference import FP8_MAX  # noqa: E402
-from scripts.check_correctness import engine_logits  # noqa: E402
-from worker.loader import (  # noqa: E402
+from pagedserve.common.config import WorkerConfig  # noqa: E402
+from pagedserve.kernels.reference import FP8_MAX  # noqa: E402
+from pagedserve.worker.loader import (  # noqa: E402
     KV_SCALE_NAMES,
     checkpoint_tensor_names,
     load_model_config,  # noqa: E402
 )
-from worker.model_runner import ModelRunner  # noqa: E402
+from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
+from scripts.check_correctness import engine_logits  # noqa: E402
 
 SCALES_FILE = "kv_scales.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common.messages import SamplingParams, SubmitRequest  # noqa: E402
+from pagedserve.common.messages import SamplingParams, SubmitRequest  # noqa: E402
+from pagedserve.worker.inputs import build_inputs  # noqa: E402
+from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
+from pagedserve.worker.sequences import BlockTableArray  # noqa: E402
 from scripts._bench import add_worker_flags, in_process_scheduler, run_record, worker_config, write_json  # noqa: E402
 from scripts.train_synthetic import SyntheticLanguage  # noqa: E402
-from worker.inputs import build_inputs  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
-from worker.sequences import BlockTableArray  # noqa: E402
 
 # The worker's own flags (--dtype auto: bfloat16 on cuda, float32 on cpu; --kv-cache-dtype fp8; ...).
 WORKER_FLAGS = ("model", "device", "dtype", "fused_ops", "kv_cache_dtype")

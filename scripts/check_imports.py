@@ -17,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("api", "scheduler", "worker", "common", "kernels", "client", "pagedserve")
 MAX_LINES = 450
+FOLDER_PARTS = [[name] for name in PACKAGES if name != "pagedserve"]
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -45,6 +46,8 @@ def imports_of(path: Path, modules: set[str], root: Path = ROOT) -> set[str]:
         else:
             continue
         for target in targets:
+            # `pagedserve.common.x` is the folder common/x: the one import name is no module of the graph
+            target = target.removeprefix("pagedserve.") if target.split(".")[1:2] in FOLDER_PARTS else target
             # `import a.b.c` imports a, a.b and a.b.c; the package __init__s are modules too.
             parts = target.split(".")
             found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))

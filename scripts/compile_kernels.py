@@ -29,8 +29,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import cache_ops, triton_attention  # noqa: E402
-from kernels.attention_config import decode_config, padded_head_dim, prefill_config  # noqa: E402
+from pagedserve.kernels import cache_ops, triton_attention  # noqa: E402
+from pagedserve.kernels.attention_config import decode_config, padded_head_dim, prefill_config  # noqa: E402
 
 # name: (decode?, split-KV?, FP8 cache?, sliding window and soft-cap?)
 ATTENTION_VARIANTS = {

@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api.protocol import CHAT_FIELDS, COMPLETION_FIELDS  # noqa: E402
+from pagedserve.api.protocol import CHAT_FIELDS, COMPLETION_FIELDS  # noqa: E402
 
 ROUTES = {"/v1/completions": COMPLETION_FIELDS, "/v1/chat/completions": CHAT_FIELDS}
 EDGE = [
@@ -184,8 +184,8 @@ def main() -> None:
         url = urlparse(args.url)
         report = fuzz(url.hostname or "127.0.0.1", url.port or 80, args.n, args.seed)
     else:
-        from common.config import ApiConfig
-        from common.log import configure_logging
+        from pagedserve.common.config import ApiConfig
+        from pagedserve.common.log import configure_logging
         from scripts.make_model import make_model
         from tests.api.harness import ApiServer
 

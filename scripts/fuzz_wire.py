@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.messages import MESSAGE_CLASSES, CodecError, Message, MsgType, decode, encode  # noqa: E402
+from pagedserve.common.messages import MESSAGE_CLASSES, CodecError, Message, MsgType, decode, encode  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------
 # Random msgpack, packed by hand so that a str may hold bytes that are not UTF-8

@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from common.kv_view import TRACE_FORMAT  # noqa: E402
+from pagedserve.common.kv_view import TRACE_FORMAT  # noqa: E402
 
 # the dashboard's colours (api/static/dashboard/dashboard.js)
 FREE_RGB, CACHED_RGB = (0xE3, 0xE6, 0xEA), (0x9F, 0xD8, 0xAC)

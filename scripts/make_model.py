@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
 # The lead moves ModelConfig to worker/model_config.py at the merge of issue 26.
-from worker.model_config import ModelConfig, RopeScaling  # noqa: E402
+from pagedserve.worker.model_config import ModelConfig, RopeScaling  # noqa: E402
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"

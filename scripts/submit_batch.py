@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: make the project importable
 
-from client import AsyncEngineClient, RequestHandle, RequestResult, SequenceResult  # noqa: E402
-from common.config import DEFAULT_SCHEDULER_ADDRESS, ENV_PREFIX  # noqa: E402
-from common.messages import SamplingParams  # noqa: E402
+from pagedserve.client import AsyncEngineClient, RequestHandle, RequestResult, SequenceResult  # noqa: E402
+from pagedserve.common.config import DEFAULT_SCHEDULER_ADDRESS, ENV_PREFIX  # noqa: E402
+from pagedserve.common.messages import SamplingParams  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.messages import (
+from pagedserve.common.messages import (
     RequestError,
     RequestOutputs,
     SamplingParams,
@@ -32,9 +32,9 @@ from common.messages import (
     decode,
     encode,
 )
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
-from worker.model_runner import ModelRunner
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.settings import SchedulerSettings
+from pagedserve.worker.model_runner import ModelRunner
 
 Request = tuple[list[int], SamplingParams]
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import WorkerConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_runner import ModelRunner
 from scripts.calibrate_kv_scales import main, measure_kv_amax, scales_from_amax, write_scales
 from scripts.check_correctness import engine_logits
-from worker.loader import load_model_config
-from worker.model_runner import ModelRunner
 
 
 def _runner(model_dir: Path, kv_cache_dtype: str) -> ModelRunner:

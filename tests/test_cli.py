@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import (
+from pagedserve.cli import NOT_FLAGS, PROCESSES, build_parser, main, owners, serve_children
+from pagedserve.common.config import (
     ApiConfig,
     SchedulerConfig,
     WorkerConfig,
@@ -24,7 +25,6 @@ from common.config import (
     field_descriptions,
     parse_config,
 )
-from pagedserve.cli import NOT_FLAGS, PROCESSES, build_parser, main, owners, serve_children
 from scripts.make_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_values_reach_every_process_whose_config_has_them(tiny_model_dir: Path) 
          "--dtype", "float32", "--api-key", "k"]
     )  # fmt: skip
     assert [(c.name, c.module) for c in children] == [
-        ("api", "api"), ("scheduler", "scheduler"), ("worker", "worker")
+        ("api", "pagedserve.api"), ("scheduler", "pagedserve.scheduler"), ("worker", "pagedserve.worker")
     ]  # fmt: skip
     assert env["PAGEDSERVE_MODEL"] == str(tiny_model_dir) and env["PAGEDSERVE_REVISION"] == ""
     assert env["PAGEDSERVE_PORT"] == "9001" and env["PAGEDSERVE_MAX_NUM_SEQS"] == "7"
@@ -127,7 +127,7 @@ def test_load_format_dummy_and_its_seed_reach_the_worker(tmp_path: Path) -> None
 
 def test_tensor_parallel_size_starts_one_worker_per_rank_meeting_at_a_free_port(tiny_model_dir: Path) -> None:
     children, env = parse([str(tiny_model_dir), "--tensor-parallel-size", "3"])
-    workers = [c for c in children if c.module == "worker"]
+    workers = [c for c in children if c.module == "pagedserve.worker"]
     assert [c.name for c in workers] == ["worker", "worker1", "worker2"]
     assert [c.env["PAGEDSERVE_RANK"] for c in workers] == ["0", "1", "2"]
     assert [c.after for c in workers] == ["", "worker", "worker"]  # rank 0 stops the others first
@@ -179,7 +179,8 @@ def test_an_environment_variable_is_a_default_and_a_flag_wins(
     assert env["PAGEDSERVE_NUM_KV_BLOCKS"] == "33" and env["PAGEDSERVE_PORT"] == "9003"
 
 
-# The launcher, with stand-in processes (`python -m common.supervisor fake_api` runs `python -m fake_api`)
+# The launcher, with stand-in processes (`python -m pagedserve.common.supervisor fake_api` runs
+# `python -m fake_api`)
 FAKE = """
 import os, signal, sys, time
 name = {name!r}

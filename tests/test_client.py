@@ -9,14 +9,14 @@ from typing import Any, TypeVar
 
 import pytest
 
-from client import (
+from pagedserve.client import (
     AsyncEngineClient,
     ClientClosed,
     EngineClient,
     RequestRejected,
     SequenceDelta,
 )
-from common.messages import AbortRequest, ErrorKind, SamplingParams
+from pagedserve.common.messages import AbortRequest, ErrorKind, SamplingParams
 from tests.api.fake_scheduler import FakeScheduler
 from tests.api.harness import BackgroundLoop
 

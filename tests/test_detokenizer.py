@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.detokenizer import IncrementalDetokenizer, SequenceText, StopChecker, TokenStrings
+from pagedserve.client.detokenizer import IncrementalDetokenizer, SequenceText, StopChecker, TokenStrings
 
 MULTIBYTE_TEXT = "日本語 🙂 naïve café — ünïcödé, 한국어 and emoji 👩‍💻!"
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from common.messages import NewSequence, SamplingParams, StepPlan
-from scheduler.scheduler import Scheduler
+from pagedserve.common.messages import NewSequence, SamplingParams, StepPlan
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.worker.model_runner import ModelRunner
 from scripts.make_model import make_model
 from tests import engine_loop
 from tests.test_draft_model import Reference
 from tests.test_speculative_engine import CASES, make_runner, prompts, run_engine
-from worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 

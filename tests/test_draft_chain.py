@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import WorkerConfig
-from common.speculative import SpeculativeConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.speculative import SpeculativeConfig
+from pagedserve.worker.cuda_graphs import DecodeGraphs
+from pagedserve.worker.inputs import build_inputs
+from pagedserve.worker.sequences import BlockTableArray
+from pagedserve.worker.spec.device_drafts import DeviceDrafts
+from pagedserve.worker.spec.draft_graphs import DraftChain, chain_inputs
+from pagedserve.worker.spec.draft_model import DraftModelProposer
+from pagedserve.worker.spec.proposer import ProposeRow
 from scripts.make_model import make_model
 from tests.test_draft_model import Reference
-from worker.cuda_graphs import DecodeGraphs
-from worker.inputs import build_inputs
-from worker.sequences import BlockTableArray
-from worker.spec.device_drafts import DeviceDrafts
-from worker.spec.draft_graphs import DraftChain, chain_inputs
-from worker.spec.draft_model import DraftModelProposer
-from worker.spec.proposer import ProposeRow
 
 BLOCK_SIZE = 4  # k = 4 drafts always cross a block boundary; k = 1 and 2 when the length falls right
 MAX_BATCH = 8  # chains of 1, 2, 4 and 8 rows: batches of 3, 5 run with padding rows

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
-from common.speculative import SpeculativeConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.common.speculative import SpeculativeConfig
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.spec.draft_model import DraftModelProposer
+from pagedserve.worker.spec.proposer import ProposeRow
 from scripts.make_model import make_model
 from tests.test_speculative_engine import prompts, run_engine
-from worker.model_runner import ModelRunner
-from worker.spec.draft_model import DraftModelProposer
-from worker.spec.proposer import ProposeRow
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,14 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.config import WorkerConfig
-from common.speculative import SpeculativeConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.speculative import SpeculativeConfig
+from pagedserve.worker.kv_cache import determine_num_kv_blocks
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.spec.draft_checks import UnusableDraftError
+from pagedserve.worker.spec.draft_model import DraftModelProposer
+from pagedserve.worker.spec.proposer import ProposeRow
 from scripts.make_model import make_model
-from worker.kv_cache import determine_num_kv_blocks
-from worker.loader import load_model_config
-from worker.spec.draft_checks import UnusableDraftError
-from worker.spec.draft_model import DraftModelProposer
-from worker.spec.proposer import ProposeRow
 
 K = 4
 BLOCK_SIZE = 4  # small blocks: drafts and rollbacks cross block boundaries

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import WorkerConfig
-from common.speculative import SpeculativeConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.speculative import SpeculativeConfig
+from pagedserve.worker.spec.draft_model import DraftModelProposer
+from pagedserve.worker.spec.proposer import ProposeRow
 from scripts.make_model import make_model
 from tests.test_draft_model import K, Reference
-from worker.spec.draft_model import DraftModelProposer
-from worker.spec.proposer import ProposeRow
 
 pytestmark = [
     pytest.mark.gpu,

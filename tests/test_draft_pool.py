@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.spec.draft_pool import DraftBlockPool
+from pagedserve.worker.spec.draft_pool import DraftBlockPool
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS = 12, 4, 5
 

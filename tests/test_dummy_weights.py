@@ -13,8 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import WorkerConfig, parse_config
-from common.model_source import resolve_config, resolve_model
+from pagedserve.common.config import WorkerConfig, parse_config
+from pagedserve.common.model_source import resolve_config, resolve_model
+from pagedserve.worker.dummy_weights import DUMMY_STD, init_dummy_weights
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.models.fp8_linear import Fp8Linear, quantize_rows
+from pagedserve.worker.models.layers import RMSNorm
+from pagedserve.worker.models.registry import build_model
+from pagedserve.worker.parallel import ParallelContext
 from scripts._servers import Honcho
 from scripts.bench_throughput import main as bench_main
 from scripts.bench_throughput import parse_args, parse_side
@@ -22,13 +29,6 @@ from scripts.make_model import make_model
 from tests.hub_cache import add_to_hub_cache
 from tests.test_cli import parse as cli_parse
 from tests.test_model_runner import Driver, _random_prompt, make_runner
-from worker.dummy_weights import DUMMY_STD, init_dummy_weights
-from worker.loader import load_model_config
-from worker.model_runner import ModelRunner
-from worker.models.fp8_linear import Fp8Linear, quantize_rows
-from worker.models.layers import RMSNorm
-from worker.models.registry import build_model
-from worker.parallel import ParallelContext
 
 FAMILIES = ("tiny", "qwen3-moe-tiny", "gemma2-tiny", "phi3-tiny")
 
@@ -187,7 +187,7 @@ def test_tensor_parallel_ranks_draw_their_shards_and_agree_on_whole_parameters(
 
 
 def _backend():  # the reference attention: the models above only hold weights
-    from worker.attention import get_attention_backend
+    from pagedserve.worker.attention import get_attention_backend
 
     return get_attention_backend("torch")
 

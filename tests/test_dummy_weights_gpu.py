@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import WorkerConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.models.fp8_linear import Fp8Linear
 from scripts.make_model import make_model
 from tests.test_model_runner import Driver, _random_prompt
-from worker.model_runner import ModelRunner
-from worker.models.fp8_linear import Fp8Linear
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.model_runner import ModelRunner
 from tests.engine_loop import run_engine
-from worker.model_runner import ModelRunner
 
 MAX_TOKENS = 24
 

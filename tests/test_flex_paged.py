@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import kv_pool, paged_attention
+from pagedserve.kernels.reference import kv_pool, paged_attention
 from scripts.flex_paged import flex_paged_decode, paged_block_mask, to_flex_pool
 
 PAGE = 16

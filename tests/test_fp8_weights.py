@@ -20,14 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.config import WorkerConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.models import fp8_linear
+from pagedserve.worker.models.fp8_linear import Fp8Linear, quantize_rows, scaled_mm_per_token
+from pagedserve.worker.models.quantization import UnsupportedQuantizationError, parse_quantization_config
 from tests import test_tensor_parallel as tp
 from tests.test_model_runner import Driver, _random_prompt, make_runner
-from worker.loader import load_model_config
-from worker.model_runner import ModelRunner
-from worker.models import fp8_linear
-from worker.models.fp8_linear import Fp8Linear, quantize_rows, scaled_mm_per_token
-from worker.models.quantization import UnsupportedQuantizationError, parse_quantization_config
 
 LOGITS_ATOL = 1e-4  # float32 on the CPU: ours on the FP8 checkpoint vs transformers on the dequantized twin
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

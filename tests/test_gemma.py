@@ -19,15 +19,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.model_runner import ModelRunner
 from scripts.make_model import PRESETS, make_model
 from tests.kernels.conftest import HAS_CUDA, INTERPRET
 from tests.test_engine_correctness import _prompts, _run_engine, transformers_generate
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
-from worker.loader import load_model_config
-from worker.model_config import ModelConfig
-from worker.model_runner import ModelRunner
 
 MAX_TOKENS = 24
 

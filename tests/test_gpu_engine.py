@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.model_runner import ModelRunner
 from scripts.make_model import make_model
 from tests.test_engine_correctness import _run_engine
-from worker.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

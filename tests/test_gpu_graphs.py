@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.cuda_graphs import capture_sizes
+from pagedserve.worker.model_runner import ModelRunner
 from tests.engine_loop import run_engine
 from tests.test_engine_correctness import _run_engine
-from worker.cuda_graphs import capture_sizes
-from worker.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

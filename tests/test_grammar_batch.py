@@ -14,10 +14,8 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from common.sampling_params import SamplingParams, StructuredOutput
-from tests.structured_schemas import random_schema
-from tests.test_structured_output import _assert_valid, _prompts, _run, _runner, _schema_params
-from worker.grammar_batch import (
+from pagedserve.common.sampling_params import SamplingParams, StructuredOutput
+from pagedserve.worker.grammar_batch import (
     MIN_MEASURED_ROWS,
     PROBE_EVERY,
     WORK_PER_THREAD_S,
@@ -25,8 +23,10 @@ from worker.grammar_batch import (
     Matcher,
     advance_and_fill,
 )
-from worker.sequences import SeqState
-from worker.structured import StructuredOutputs, _json_safe_words, apply_token_bitmask
+from pagedserve.worker.sequences import SeqState
+from pagedserve.worker.structured import StructuredOutputs, _json_safe_words, apply_token_bitmask
+from tests.structured_schemas import random_schema
+from tests.test_structured_output import _assert_valid, _prompts, _run, _runner, _schema_params
 
 PADDED_VOCAB = 4096 + 96  # logits wider than the tokenizer: the ids past it are never allowed
 
@@ -313,8 +313,8 @@ def test_the_launch_trace_records_each_steps_masks(tiny_model_dir, order):
 
 def test_the_workers_grammar_threads_reach_xgrammar(tiny_model_dir):
     """--grammar-threads sets the batch matcher's threads; 0 leaves the default (from the cores)."""
+    from pagedserve.worker.grammar_batch import default_grammar_threads
     from tests.test_model_runner import make_runner
-    from worker.grammar_batch import default_grammar_threads
 
     assert make_runner(tiny_model_dir, grammar_threads=3).structured.batch.threads == 3
     assert make_runner(tiny_model_dir).structured.batch.threads == default_grammar_threads()
@@ -359,7 +359,7 @@ def test_batch_accept_matches_one_matcher_at_a_time(tiny_model_dir, core, monkey
     """The batched accept (xgrammar's core call, or its public wrapper where the core is missing) feeds each
     matcher its token as its own accept_token does: None when all are accepted, else each one's acceptance,
     and the matchers' states (their next masks) as the one-at-a-time twins'."""
-    from worker import grammar_batch
+    from pagedserve.worker import grammar_batch
 
     if not core:
         monkeypatch.setattr(grammar_batch, "_BATCH_ACCEPT", None)

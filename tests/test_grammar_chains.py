@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from common.grammar_chains import MAX_CHAIN_RULES, chain_bounded_repeats, chain_text
-from common.grammars import compile_grammar, grammar_of
-from common.sampling_params import StructuredOutput
+from pagedserve.common.grammar_chains import MAX_CHAIN_RULES, chain_bounded_repeats, chain_text
+from pagedserve.common.grammars import compile_grammar, grammar_of
+from pagedserve.common.sampling_params import StructuredOutput
 from tests.structured_schemas import random_schema
 
 BENCH_SCHEMA = (Path(__file__).parents[1] / "scripts" / "bench_schema.json").read_text()

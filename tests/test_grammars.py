@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import xgrammar as xgr
 
-from common.grammars import GrammarError, compile_grammar, grammar_of, is_lark
-from common.sampling_params import StructuredOutput
+from pagedserve.common.grammars import GrammarError, compile_grammar, grammar_of, is_lark
+from pagedserve.common.sampling_params import StructuredOutput
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import NewSequence, SamplingParams, StepPlan
-from worker.loader import load_model_config
-from worker.model_config import RopeScaling
-from worker.model_runner import ModelRunner
-from worker.models.layers import rope_inv_freq
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import NewSequence, SamplingParams, StepPlan
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_config import RopeScaling
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.models.layers import rope_inv_freq
 
 
 def _write_config(path: Path, config: dict, generation: dict | None = None) -> Path:

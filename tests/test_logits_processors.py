@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from worker.logits_processors import TAIL, LogitsProcessors, TokenHistory, apply_processors
-from worker.sampler import SamplingTensors, sample_tensors
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.logits_processors import TAIL, LogitsProcessors, TokenHistory, apply_processors
+from pagedserve.worker.sampler import SamplingTensors, sample_tensors
 
 VOCAB = 64
 EOS = (2,)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_config import ModelConfig
 from scripts.make_model import PRESETS, SPECIAL_TOKENS, make_model
-from worker.loader import load_model_config
-from worker.model_config import ModelConfig
 
 
 def test_tokenizer_round_trips_multibyte_text_and_knows_its_special_tokens(tiny_model_dir: Path) -> None:

@@ -15,16 +15,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common.config import WorkerConfig
-from common.messages import ErrorKind, SamplingParams
-from common.sampling_params import StructuredOutput
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import ErrorKind, SamplingParams
+from pagedserve.common.sampling_params import StructuredOutput
+from pagedserve.worker.logits_processors import LogitsProcessors
+from pagedserve.worker.masked_rows import masked_seq_ids
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.sampler import SamplingTensors, sample_tensors
+from pagedserve.worker.spec.verify import SpecBatch
 from tests.engine_loop import run_engine
 from tests.test_logits_processors import Seq
-from worker.logits_processors import LogitsProcessors
-from worker.masked_rows import masked_seq_ids
-from worker.model_runner import ModelRunner
-from worker.sampler import SamplingTensors, sample_tensors
-from worker.spec.verify import SpecBatch
 
 LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=64)
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

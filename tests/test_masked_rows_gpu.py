@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common.config import WorkerConfig
-from common.messages import ErrorKind, SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import ErrorKind, SamplingParams
+from pagedserve.worker.model_runner import ModelRunner
 from tests.engine_loop import run_engine
 from tests.test_masked_rows import LIMITS, SCHEMA, _letter_tokens, _schema_params
-from worker.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

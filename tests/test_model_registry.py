@@ -14,12 +14,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
-from worker.attention import get_attention_backend
-from worker.cuda_graphs import MixedGraphs
-from worker.loader import load_model_config
-from worker.models.interface import AttentionShape, CausalLM
-from worker.models.registry import (
+from pagedserve.worker.attention import get_attention_backend
+from pagedserve.worker.cuda_graphs import MixedGraphs
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.models.interface import AttentionShape, CausalLM
+from pagedserve.worker.models.registry import (
     BY_ARCHITECTURE,
     BY_MODEL_TYPE,
     FAMILIES,
@@ -27,6 +26,7 @@ from worker.models.registry import (
     build_model,
     family_of,
 )
+from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
 
 TINY = {
     "hidden_size": 64,
@@ -135,7 +135,7 @@ def test_every_family_matches_transformers_through_the_forward_and_the_pieces(fa
 
 def test_the_model_code_does_not_import_the_loader() -> None:
     """The loader finds families through the registry; the model code must not import it back (a loop)."""
-    code = "import sys, worker.models.registry; print('worker.loader' in sys.modules)"
+    code = "import sys, pagedserve.worker.models.registry; print('pagedserve.worker.loader' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import NewSequence, SamplingParams, StepOutput, StepPlan
-from worker.model_runner import ModelRunner
-from worker.plan_check import PlanError
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import NewSequence, SamplingParams, StepOutput, StepPlan
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.plan_check import PlanError
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 48

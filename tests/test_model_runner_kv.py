@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from common.config import WorkerConfig
-from common.messages import Fork, NewSequence, SamplingParams, StepOutput, StepPlan
-from kernels import reference
-from kernels.reference import byte_view
-from worker.kv_cache import kv_block_bytes
-from worker.loader import load_model_config
-from worker.model_runner import ModelRunner
-from worker.plan_check import PlanError
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import Fork, NewSequence, SamplingParams, StepOutput, StepPlan
+from pagedserve.kernels import reference
+from pagedserve.kernels.reference import byte_view
+from pagedserve.worker.kv_cache import kv_block_bytes
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.plan_check import PlanError
 
 BLOCK_SIZE = 16
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 
-from common.config import ApiConfig, WorkerConfig, parse_config
-from common.model_source import ModelSourceError, is_repo_id, resolve_config, resolve_model
+from pagedserve.common.config import ApiConfig, WorkerConfig, parse_config
+from pagedserve.common.model_source import ModelSourceError, is_repo_id, resolve_config, resolve_model
 from tests.hub_cache import add_to_hub_cache
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,19 +18,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.attention import get_attention_backend
+from pagedserve.worker.loader import load_model_config, load_weights
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.models.llama import GatedMLP
+from pagedserve.worker.models.moe import SparseMoE
+from pagedserve.worker.models.registry import build_model
+from pagedserve.worker.parallel import ParallelContext
 from scripts.make_model import PRESETS, make_model
 from tests.test_engine_correctness import _prompts, _run_engine, transformers_generate
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
-from worker.attention import get_attention_backend
-from worker.loader import load_model_config, load_weights
-from worker.model_config import ModelConfig
-from worker.model_runner import ModelRunner
-from worker.models.llama import GatedMLP
-from worker.models.moe import SparseMoE
-from worker.models.registry import build_model
-from worker.parallel import ParallelContext
 
 MAX_TOKENS = 16
 COMMON = dict(

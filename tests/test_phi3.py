@@ -13,17 +13,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.loader import _rank_slices, load_model_config
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.models.phi3 import PHI3_WEIGHTS
+from pagedserve.worker.parallel import shard_model_config
 from scripts.make_model import PRESETS, make_model
 from tests.test_engine_correctness import _run_engine, transformers_generate
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
 from tests.test_tensor_parallel import _run_ranks, check_two_ranks_match_one_process
-from worker.loader import _rank_slices, load_model_config
-from worker.model_config import ModelConfig
-from worker.model_runner import ModelRunner
-from worker.models.phi3 import PHI3_WEIGHTS
-from worker.parallel import shard_model_config
 
 BASE = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import Phi3Config, Phi3ForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.model_runner import ModelRunner
 from tests.kernels.conftest import HAS_CUDA, INTERPRET
 from tests.test_engine_correctness import _run_engine, transformers_generate
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
-from worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not (INTERPRET or HAS_CUDA), reason="Triton needs TRITON_INTERPRET=1 or CUDA")
 DEVICE = "cpu" if INTERPRET else "cuda"

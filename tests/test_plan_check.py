@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import torch
 
-from common.messages import Fork, SamplingParams, StepPlan
+from pagedserve.common.messages import Fork, SamplingParams, StepPlan
+from pagedserve.worker.model_runner import ModelRunner
 from tests.test_model_runner_kv import make_runner, new_seq, random_prompt
 from tests.test_sequences import plan
-from worker.model_runner import ModelRunner
 
 NUM_BLOCKS = 16
 NUM_CPU_BLOCKS = 8

@@ -21,10 +21,10 @@ from transformers import (
     RepetitionPenaltyLogitsProcessor,
 )
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.model_runner import ModelRunner
 from tests.test_engine_correctness import _run_engine
-from worker.model_runner import ModelRunner
 
 
 def _runner(model_dir: Path, num_kv_blocks: int = 64, **kw) -> ModelRunner:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import (
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import (
     PromptLogprobs,
     SamplingParams,
     SeqOutput,
@@ -20,11 +20,11 @@ from common.messages import (
     SubmitRequest,
     TokenLogprobs,
 )
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.settings import SchedulerSettings
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.prompt_logprobs import MAX_SCORED_ELEMENTS, PromptScores
 from tests.engine_loop import idle, run_engine
-from worker.model_runner import ModelRunner
-from worker.prompt_logprobs import MAX_SCORED_ELEMENTS, PromptScores
 
 K = 5
 
@@ -153,7 +153,7 @@ def test_prompt_logprobs_survive_preemption_by_recompute(tiny_model_dir, hf_mode
 
 def test_scoring_is_chunked_by_memory_not_by_prompt(tiny_model_dir, hf_model, monkeypatch):
     """Rows go through the lm_head a bounded number at a time: a tiny bound gives the same numbers."""
-    import worker.prompt_logprobs as module
+    import pagedserve.worker.prompt_logprobs as module
 
     runner = _runner(tiny_model_dir)
     monkeypatch.setattr(module, "MAX_SCORED_ELEMENTS", 3 * runner.vocab_size)

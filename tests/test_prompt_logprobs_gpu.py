@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.model_runner import ModelRunner
 from tests.test_prompt_logprobs import _prompt_logprobs, _run
-from worker.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

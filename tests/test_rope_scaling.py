@@ -15,10 +15,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Qwen2Config,
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_config import RopeScaling, rope_settings
+from pagedserve.worker.models.rotary import rope_cos_sin
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
-from worker.loader import load_model_config
-from worker.model_config import RopeScaling, rope_settings
-from worker.models.rotary import rope_cos_sin
 
 TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

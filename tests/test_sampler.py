@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from common.messages import SamplingParams, TokenLogprobs
-from worker.sampler import SamplingRow, SamplingTensors, sample, sample_tensors, uniform_for, uniforms_for
+from pagedserve.common.messages import SamplingParams, TokenLogprobs
+from pagedserve.worker.sampler import (
+    SamplingRow,
+    SamplingTensors,
+    sample,
+    sample_tensors,
+    uniform_for,
+    uniforms_for,
+)
 
 VOCAB = 257
 

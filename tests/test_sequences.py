@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from common.messages import Fork, NewSequence, SamplingParams, StepPlan
-from worker.plan_check import PlanError, PlanLimits
-from worker.sequences import SeqState, Sequences
+from pagedserve.common.messages import Fork, NewSequence, SamplingParams, StepPlan
+from pagedserve.worker.plan_check import PlanError, PlanLimits
+from pagedserve.worker.sequences import SeqState, Sequences
 
 LIMITS = PlanLimits(
     num_kv_blocks=32, num_cpu_blocks=8, vocab_size=100, block_size=4, max_model_len=64, max_blocks_per_seq=16

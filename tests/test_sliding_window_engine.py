@@ -14,13 +14,13 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
-from scheduler.scheduler import Scheduler
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.worker.kv_window import freeing_window
+from pagedserve.worker.model_runner import ModelRunner
 from tests.kernels.conftest import INTERPRET
 from tests.test_engine_correctness import _run_engine, transformers_generate
-from worker.kv_window import freeing_window
-from worker.model_runner import ModelRunner
 
 WINDOW = 8
 BLOCK_SIZE = 4

@@ -12,15 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
-from common.speculative import parse_speculative_config
-from worker.logits_processors import LogitsProcessors
-from worker.sampler import sample_tensors
-from worker.sequences import SeqState
-from worker.spec.ngram import NgramProposer
-from worker.spec.proposer import ProposeRow
-from worker.spec.verify import SpecBatch
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.common.speculative import parse_speculative_config
+from pagedserve.worker.logits_processors import LogitsProcessors
+from pagedserve.worker.sampler import sample_tensors
+from pagedserve.worker.sequences import SeqState
+from pagedserve.worker.spec.ngram import NgramProposer
+from pagedserve.worker.spec.proposer import ProposeRow
+from pagedserve.worker.spec.verify import SpecBatch
 
 # ---------------------------------------------------------------------------------------------------------
 # the config

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.model_runner import ModelRunner
 from tests import engine_loop
-from worker.model_runner import ModelRunner
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
 
@@ -146,8 +146,8 @@ def test_speculation_backs_off_past_the_draft_budget(tiny_model_dir, baseline):
 
 def test_bad_draft_slots_are_refused_by_the_worker(tiny_model_dir):
     """Draft slots the worker cannot honour are a scheduler bug: PlanError, as for any bad plan."""
-    from common.messages import NewSequence, StepPlan
-    from worker.plan_check import PlanError
+    from pagedserve.common.messages import NewSequence, StepPlan
+    from pagedserve.worker.plan_check import PlanError
 
     params = SamplingParams(max_tokens=8, temperature=0.0)
     prompt = [5, 6, 7, 5, 6]
@@ -177,7 +177,7 @@ def test_no_plan_is_launched_behind_a_step_that_verifies_drafts(tiny_model_dir):
     from the old ones (a tensor-parallel follower did, docs/speculative.md). The scheduler never plans
     then; the runner refuses such a launch instead of computing wrong tokens, and runs the plan once the
     step is finished."""
-    from common.messages import NewSequence, StepPlan
+    from pagedserve.common.messages import NewSequence, StepPlan
 
     params = SamplingParams(max_tokens=8, temperature=0.0)
     prompt = [5, 6, 7, 5, 6]  # prompt lookup drafts 7, 5, 6, ...
@@ -254,7 +254,7 @@ def test_long_accepted_runs_with_an_oracle_proposer(
 def test_structured_and_penalized_sequences_decode_beside_drafting_ones(tiny_model_dir, baseline):
     """A constrained sequence and a penalized one in the batch draft nothing; their rows (and the bitmask)
     sit between the drafting sequences' rows; every output is as without speculation."""
-    from common.sampling_params import StructuredOutput
+    from pagedserve.common.sampling_params import StructuredOutput
 
     expected, _ = baseline
     runner = make_runner(tiny_model_dir, 400, NGRAM)

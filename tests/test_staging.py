@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.staging import stage
+from pagedserve.worker.staging import stage
 
 
 def _arrays(rng: np.random.Generator) -> list[np.ndarray]:

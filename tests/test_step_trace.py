@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from common.messages import StepOutput, StepPlan
-from worker.step_trace import StepTrace, read_trace, summarize
+from pagedserve.common.messages import StepOutput, StepPlan
+from pagedserve.worker.step_trace import StepTrace, read_trace, summarize
 
 
 def _step(step: int, recv: float, done: float, idle_ms: float, decode: bool = True) -> dict[str, object]:

@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from worker.step_waiter import StepWaiter
+from pagedserve.worker.step_waiter import StepWaiter
 
 
 class _Event:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.config import WorkerConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.worker.model_runner import ModelRunner
 from tests.test_structured_output import _assert_valid, _prompts, _run, _schema_params
-from worker.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,15 +14,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
-from common.sampling_params import StructuredOutput
-from kernels.reference_bitmask import unpack_bitmask as _unpack
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.common.sampling_params import StructuredOutput
+from pagedserve.kernels.reference_bitmask import unpack_bitmask as _unpack
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.sequences import SeqState
+from pagedserve.worker.structured import TokenBitmask, apply_token_bitmask
 from tests.engine_loop import EngineRun, run_engine
 from tests.structured_schemas import random_schema
-from worker.model_runner import ModelRunner
-from worker.sequences import SeqState
-from worker.structured import TokenBitmask, apply_token_bitmask
 
 MAX_TOKENS = 400  # a random model at temperature 1 finishes these documents far sooner
 

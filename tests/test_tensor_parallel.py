@@ -23,18 +23,13 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from common.config import WorkerConfig
-from common.log import get_logger
-from common.messages import SamplingParams, Shutdown, StepOutput, encode
-from scripts._servers import free_port
-from scripts.make_model import make_model
-from tests.engine_loop import run_engine
-from tests.test_engine_correctness import _prompts
-from tests.test_moe import make_tiny_moe
-from worker import server
-from worker.loader import load_model_config
-from worker.model_runner import ModelRunner
-from worker.parallel import (
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.log import get_logger
+from pagedserve.common.messages import SamplingParams, Shutdown, StepOutput, encode
+from pagedserve.worker import server
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.parallel import (
     ParallelContext,
     honcho_rank,
     init_parallel,
@@ -42,6 +37,11 @@ from worker.parallel import (
     vocab_parallel_embedding,
     vocab_parallel_logits,
 )
+from scripts._servers import free_port
+from scripts.make_model import make_model
+from tests.engine_loop import run_engine
+from tests.test_engine_correctness import _prompts
+from tests.test_moe import make_tiny_moe
 
 WORLD_SIZE = 2
 # The GPU variants' marks (tests/*tensor_parallel_gpu.py): on the device, with WORLD_SIZE CUDA devices

@@ -1,5 +1,6 @@
-"""A two-rank tensor-parallel worker group through the real processes: the scheduler, `python -m worker` for
-each rank (and, under honcho, the whole Procfile with `-c worker=2`), and a ZeroMQ or HTTP client."""
+"""A two-rank tensor-parallel worker group through the real processes: the scheduler,
+`python -m pagedserve.worker` for each rank (and, under honcho, the whole Procfile with `-c worker=2`), and
+a ZeroMQ or HTTP client."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from client import EngineClient
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.client import EngineClient
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.model_runner import ModelRunner
 from scripts._servers import Engine, Honcho, free_port, start_engine
 from tests.engine_loop import run_engine
 from tests.test_engine_correctness import _run_engine
 from tests.test_speculative_engine import prompts as spec_prompts
-from worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.e2e
 
@@ -27,8 +28,8 @@ SETTINGS = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "max_model
 
 
 def _start_group(model_dir: Path, log_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Engine:
-    """The scheduler, then worker ranks 0 and 1 (`python -m worker` with PAGEDSERVE_RANK) on one worker
-    address."""
+    """The scheduler, then worker ranks 0 and 1 (`python -m pagedserve.worker` with PAGEDSERVE_RANK) on one
+    worker address."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two ranks on this machine's cores
     return start_engine(model_dir, log_dir, tensor_parallel_size=2, **SETTINGS)
 

@@ -55,9 +55,9 @@ _SHAPES = [(1, 4096), (7, 4096), (256, 4096), (512, 4096), (2048, 4096), (2049, 
 def _symm_rank_main(rank: int, init_method: str) -> None:
     import torch.distributed as dist
 
-    from kernels import fused_ops, reference_ops
-    from worker.parallel import ParallelContext
-    from worker.tp_all_reduce import LARGE_MAX_BYTES, TUNE_SIZES, make_symm_mem_all_reduce
+    from pagedserve.kernels import fused_ops, reference_ops
+    from pagedserve.worker.parallel import ParallelContext
+    from pagedserve.worker.tp_all_reduce import LARGE_MAX_BYTES, TUNE_SIZES, make_symm_mem_all_reduce
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -150,11 +150,11 @@ def _fused_rank_main(rank: int, init_method: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from kernels import reference_ops
-    from worker.models.fp8_linear import row_parallel_partial
-    from worker.models.layers import RMSNorm, add_norm
-    from worker.parallel import ParallelContext
-    from worker.tp_fused import make_row_parallel
+    from pagedserve.kernels import reference_ops
+    from pagedserve.worker.models.fp8_linear import row_parallel_partial
+    from pagedserve.worker.models.layers import RMSNorm, add_norm
+    from pagedserve.worker.parallel import ParallelContext
+    from pagedserve.worker.tp_fused import make_row_parallel
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client import ScoredPrompt
-from client.detokenizer import SequenceText, StopChecker
-from common.messages import PromptLogprobs, TokenLogprobs
+from pagedserve.client import ScoredPrompt
+from pagedserve.client.detokenizer import SequenceText, StopChecker
+from pagedserve.common.messages import PromptLogprobs, TokenLogprobs
 
 
 @pytest.fixture(scope="module")

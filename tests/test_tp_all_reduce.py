@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.config import SchedulerConfig, WorkerConfig
-from common.messages import WorkerReady
-from scheduler.settings import SchedulerSettings
+from pagedserve.common.config import SchedulerConfig, WorkerConfig
+from pagedserve.common.messages import WorkerReady
+from pagedserve.scheduler.settings import SchedulerSettings
+from pagedserve.worker.batch_limits import MAX_AUTO, MIN_AUTO, auto_max_num_seqs, resolve_max_num_seqs
+from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.tp_all_reduce import DEFAULT_MAX_BYTES, SymmMemAllReduce, symm_mem_supported
 from scripts.bench_tp_step import main as bench_tp_step
-from worker.batch_limits import MAX_AUTO, MIN_AUTO, auto_max_num_seqs, resolve_max_num_seqs
-from worker.parallel import ParallelContext
-from worker.tp_all_reduce import DEFAULT_MAX_BYTES, SymmMemAllReduce, symm_mem_supported
 
 
 class _StandIn:
@@ -104,7 +104,7 @@ def test_the_scheduler_takes_the_workers_batch_limit_by_default() -> None:
 
 
 def test_the_runner_announces_the_pools_batch_limit(tiny_model_dir: Path) -> None:
-    from worker.model_runner import ModelRunner
+    from pagedserve.worker.model_runner import ModelRunner
 
     cfg = WorkerConfig(
         model=str(tiny_model_dir), device="cpu", num_kv_blocks=40_000, block_size=16, swap_space=0

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.all_reduce_norm import all_reduce_add_rms_norm, all_reduce_add_rms_norm_reference
-from kernels.reference_ops import rms_norm
+from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm, all_reduce_add_rms_norm_reference
+from pagedserve.kernels.reference_ops import rms_norm
+from pagedserve.worker.tp_fused import SymmMemRowParallel
 from tests.test_tensor_parallel import checkpoints  # noqa: F401 (a fixture)
-from worker.tp_fused import SymmMemRowParallel
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel on the CPU needs TRITON_INTERPRET=1"
@@ -137,7 +137,7 @@ class GlooRowParallel(SymmMemRowParallel):
 
 
 def _fused_rank_main(rank: int, models: dict[str, Path], init_method: str, out_dir: Path, mode: str) -> None:
-    import worker.parallel
+    from pagedserve.worker import parallel as worker_parallel
     from tests import test_tensor_parallel
 
     made: list[GlooRowParallel] = []
@@ -146,7 +146,7 @@ def _fused_rank_main(rank: int, models: dict[str, Path], init_method: str, out_d
         made.append(GlooRowParallel(rank, world_size, fuse_norm=mode == "fused"))
         return made[-1], ""
 
-    worker.parallel.make_row_parallel = make  # this spawned process's only
+    worker_parallel.make_row_parallel = make  # this spawned process's only
     test_tensor_parallel._rank_main(rank, models, init_method, out_dir, "cpu")
     (out_dir / f"calls-rank{rank}.txt").write_text(str(made[0].num_calls))
 

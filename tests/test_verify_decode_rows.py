@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-import worker.model_runner as model_runner
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+import pagedserve.worker.model_runner as model_runner
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.attention import AttentionMetadata, get_attention_backend
+from pagedserve.worker.inputs import HostInputs, build_inputs
+from pagedserve.worker.kv_window import freeing_window
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.spec.decode_rows import as_decode_rows, verification_inputs
+from pagedserve.worker.spec.device_drafts import DeviceDrafts
 from tests.kernels.conftest import HAS_CUDA, INTERPRET
 from tests.test_engine_correctness import _run_engine
 from tests.test_sliding_window_engine import BLOCK_SIZE, MAX_TOKENS, WINDOW, mistral  # noqa: F401
 from tests.test_speculative_engine import NGRAM, make_runner, prompts, run_engine
-from worker.attention import AttentionMetadata, get_attention_backend
-from worker.inputs import HostInputs, build_inputs
-from worker.kv_window import freeing_window
-from worker.model_runner import ModelRunner
-from worker.spec.decode_rows import as_decode_rows, verification_inputs
-from worker.spec.device_drafts import DeviceDrafts
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET or HAS_CUDA else [])
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -264,7 +264,7 @@ def test_device_drafts_feed_their_ids_after_each_first_token() -> None:
 def test_the_step_trace_shows_proposing_apart_and_counts_the_drafts(tiny_model_dir, tmp_path):
     """The runner's launch marks come in the trace's phase order, proposing in a phase of its own, and a
     drafting step's line counts the drafts it verified."""
-    from worker.step_trace import PHASES, StepTrace, read_trace
+    from pagedserve.worker.step_trace import PHASES, StepTrace, read_trace
 
     runner = make_runner(tiny_model_dir, 400, NGRAM)
     runner.trace_launches = True

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.model_runner import ModelRunner
 from tests.test_speculative_engine import NGRAM, prompts, run_engine
 from tests.test_verify_decode_rows import decode_row_steps  # noqa: F401 (the fixture)
-from worker.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,17 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.log import get_logger
-from common.messages import SamplingParams, Shutdown, StepPlan, encode
+from pagedserve.common.log import get_logger
+from pagedserve.common.messages import SamplingParams, Shutdown, StepPlan, encode
+from pagedserve.worker import server
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.parallel import ParallelContext, init_parallel
 from scripts._servers import free_port
 from scripts.make_model import make_model
 from tests.engine_loop import run_engine
 from tests.test_speculative_engine import NGRAM, prompts
 from tests.test_tensor_parallel import WORLD_SIZE, Recorder, _worker_config, spawn_ranks
-from worker import server
-from worker.loader import load_model_config
-from worker.model_runner import ModelRunner
-from worker.parallel import ParallelContext, init_parallel
 
 TIMEOUT_S = 180.0
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from worker.inputs import build_inputs
-from worker.sequences import BlockTableArray
+from pagedserve.worker.inputs import build_inputs
+from pagedserve.worker.sequences import BlockTableArray
 
 BLOCK_SIZE = 16
 

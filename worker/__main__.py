@@ -1,4 +1,5 @@
-"""`python -m worker [flags]`: a worker process; flags and PAGEDSERVE_* variables mirror WorkerConfig.
+"""`python -m pagedserve.worker [flags]`: a worker process; flags and PAGEDSERVE_* variables mirror
+WorkerConfig.
 
 Tensor parallelism runs one such process per rank, all with the same `--tensor-parallel-size` and
 `--dist-init-method`, each with its own `--rank` (or PAGEDSERVE_RANK). Under honcho with several workers
@@ -11,9 +12,9 @@ from __future__ import annotations
 import os
 import sys
 
-from common.config import WorkerConfig, parse_config
-from worker.parallel import honcho_rank
-from worker.server import serve
+from pagedserve.common.config import WorkerConfig, parse_config
+from pagedserve.worker.parallel import honcho_rank
+from pagedserve.worker.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from pagedserve.kernels import reference
 
 
 @dataclass
@@ -105,13 +105,13 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self) -> None:
         # Imported on first use: the worker must import on machines without Triton.
-        from kernels import cache_ops, triton_attention
+        from pagedserve.kernels import cache_ops, triton_attention
 
         self._write_kv = cache_ops.write_kv
         self._paged_attention = triton_attention.paged_attention
 
     def check_head_dim(self, head_dim: int) -> None:
-        from kernels.attention_config import padded_head_dim
+        from pagedserve.kernels.attention_config import padded_head_dim
 
         padded_head_dim(head_dim)  # a multiple of 8 up to 256 (padded in registers, never in the cache)
 

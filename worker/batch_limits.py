@@ -10,7 +10,7 @@ graph's worth of buffers, the sampler's [B, V] logits and the memory profile's l
 
 from __future__ import annotations
 
-from common.config import DEFAULT_MAX_NUM_SEQS
+from pagedserve.common.config import DEFAULT_MAX_NUM_SEQS
 
 TOKENS_PER_SEAT = 1024
 MIN_AUTO = DEFAULT_MAX_NUM_SEQS  # 512

@@ -21,10 +21,10 @@ import time
 import numpy as np
 import torch
 
-from worker.attention import AttentionMetadata
-from worker.inputs import HostInputs
-from worker.models.interface import CausalLM, KVCache
-from worker.staging import stage
+from pagedserve.worker.attention import AttentionMetadata
+from pagedserve.worker.inputs import HostInputs
+from pagedserve.worker.models.interface import CausalLM, KVCache
+from pagedserve.worker.staging import stage
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

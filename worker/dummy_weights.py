@@ -31,17 +31,17 @@ import zlib
 
 import torch
 
-from worker.model_config import ModelConfig
-from worker.models.fp8_linear import (
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models.fp8_linear import (
     FP8,
     Fp8Linear,
     finalize_fp8_linears,
     prepare_fp8_linears,
     quantize_rows,
 )
-from worker.models.interface import CausalLM
-from worker.models.layers import RMSNorm
-from worker.parallel import ParallelContext
+from pagedserve.worker.models.interface import CausalLM
+from pagedserve.worker.models.layers import RMSNorm
+from pagedserve.worker.parallel import ParallelContext
 
 DUMMY_STD = 0.02  # the standard deviation of every random matrix (transformers' initializer_range)
 

@@ -12,8 +12,8 @@ import threading
 
 import zmq
 
-from common.messages import Heartbeat, encode
-from common.security import ClusterKey, secure_client
+from pagedserve.common.messages import Heartbeat, encode
+from pagedserve.common.security import ClusterKey, secure_client
 
 
 class HeartbeatThread:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.sequences import BlockTableArray, SeqState
+from pagedserve.worker.sequences import BlockTableArray, SeqState
 
 
 @dataclass

@@ -20,10 +20,10 @@ import os
 
 import torch
 
-from common.config import WorkerConfig
-from common.wire_types import MAX_NUM_BLOCKS
-from kernels.reference import byte_view, head_major
-from worker.model_config import ModelConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.wire_types import MAX_NUM_BLOCKS
+from pagedserve.kernels.reference import byte_view, head_major
+from pagedserve.worker.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V) of one layer, each [num_blocks, block_size, Hkv, D]
 
@@ -205,7 +205,7 @@ class KVPools:
         device = self.device_pool.device
         src, dst = _block_ids([s for s, _ in pairs], device), _block_ids([d for _, d in pairs], device)
         if self.device_pool.is_cuda:  # the Triton kernel moves each byte once (the PyTorch op twice)
-            from kernels.cache_ops import copy_blocks as copy_blocks_kernel
+            from pagedserve.kernels.cache_ops import copy_blocks as copy_blocks_kernel
 
             copy_blocks_kernel(self.device_pool, src, dst)
         else:

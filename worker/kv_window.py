@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.model_config import ModelConfig
+from pagedserve.worker.model_config import ModelConfig
 
 
 def freeing_window(model_config: ModelConfig, speculation: Any = None) -> int:

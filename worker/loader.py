@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.model_config import (
+from pagedserve.worker.model_config import (
     DEFAULT_MAX_POSITION_EMBEDDINGS,
     ModelConfig,
     as_id_list,
@@ -27,11 +27,15 @@ from worker.model_config import (
     rope_max_positions,
     rope_settings,
 )
-from worker.models.fp8_linear import Fp8Linear, finalize_fp8_linears, prepare_fp8_linears
-from worker.models.interface import CausalLM, WeightMap
-from worker.models.quantization import SCALE_NAMES, parse_quantization_config, quantization_from_flag
-from worker.models.registry import BY_MODEL_TYPE, resolve_family
-from worker.parallel import ParallelContext
+from pagedserve.worker.models.fp8_linear import Fp8Linear, finalize_fp8_linears, prepare_fp8_linears
+from pagedserve.worker.models.interface import CausalLM, WeightMap
+from pagedserve.worker.models.quantization import (
+    SCALE_NAMES,
+    parse_quantization_config,
+    quantization_from_flag,
+)
+from pagedserve.worker.models.registry import BY_MODEL_TYPE, resolve_family
+from pagedserve.worker.parallel import ParallelContext
 
 # Per-layer scales of an FP8 KV cache as quantized checkpoints store them (one number each); without them
 # the scales stay 1.0 (worker/models/layers.py Attention).

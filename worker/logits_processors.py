@@ -28,8 +28,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from common.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
-from kernels import reference_processors
+from pagedserve.common.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from pagedserve.kernels import reference_processors
 
 TAIL = MAX_BAD_WORD_TOKENS - 1  # generated tokens kept per sequence: the longest bad word's prefix
 
@@ -374,7 +374,7 @@ def apply_processors(logits: torch.Tensor, pt: ProcessorTensors) -> torch.Tensor
     # The penalties and min_p pass over the whole vocabulary: one Triton launch each on a GPU.
     rules = reference_processors
     if out.is_cuda:
-        from kernels import processors as rules
+        from pagedserve.kernels import processors as rules
     if len(pt.penalty_rows) and pt.history is not None:
         history = pt.history
         rules.penalize_(

@@ -7,13 +7,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.config import WorkerConfig
-from common.messages import SamplingParams
-from worker.batch_limits import profile_max_num_seqs
-from worker.inputs import build_inputs
-from worker.kv_cache import KVPools
-from worker.sampler import SamplingRow, sample
-from worker.sequences import BlockTableArray
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.batch_limits import profile_max_num_seqs
+from pagedserve.worker.inputs import build_inputs
+from pagedserve.worker.kv_cache import KVPools
+from pagedserve.worker.sampler import SamplingRow, sample
+from pagedserve.worker.sequences import BlockTableArray
 
 
 @torch.inference_mode()

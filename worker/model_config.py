@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import WorkerConfig
-from worker.models.quantization import QuantConfig
+from pagedserve.common.config import WorkerConfig
+from pagedserve.worker.models.quantization import QuantConfig
 
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_MAX_POSITION_EMBEDDINGS = 2048  # the loader's default too (LlamaConfig's)

@@ -24,33 +24,34 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from common.config import WorkerConfig
-from common.messages import StepOutput, StepPlan
-from worker.attention import AttentionMetadata, get_attention_backend
-from worker.batch_limits import resolve_max_num_seqs
-from worker.cuda_graphs import DecodeGraphs, MixedGraphs
-from worker.dummy_weights import init_dummy_weights
-from worker.inputs import HostInputs, host_inputs
-from worker.kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
-from worker.launch_trace import LaunchTrace
-from worker.loader import load_model_config, load_weights
-from worker.logits_processors import LogitsProcessors
-from worker.masked_rows import masked_seq_ids
-from worker.memory_profile import profile_peak_memory
-from worker.model_config import resolve_max_model_len
-from worker.models.registry import build_model
-from worker.parallel import ParallelContext
-from worker.plan_check import PlanLimits
-from worker.prompt_logprobs import PromptScores, score_prompts, select_prompt_rows, take_prompt_scores
-from worker.sampler import sample_tensors
-from worker.sequences import BlockTableArray, SeqState, Sequences
-from worker.spec.decode_rows import verification_inputs
-from worker.spec.factory import build_speculation
-from worker.spec.verify import check_draft_slots, prepare_drafts
-from worker.staging import stage
-from worker.steps import ForwardedStep, LaunchedStep, batch_indices, step_sampling_tensors, verifies_drafts
-from worker.structured import StructuredOutputs, step_tokens
-from worker.warmup import warm_up_sampling_kernels
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import StepOutput, StepPlan
+
+from .attention import AttentionMetadata, get_attention_backend
+from .batch_limits import resolve_max_num_seqs
+from .cuda_graphs import DecodeGraphs, MixedGraphs
+from .dummy_weights import init_dummy_weights
+from .inputs import HostInputs, host_inputs
+from .kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
+from .launch_trace import LaunchTrace
+from .loader import load_model_config, load_weights
+from .logits_processors import LogitsProcessors
+from .masked_rows import masked_seq_ids
+from .memory_profile import profile_peak_memory
+from .model_config import resolve_max_model_len
+from .models.registry import build_model
+from .parallel import ParallelContext
+from .plan_check import PlanLimits
+from .prompt_logprobs import PromptScores, score_prompts, select_prompt_rows, take_prompt_scores
+from .sampler import sample_tensors
+from .sequences import BlockTableArray, SeqState, Sequences
+from .spec.decode_rows import verification_inputs
+from .spec.factory import build_speculation
+from .spec.verify import check_draft_slots, prepare_drafts
+from .staging import stage
+from .steps import ForwardedStep, LaunchedStep, batch_indices, step_sampling_tensors, verifies_drafts
+from .structured import StructuredOutputs, step_tokens
+from .warmup import warm_up_sampling_kernels
 
 
 class ModelRunner:

@@ -59,7 +59,7 @@ def draw_nucleus_into(
     whole: bool,  # the group is every row, in order
 ) -> torch.Tensor:
     """The group's draws written into `tokens` (returned: a new tensor when the group is the whole batch)."""
-    from kernels.nucleus import draw_nucleus
+    from pagedserve.kernels.nucleus import draw_nucleus
 
     drawn = draw_nucleus(
         logits,

@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.config import WorkerConfig
-from common.messages import Shutdown, encode
-from worker.model_config import ModelConfig
-from worker.tp_all_reduce import make_symm_mem_all_reduce
-from worker.tp_fused import make_row_parallel
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import Shutdown, encode
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.tp_all_reduce import make_symm_mem_all_reduce
+from pagedserve.worker.tp_fused import make_row_parallel
 
 KEEPALIVE_S = 60.0  # rank 0 sends an empty message when idle this long, well inside the group's timeout
 GROUP_TIMEOUT = timedelta(minutes=30)  # a collective (or a wait for rank 0's next message) longer fails

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from common.messages import StepPlan
+from pagedserve.common.messages import StepPlan
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from common.messages import PromptLogprobs, SamplingParams, StepPlan, TokenLogprobs
+from pagedserve.common.messages import PromptLogprobs, SamplingParams, StepPlan, TokenLogprobs
 
 # Rows x vocabulary of float32 logits held at once: 64 MiB, whatever the prompt's length.
 MAX_SCORED_ELEMENTS = 1 << 24

@@ -25,12 +25,12 @@ from typing import Literal
 import numpy as np
 import torch
 
-from common.messages import SamplingParams, TokenLogprobs
-from worker.logits_processors import ProcessorTensors, apply_processors, record_sampled
-from worker.masked_rows import masked_rows, pack_flags, unpack_flags
-from worker.nucleus_draw import device_round_uniforms, draw_nucleus_into
-from worker.structured import TokenBitmask, apply_token_bitmask
-from worker.uniforms import MASK64, uniform_for, uniforms_for  # noqa: F401 (uniform_for: imported from here)
+from pagedserve.common.messages import SamplingParams, TokenLogprobs
+from pagedserve.worker.logits_processors import ProcessorTensors, apply_processors, record_sampled
+from pagedserve.worker.masked_rows import masked_rows, pack_flags, unpack_flags
+from pagedserve.worker.nucleus_draw import device_round_uniforms, draw_nucleus_into
+from pagedserve.worker.structured import TokenBitmask, apply_token_bitmask
+from pagedserve.worker.uniforms import MASK64, uniform_for, uniforms_for  # noqa: F401 (uniform_for: imported from here)
 
 _MIN_TOP_K_WIDTH = 64  # narrower candidate sets save nothing on a GPU, and 64 columns reduce like wider ones
 _MAX_TOP_K_WIDTH = 4096  # rows with a larger top_k take the full sort

@@ -21,8 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
-from common.messages import NewSequence, SamplingParams, StepPlan
-from worker.plan_check import PlanError, PlanLimits, check_changes, check_plan, check_step
+from pagedserve.common.messages import NewSequence, SamplingParams, StepPlan
+from pagedserve.worker.plan_check import PlanError, PlanLimits, check_changes, check_plan, check_step
 
 
 class BlockTableArray:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from common.messages import StepOutput, StepPlan
+from pagedserve.common.messages import StepOutput, StepPlan
 
 # ModelRunner.launch_forward's and launch_sampling's, in order
 PHASES = ("plan", "propose", "inputs", "forward", "previous_step", "sampling_params", "sample")

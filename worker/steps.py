@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.messages import StepPlan
-from worker.logits_processors import LogitsProcessors
-from worker.sampler import MASK64, SamplerCopy, SamplingTensors
-from worker.sequences import SeqState
-from worker.spec.verify import SpecBatch
+from pagedserve.common.messages import StepPlan
+from pagedserve.worker.logits_processors import LogitsProcessors
+from pagedserve.worker.sampler import MASK64, SamplerCopy, SamplingTensors
+from pagedserve.worker.sequences import SeqState
+from pagedserve.worker.spec.verify import SpecBatch
 
 
 @dataclass

@@ -37,11 +37,11 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from common.grammars import GrammarError, compile_grammar
-from common.messages import StepPlan
-from common.sampling_params import StructuredOutput
-from kernels.reference_bitmask import apply_token_bitmask_reference
-from worker.grammar_batch import (
+from pagedserve.common.grammars import GrammarError, compile_grammar
+from pagedserve.common.messages import StepPlan
+from pagedserve.common.sampling_params import StructuredOutput
+from pagedserve.kernels.reference_bitmask import apply_token_bitmask_reference
+from pagedserve.worker.grammar_batch import (
     GrammarBatch,
     HostMaskBuffers,
     HostMasks,
@@ -49,7 +49,7 @@ from worker.grammar_batch import (
     default_grammar_threads,
     fill_stop_rows,
 )
-from worker.sequences import SeqState
+from pagedserve.worker.sequences import SeqState
 
 log = logging.getLogger(__name__)
 
@@ -436,7 +436,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask | None) -> t
     if extra is None:
         extra = torch.full((1, num_words), -1, dtype=torch.int32, device=logits.device)
     if logits.device.type == "cuda":
-        from kernels.token_bitmask import apply_token_bitmask as kernel  # Triton: imported where it runs
+        from pagedserve.kernels.token_bitmask import (
+            apply_token_bitmask as kernel,  # Triton: imported where it runs
+        )
 
         return kernel(logits, bitmask.bitmask, bitmask.rows, kinds, extra)
     return apply_token_bitmask_reference(logits, bitmask.bitmask, bitmask.rows, kinds, extra)

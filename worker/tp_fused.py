@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker.tp_all_reduce import DEFAULT_MAX_BYTES, all_ranks_ok, symm_mem_supported
+from pagedserve.worker.tp_all_reduce import DEFAULT_MAX_BYTES, all_ranks_ok, symm_mem_supported
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -37,7 +37,7 @@ class SymmMemRowParallel:
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from kernels.all_reduce_norm import MAX_PROGRAMS, signal_channels_needed
+        from pagedserve.kernels.all_reduce_norm import MAX_PROGRAMS, signal_channels_needed
 
         self.group_name: str = group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -109,7 +109,7 @@ class SymmMemRowParallel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of (the sum over the ranks of the pending partial sums) + `residual`, and that sum, written
         into `residual` (contiguous, [T, H]): kernels/all_reduce_norm.py."""
-        from kernels.all_reduce_norm import all_reduce_add_rms_norm
+        from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm
 
         assert self.is_pending(partial) and residual.shape == partial.shape
         self.pending = None
@@ -121,7 +121,7 @@ class SymmMemRowParallel:
 
 def _probe(comm: SymmMemRowParallel, device: torch.device) -> str:
     """Runs both reduces once on known values; why they are wrong, or ""."""
-    from kernels.all_reduce_norm import all_reduce_add_rms_norm_reference
+    from pagedserve.kernels.all_reduce_norm import all_reduce_add_rms_norm_reference
 
     rows, hidden, world, rank = 5, 1024, comm.world_size, comm.rank
     x = torch.eye(hidden, dtype=torch.bfloat16, device=device)[:rows]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from common.messages import SamplingParams
-from worker.sampler import SamplingRow, sample
+from pagedserve.common.messages import SamplingParams
+from pagedserve.worker.sampler import SamplingRow, sample
 
 NUM_ROWS = 4  # more than one: Triton specializes an integer argument that is 1
 
@@ -23,8 +23,8 @@ def warm_up_sampling_kernels(model: torch.nn.Module, hidden_size: int, device: t
     """Launches each sampling kernel once on NUM_ROWS rows of logits from `model`'s own LM head."""
     if device.type != "cuda":
         return
-    from kernels.processors import min_p_, penalize_
-    from kernels.token_bitmask import apply_token_bitmask
+    from pagedserve.kernels.processors import min_p_, penalize_
+    from pagedserve.kernels.token_bitmask import apply_token_bitmask
 
     hidden = torch.zeros(NUM_ROWS, hidden_size, dtype=model.dtype, device=device)
     logits = model.compute_logits(hidden).contiguous()  # [R, V], the width and dtype the sampler sees

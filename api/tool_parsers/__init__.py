@@ -11,11 +11,11 @@ forced.py       the JSON that tool_choice `required` or a named function is cons
 
 from __future__ import annotations
 
-from api.tool_parsers.base import ToolCall, ToolDelta, ToolParser
-from api.tool_parsers.forced import NamedToolParser, RequiredToolParser
-from api.tool_parsers.hermes import HermesToolParser
-from api.tool_parsers.llama3_json import Llama3JsonToolParser
-from api.tool_parsers.mistral import MistralToolParser
+from pagedserve.api.tool_parsers.base import ToolCall, ToolDelta, ToolParser
+from pagedserve.api.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from pagedserve.api.tool_parsers.hermes import HermesToolParser
+from pagedserve.api.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagedserve.api.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from api.tool_parsers.json_scan import ObjectScan, ValueScan, skip_space
+from pagedserve.api.tool_parsers.json_scan import ObjectScan, ValueScan, skip_space
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes/Qwen and OpenAI say arguments, Llama 3 parameters
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.tool_parsers.base import CallState, ObjectSequence, ToolParser
-from api.tool_parsers.json_scan import ValueScan, skip_space
+from pagedserve.api.tool_parsers.base import CallState, ObjectSequence, ToolParser
+from pagedserve.api.tool_parsers.json_scan import ValueScan, skip_space
 
 
 class RequiredToolParser(ToolParser):

@@ -7,7 +7,7 @@ at the end of the text still counts, as in vLLM; a malformed one makes the whole
 
 from __future__ import annotations
 
-from api.tool_parsers.base import ObjectSequence, ToolParser, held_prefix
+from pagedserve.api.tool_parsers.base import ObjectSequence, ToolParser, held_prefix
 
 START = "<tool_call>"
 END = "</tool_call>"

@@ -5,8 +5,8 @@ reads them. An output that starts with anything else is content.
 
 from __future__ import annotations
 
-from api.tool_parsers.base import ObjectSequence, ToolParser, held_prefix
-from api.tool_parsers.json_scan import skip_space
+from pagedserve.api.tool_parsers.base import ObjectSequence, ToolParser, held_prefix
+from pagedserve.api.tool_parsers.json_scan import skip_space
 
 PYTHON_TAG = "<|python_tag|>"
 

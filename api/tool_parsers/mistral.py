@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.tool_parsers.base import CallState, ObjectSequence, ToolParser, held_prefix, mistral_tool_call_id
-from api.tool_parsers.json_scan import ValueScan, skip_space
+from pagedserve.api.tool_parsers.base import (
+    CallState,
+    ObjectSequence,
+    ToolParser,
+    held_prefix,
+    mistral_tool_call_id,
+)
+from pagedserve.api.tool_parsers.json_scan import ValueScan, skip_space
 
 BOT = "[TOOL_CALLS]"
 ARGS = "[ARGS]"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from common.config import ApiConfig
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from common.config import ApiConfig, parse_config
+from pagedserve.common.config import ApiConfig, parse_config
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
 

@@ -10,10 +10,10 @@ import socket
 import threading
 from typing import Any
 
-from api.state import STATE
-from client.request_stream import RequestHandle, SequenceDelta, _RequestState
-from common.config import ApiConfig
-from common.messages import SamplingParams, SeqOutput
+from pagedserve.api.state import STATE
+from pagedserve.client.request_stream import RequestHandle, SequenceDelta, _RequestState
+from pagedserve.common.config import ApiConfig
+from pagedserve.common.messages import SamplingParams, SeqOutput
 from tests.api.harness import ApiServer, wait_until
 from tests.api.test_disconnect import assert_aborted
 

@@ -13,8 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from api import chat_template
-from common.config import ApiConfig
+from pagedserve.api import chat_template
+from pagedserve.common.config import ApiConfig
 from tests.api.chat_templates import HERMES, checkpoint_with_template
 from tests.api.harness import ApiServer
 
@@ -261,7 +261,7 @@ def _grammar_accepts(tokenizer: Any, structured: Any, text: str) -> bool:
     """Whether the worker's compiled grammar for `structured` takes `text`'s tokens and then EOS."""
     import xgrammar as xgr
 
-    from common.grammars import compile_grammar
+    from pagedserve.common.grammars import compile_grammar
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id])
     matcher = xgr.GrammarMatcher(compile_grammar(xgr.GrammarCompiler(info), structured))
@@ -310,7 +310,7 @@ def test_a_forced_call_comes_after_the_thinking(qwen_server: ApiServer, qwen_tok
 
 
 def test_thinking_tags_follow_the_rendered_prompt() -> None:
-    from api.reasoning import REASONING_PARSERS
+    from pagedserve.api.reasoning import REASONING_PARSERS
 
     qwen3, r1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
     assert qwen3.thinking_tags("<|im_start|>assistant\n<think>\n") == ("", "</think>")  # opened in the prompt

@@ -6,7 +6,7 @@ import json
 import socket
 from typing import Any
 
-from common.messages import AbortRequest
+from pagedserve.common.messages import AbortRequest
 from tests.api.harness import ApiServer, wait_until
 
 

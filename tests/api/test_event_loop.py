@@ -8,7 +8,7 @@ import dataclasses
 import threading
 from typing import Any
 
-from api.state import STATE
+from pagedserve.api.state import STATE
 from tests.api.harness import ApiServer, wait_until
 
 

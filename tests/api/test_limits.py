@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from common.config import ApiConfig
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error, assert_still_serving, send
 

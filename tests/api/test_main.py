@@ -1,4 +1,5 @@
-"""`python -m api` starts, serves in front of a (fake) scheduler, logs JSON lines and stops on SIGTERM."""
+"""`python -m pagedserve.api` starts, serves in front of a (fake) scheduler, logs JSON lines and stops on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_python_m_api_serves_and_logs(tiny_model_dir: Path) -> None:
     fake = background.run(FakeScheduler(model_root=str(tiny_model_dir), model_name="tiny").start())
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_SERVED_MODEL_NAME": "served-name"}  # the environment sets fields too
-    argv = [sys.executable, "-m", "api", "--port", str(port), "--scheduler-address", fake.address]
+    argv = [sys.executable, "-m", "pagedserve.api", "--port", str(port), "--scheduler-address", fake.address]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
 
     def request(method: str, path: str, body: object = None) -> HttpReply | None:

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from api.errors import ApiError
-from api.model import ModelState
-from api.state import STATE
-from client import AsyncEngineClient
-from common.config import ApiConfig
-from common.messages import InfoRequest
+from pagedserve.api.errors import ApiError
+from pagedserve.api.model import ModelState
+from pagedserve.api.state import STATE
+from pagedserve.client import AsyncEngineClient
+from pagedserve.common.config import ApiConfig
+from pagedserve.common.messages import InfoRequest
 from tests.api.fake_scheduler import FakeScheduler
 from tests.api.harness import ApiServer, wait_until
 from tests.api.test_errors import assert_error
@@ -141,7 +141,7 @@ def test_a_mismatch_is_logged_as_an_error_once_per_checkpoint(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     recorded = RecordingLog()
-    monkeypatch.setattr("api.model.log", recorded)
+    monkeypatch.setattr("pagedserve.api.model.log", recorded)
     other = str(tmp_path / "other-model")
 
     async def scenario() -> None:

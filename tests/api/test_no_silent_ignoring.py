@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from api.protocol import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS
+from pagedserve.api.protocol import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
 
@@ -105,7 +105,7 @@ def test_version_is_the_projects(server: ApiServer) -> None:
 
 
 def test_version_needs_the_api_key_like_every_route_but_the_probes(tiny_model_dir: Any) -> None:
-    from common.config import ApiConfig
+    from pagedserve.common.config import ApiConfig
 
     api = ApiServer(str(tiny_model_dir), ApiConfig(api_key="sk-v"))
     try:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from common.config import ApiConfig
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
 
@@ -185,7 +185,7 @@ def test_generation_config_none_keeps_our_defaults(defaults_model_dir: Path) -> 
 
 
 def test_generation_config_values_out_of_range_are_left_out(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from api.generation_config import load_generation_defaults
+    from pagedserve.api.generation_config import load_generation_defaults
 
     model_dir = tmp_path / "m"
     shutil.copytree(tiny_model_dir, model_dir)

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from api.server import drain
-from api.state import STATE
+from pagedserve.api.server import drain
+from pagedserve.api.state import STATE
 from scripts._servers import ROOT, free_port
 from tests.api.fake_scheduler import FakeScheduler
 from tests.api.harness import ApiServer, BackgroundLoop, HttpReply, parse_sse, wait_until
@@ -76,7 +76,7 @@ def test_sigterm_drains_python_m_api_and_exits_0(tiny_model_dir: Path) -> None:
     background = BackgroundLoop()
     fake = background.run(FakeScheduler(model_root=str(tiny_model_dir), step_delay=0.02).start())
     port = free_port()
-    argv = [sys.executable, "-m", "api", "--port", str(port), "--scheduler-address", fake.address]
+    argv = [sys.executable, "-m", "pagedserve.api", "--port", str(port), "--scheduler-address", fake.address]
     argv += ["--shutdown-timeout-s", "0.5"]
     proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ), stderr=subprocess.PIPE, text=True)
     try:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from api.structured_fields import MAX_SCHEMA_DEPTH
-from common.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutput
+from pagedserve.api.structured_fields import MAX_SCHEMA_DEPTH
+from pagedserve.common.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutput
 from tests.api.harness import ApiServer
 
 USER = [{"role": "user", "content": "answer in JSON"}]

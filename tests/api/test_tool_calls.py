@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from common.config import ApiConfig
+from pagedserve.common.config import ApiConfig
 from tests.api.chat_templates import TEMPLATES, checkpoint_with_template
 from tests.api.harness import ApiServer
 from tests.api.test_tool_parsers import FORMATS

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
-from api.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolParser
+from pagedserve.api.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from pagedserve.api.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolParser
 
 NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,12}", fullmatch=True)
 TEXT = st.text(st.sampled_from(list('ab "\\}{][:,<>/\n\té🙂') + ["\u2028"]), max_size=12)

@@ -9,9 +9,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from api.errors import ApiError
-from api.tools import ToolOptions, parse_tools
-from common.config import ApiConfig
+from pagedserve.api.errors import ApiError
+from pagedserve.api.tools import ToolOptions, parse_tools
+from pagedserve.common.config import ApiConfig
 
 POINT = {
     "type": "object",

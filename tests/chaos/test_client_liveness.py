@@ -18,9 +18,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from client import AsyncEngineClient, RequestRejected
-from common.messages import ErrorKind, SamplingParams, SubmitRequest, decode
-from common.security import authenticate, load_cluster_key, secure_server
+from pagedserve.client import AsyncEngineClient, RequestRejected
+from pagedserve.common.messages import ErrorKind, SamplingParams, SubmitRequest, decode
+from pagedserve.common.security import authenticate, load_cluster_key, secure_server
 
 PARAMS = SamplingParams(max_tokens=4)
 

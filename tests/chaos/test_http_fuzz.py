@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.protocol import CHAT_FIELDS, COMPLETION_FIELDS
-from common.config import ApiConfig
+from pagedserve.api.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer, HttpReply
 
 FUZZ = settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

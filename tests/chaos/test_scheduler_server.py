@@ -14,7 +14,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.messages import (
+from pagedserve.common.messages import (
     AbortRequest,
     ErrorKind,
     Heartbeat,
@@ -25,7 +25,7 @@ from common.messages import (
     Shutdown,
     SubmitRequest,
 )
-from common.security import ClusterKey
+from pagedserve.common.security import ClusterKey
 from scripts.fuzz_wire import KINDS
 from tests.chaos.scheduler_peers import WAIT_S, Client, Peer, ready_msg, scheduler, serve_like_a_worker
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.security import ClusterKey, ClusterKeyError, load_cluster_key
+from pagedserve.common.security import ClusterKey, ClusterKeyError, load_cluster_key
 from scripts._servers import ROOT
 
 
@@ -61,7 +61,8 @@ def test_a_scheduler_with_an_unusable_key_exits_2_and_is_not_restarted(tmp_path:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     env["PAGEDSERVE_CLUSTER_KEY_FILE"] = str(path)
     supervised = subprocess.run(
-        [sys.executable, "-m", "common.supervisor", "scheduler"], cwd=ROOT, env=env, capture_output=True,
+        [sys.executable, "-m", "pagedserve.common.supervisor", "pagedserve.scheduler"],
+        cwd=ROOT, env=env, capture_output=True,
         timeout=60,
     )  # fmt: skip
     assert supervised.returncode == 2, supervised.stderr.decode()[-2000:]

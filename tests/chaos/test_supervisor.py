@@ -34,7 +34,7 @@ def _supervise(tmp_path: Path, code: int) -> subprocess.Popen:
     (tmp_path / "flaky.py").write_text(FLAKY)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
     return subprocess.Popen(
-        [sys.executable, "-m", "common.supervisor", "flaky", str(code)], cwd=ROOT, env=env
+        [sys.executable, "-m", "pagedserve.common.supervisor", "flaky", str(code)], cwd=ROOT, env=env
     )
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.tokenization import DETOKENIZE_FIELDS, TOKENIZE_CHAT_FIELDS, TOKENIZE_FIELDS
+from pagedserve.api.tokenization import DETOKENIZE_FIELDS, TOKENIZE_CHAT_FIELDS, TOKENIZE_FIELDS
 from tests.api.harness import ApiServer
 from tests.chaos.test_http_fuzz import FUZZ, assert_well_formed, messages, raw_bodies, send, strings, values
 

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from common.messages import MESSAGE_CLASSES, CodecError, Message, MsgType, decode, encode
+from pagedserve.common.messages import MESSAGE_CLASSES, CodecError, Message, MsgType, decode, encode
 from scripts.fuzz_wire import (
     KIND_VALUES,
     RawStr,

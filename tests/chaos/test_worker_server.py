@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common.messages import (
+from pagedserve.common.messages import (
     Message,
     NewSequence,
     SamplingParams,
@@ -27,7 +27,7 @@ from common.messages import (
     decode,
     encode,
 )
-from common.security import ClusterKey, load_cluster_key, secure_server
+from pagedserve.common.security import ClusterKey, load_cluster_key, secure_server
 from scripts._servers import ROOT, free_port
 
 pytestmark = pytest.mark.e2e
@@ -79,7 +79,9 @@ def worker(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, ClusterK
         PAGEDSERVE_HEARTBEAT_INTERVAL_S="60",  # no beats on the ROUTER these tests read
     )
     log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen([sys.executable, "-m", "worker"], cwd=ROOT, env=env, stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.worker"], cwd=ROOT, env=env, stdout=log, stderr=log
+    )
     try:
         yield address, key, proc
     finally:

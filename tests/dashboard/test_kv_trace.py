@@ -7,10 +7,10 @@ from pathlib import Path
 
 from PIL import Image
 
-from common.config import SchedulerConfig, parse_config
-from common.kv_view import TRACE_FORMAT
-from scheduler.kv_trace import TRUNCATED_LINE, KVTrace
-from scheduler.kv_views import KVViews
+from pagedserve.common.config import SchedulerConfig, parse_config
+from pagedserve.common.kv_view import TRACE_FORMAT
+from pagedserve.scheduler.kv_trace import TRUNCATED_LINE, KVTrace
+from pagedserve.scheduler.kv_views import KVViews
 from scripts import kv_replay
 from scripts._kv_sim import Workload, simulate
 from tests.scheduler.conftest import make_harness

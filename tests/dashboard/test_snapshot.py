@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from common.messages import MAX_SNAPSHOT_ROWS, KVSnapshot, decode, encode
-from scheduler.snapshot import CACHED, DEFAULT_ROWS, FREE, SHARED, USED, SnapshotCache, block_runs
+from pagedserve.common.messages import MAX_SNAPSHOT_ROWS, KVSnapshot, decode, encode
+from pagedserve.scheduler.snapshot import CACHED, DEFAULT_ROWS, FREE, SHARED, USED, SnapshotCache, block_runs
 from tests.scheduler.conftest import make_harness
 
 

@@ -1,9 +1,7 @@
-"""The installed form: the project built and installed into a fresh virtual environment, as `pip install .`
-does, then `pagedserve` run from there (away from the checkout, so nothing is imported from it).
-
-The environment reuses this one's packages (torch, transformers, ...) through a .pth file, since nothing can
-be downloaded; this one is itself a venv, so `--system-site-packages` would give the bare base interpreter's.
-The .pth comes after the new environment's own site-packages: what pip installs there wins.
+"""The installed form, as a user gets it: a wheel built from the sources, installed with its dependencies into
+a fresh virtual environment (`pip install -c constraints.txt WHEEL`, torch from the pinned CPU build), then
+`pagedserve` run from there, away from the checkout, so nothing is imported from it. A runtime import missing
+from pyproject's dependencies fails here as it would for a user.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import site
 import subprocess
 import sys
 import time
@@ -27,14 +24,15 @@ from scripts._servers import free_port
 from tests.hub_cache import add_to_hub_cache
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ["pyproject.toml", "setup.py", "README.md", "pagedserve", "api", "client", "common", "kernels",
-           "scheduler", "worker"]  # fmt: skip
+SOURCES = ["pyproject.toml", "setup.py", "README.md", "LICENSE", "constraints.txt", "pagedserve", "api",
+           "client", "common", "kernels", "scheduler", "worker"]  # fmt: skip
 FOLDERS = ["api", "client", "common", "kernels", "scheduler", "worker"]
 
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv with pagedserve installed by pip from a copy of the sources (the build writes there)."""
+    """A fresh venv holding the wheel built from a copy of the sources and every dependency it declares, at
+    constraints.txt's versions (pip's cache and the machine's wheel folder make this a local install)."""
     base = tmp_path_factory.mktemp("installed")
     src = base / "src"
     for name in SOURCES:
@@ -44,17 +42,17 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         else:
             src.mkdir(exist_ok=True)
             shutil.copy(path, src / name)
-    env_dir = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=60)
-    python = env_dir / "bin" / "python"
-    purelib = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    (Path(purelib) / "shared_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", str(src)],
-        check=True, cwd=base, timeout=180,
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", base / "dist",
+         src],
+        check=True, cwd=base, timeout=300,
+    )  # fmt: skip
+    [wheel] = (base / "dist").glob("pagedserve-*.whl")
+    env_dir = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=120)
+    subprocess.run(
+        [env_dir / "bin" / "python", "-m", "pip", "install", "-q", "-c", src / "constraints.txt", wheel],
+        check=True, cwd=base, timeout=900,
     )  # fmt: skip
     return env_dir
 
@@ -80,15 +78,22 @@ def test_the_installed_command_answers_help(venv: Path, tmp_path: Path) -> None:
 
 
 def test_the_install_takes_no_generic_top_level_names(venv: Path, tmp_path: Path) -> None:
-    """`kernels` (a Hugging Face package transformers looks for), `common`, `worker`, ... stay free in the
-    environment; only a process that imports pagedserve sees the server's packages by those names."""
+    """Only `pagedserve` is a top-level name of the install: a user's own `common`, `client` and `api` modules
+    (and Hugging Face's `kernels`) stay theirs, beside the server's packages imported through pagedserve."""
+    for name in ("common", "client", "api"):
+        (tmp_path / f"{name}.py").write_text(f"MINE = {name!r}\n")
     probe = (
         "import importlib.util, json, sys\n"
         f"names = {FOLDERS!r}\n"
         "before = {n: getattr(importlib.util.find_spec(n), 'origin', None) for n in names}\n"
-        "import pagedserve, kernels, worker.server\n"
+        "import pagedserve, pagedserve.worker.server\n"
+        "from pagedserve.client import EngineClient\n"
+        "import common, client, api\n"
         "print(json.dumps({'before': before, 'root': str(pagedserve.CODE_ROOT),\n"
-        "                  'kernels': kernels.__file__, 'worker': worker.server.__file__}))\n"
+        "                  'worker': pagedserve.worker.server.__file__,\n"
+        "                  'mine': [common.MINE, client.MINE, api.MINE],\n"
+        "                  'top': sorted(n for n in names if n in sys.modules and\n"
+        "                                not getattr(sys.modules[n], 'MINE', None))}))\n"
     )
     done = run(venv, "python", "-c", probe, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -97,7 +102,8 @@ def test_the_install_takes_no_generic_top_level_names(venv: Path, tmp_path: Path
         assert origin is None or not (origin.startswith(str(venv)) or origin.startswith(str(ROOT))), name
     root = Path(found["root"])
     assert root.name == "pagedserve" and root.is_relative_to(venv)  # site-packages/pagedserve
-    assert Path(found["kernels"]).is_relative_to(root) and Path(found["worker"]).is_relative_to(root)
+    assert Path(found["worker"]).is_relative_to(root)
+    assert found["mine"] == ["common", "client", "api"] and found["top"] == []
     purelib = root.parent
     assert not any((purelib / name).exists() for name in FOLDERS)
 
@@ -153,11 +159,12 @@ class Served:
         self, venv: Path, tmp_path: Path, args: list[str], env: dict[str, str] | None = None
     ) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
+        self.scheduler_address = f"tcp://127.0.0.1:{free_port()}"
         self.log_path = tmp_path / "pagedserve.log"
         base = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDSERVE_", "HF_"))}
         argv = [
             str(venv / "bin" / "pagedserve"), "serve", *args, "--port", self.url.rsplit(":", 1)[1],
-            "--device", "cpu", "--scheduler-address", f"tcp://127.0.0.1:{free_port()}",
+            "--device", "cpu", "--scheduler-address", self.scheduler_address,
             "--worker-address", f"tcp://127.0.0.1:{free_port()}",
             "--cluster-key-file", str(tmp_path / "cluster_key"), "--shutdown-timeout-s", "3",
         ]  # fmt: skip
@@ -206,16 +213,23 @@ class Served:
                 pass
 
 
-def greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> str:
-    """transformers' own greedy continuation of `prompt`, as text."""
+def greedy_ids(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' own greedy continuation of `prompt`, as token ids."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out = model.generate(
         torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
     )
-    return AutoTokenizer.from_pretrained(model_dir).decode(out[0, len(prompt) :])
+    return out[0, len(prompt) :].tolist()
+
+
+def greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> str:
+    """transformers' own greedy continuation of `prompt`, as text."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(greedy_ids(model_dir, prompt, max_tokens))
 
 
 PROMPT = [1, 15, 27, 300, 42]
@@ -268,3 +282,38 @@ def test_pagedserve_serve_starts_tensor_parallel_ranks(
         served.kill()
         raise
     assert served.stop(once=False) == 0, served.log()[-4000:]  # rank 0 stopped rank 1 first: no error
+
+
+def readme_example(marker: str) -> str:
+    """The code block that follows `<!-- readme-example: MARKER -->` in the README."""
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index(f"<!-- readme-example: {marker} -->") :]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.e2e
+def test_the_readme_zeromq_example_runs_against_the_installed_server(
+    venv: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The README's direct-submission example, verbatim but for the scheduler's address, run from a folder
+    with modules of its own named `client` and `common`: it gets both prompts' greedy tokens."""
+    served = Served(venv, tmp_path, [str(tiny_model_dir), "--num-kv-blocks", "24"])
+    (tmp_path / "client.py").write_text("raise ImportError('this folder has a client.py of its own')\n")
+    (tmp_path / "common.py").write_text("raise ImportError('this folder has a common.py of its own')\n")
+    try:
+        served.wait_healthy()
+        code = readme_example("zeromq").replace("tcp://127.0.0.1:5570", served.scheduler_address)
+        code += (
+            "assert [len(r.outputs[0].token_ids) for r in results] == [16, 16], results\n"
+            "print(results[1].outputs[0].token_ids)\n"
+        )
+        env = {"PAGEDSERVE_CLUSTER_KEY_FILE": str(tmp_path / "cluster_key"), "PATH": os.environ["PATH"]}
+        done = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        expected = greedy_ids(tiny_model_dir, [1, 2, 3], 16)
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+    except BaseException:
+        served.kill()
+        raise
+    assert served.stop() == 0, served.log()[-4000:]

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from client import EngineClient, RequestRejected
-from common.messages import ErrorKind, SamplingParams
+from pagedserve.client import EngineClient, RequestRejected
+from pagedserve.common.messages import ErrorKind, SamplingParams
 from tests.e2e.processes import Server, start_server
 
 pytestmark = pytest.mark.e2e

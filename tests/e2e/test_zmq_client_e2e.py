@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from client import EngineClient, RequestRejected
-from common.messages import SamplingParams
+from pagedserve.client import EngineClient, RequestRejected
+from pagedserve.common.messages import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import reference
+from pagedserve.kernels import reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available() and not INTERPRET

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import fp8_quant, fused_ops
+from pagedserve.kernels import fp8_quant, fused_ops
+from pagedserve.worker.models import fp8_linear, layers
+from pagedserve.worker.models.fp8_linear import Fp8Activation, quantize_rows, scaled_mm_per_token
 from tests.kernels.conftest import INTERPRET, gpu
 from tests.test_fp8_weights import save_biased_llama
 from tests.test_model_runner import Driver, _random_prompt, make_runner
-from worker.models import fp8_linear, layers
-from worker.models.fp8_linear import Fp8Activation, quantize_rows, scaled_mm_per_token
 
 FP8 = torch.float8_e4m3fn
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fp8_quant, fused_ops, reference_fp8
+from pagedserve.kernels import fp8_quant, fused_ops, reference_fp8
 from tests.kernels.conftest import gpu
 
 

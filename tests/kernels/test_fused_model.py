@@ -20,7 +20,7 @@ def test_fused_ops_model_matches_transformers_logits(
 ) -> None:
     model_dir = make_model(tmp_path / preset, preset=preset, seed=0)
     runner = make_runner(model_dir, device=str(device), attention_backend="triton", fused_ops=True)
-    assert runner.model.layers[0].mlp._act_and_mul.__module__ == "kernels.fused_ops"
+    assert runner.model.layers[0].mlp._act_and_mul.__module__ == "pagedserve.kernels.fused_ops"
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
     driver = Driver(runner, seed=2)
     rng = random.Random(2)

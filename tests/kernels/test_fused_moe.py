@@ -14,13 +14,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels import fused_moe, reference_moe
+from pagedserve.kernels import fused_moe, reference_moe
+from pagedserve.worker.models.moe import SparseMoE
 from tests.kernels.conftest import gpu
 from tests.test_gpu_graphs import _generate as _gpu_generate
 from tests.test_gpu_graphs import _runner as _gpu_runner
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
 from tests.test_moe import make_tiny_moe
-from worker.models.moe import SparseMoE
 
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused_ops, reference_ops
+from pagedserve.kernels import fused_ops, reference_ops
 from tests.kernels.conftest import gpu
 
 # Float32 differs from the PyTorch ops only in the order of RMSNorm's sum; half precision in a rounding now

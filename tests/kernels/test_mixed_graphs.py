@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagedserve.worker.cuda_graphs import MixedGraphs, token_buckets
 from scripts.make_model import make_model
 from tests.test_model_runner import Driver, _assert_logits_match_hf, _random_prompt, make_runner
-from worker.cuda_graphs import MixedGraphs, token_buckets
 
 
 def test_token_buckets_cover_every_count_up_to_the_step_budget() -> None:

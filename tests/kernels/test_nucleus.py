@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.messages import SamplingParams
-from kernels.nucleus import draw_nucleus
-from kernels.reference_nucleus import draw_nucleus_reference
-from worker.nucleus_draw import round_uniforms_for
-from worker.sampler import SamplingRow, SamplingTensors, sample_tensors, uniforms_for
+from pagedserve.common.messages import SamplingParams
+from pagedserve.kernels.nucleus import draw_nucleus
+from pagedserve.kernels.reference_nucleus import draw_nucleus_reference
+from pagedserve.worker.nucleus_draw import round_uniforms_for
+from pagedserve.worker.sampler import SamplingRow, SamplingTensors, sample_tensors, uniforms_for
 
 
 def _truncated(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -207,7 +207,7 @@ def test_on_cuda_the_kernel_matches_the_reference_and_never_waits() -> None:
 
 _COMPILE = """
 from scripts.compile_kernels import compile_for  # first: it drops TRITON_INTERPRET before Triton loads
-from kernels import nucleus, processors
+from pagedserve.kernels import nucleus, processors
 
 types = {"out_ptr": "*i64", "logits_ptr": "*bf16", "rows_ptr": "*i64", "temperature_ptr": "*fp32"}
 types |= {"top_k_ptr": "*i64", "top_p_ptr": "*fp32", "uniforms_ptr": "*fp64"}

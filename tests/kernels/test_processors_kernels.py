@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from kernels import processors, reference_processors
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.kernels import processors, reference_processors
+from pagedserve.worker.logits_processors import LogitsProcessors
 from tests.test_logits_processors import Seq, assert_rows_match, reference
-from worker.logits_processors import LogitsProcessors
 
 VOCAB = 300
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.reference import kv_pool, paged_attention, write_kv
+from pagedserve.kernels import reference
+from pagedserve.kernels.reference import kv_pool, paged_attention, write_kv
 
 
 def _dense_causal_attention(

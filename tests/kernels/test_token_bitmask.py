@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference_bitmask import apply_token_bitmask_reference
-from kernels.token_bitmask import apply_token_bitmask
+from pagedserve.kernels.reference_bitmask import apply_token_bitmask_reference
+from pagedserve.kernels.token_bitmask import apply_token_bitmask
 from tests.kernels.conftest import gpu
 
 

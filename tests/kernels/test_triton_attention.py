@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import reference, triton_attention
-from kernels.attention_config import (
+from pagedserve.kernels import reference, triton_attention
+from pagedserve.kernels.attention_config import (
     DECODE_CONFIG,
     DECODE_CONFIG_FP8,
     DECODE_SPLIT_CONFIG,
@@ -25,7 +25,7 @@ from kernels.attention_config import (
     padded_head_dim,
     prefill_config,
 )
-from kernels.triton_attention import paged_attention
+from pagedserve.kernels.triton_attention import paged_attention
 from tests.kernels.conftest import PagedBatch, assert_close_per_sequence, gpu, make_paged_batch
 
 # Tiles smaller than the defaults, so short test contexts span several query blocks and KV tiles.

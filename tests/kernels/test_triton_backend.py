@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from pagedserve.kernels import reference
+from pagedserve.worker.attention import AttentionMetadata, TorchReferenceBackend, get_attention_backend
 from tests.kernels.conftest import PagedBatch, assert_close_per_sequence, gpu, make_paged_batch
-from worker.attention import AttentionMetadata, TorchReferenceBackend, get_attention_backend
 
 
 def _meta(batch: PagedBatch) -> AttentionMetadata:

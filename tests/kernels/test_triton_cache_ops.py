@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cache_ops import copy_blocks, write_kv
-from kernels.reference import kv_pool
+from pagedserve.kernels import reference
+from pagedserve.kernels.cache_ops import copy_blocks, write_kv
+from pagedserve.kernels.reference import kv_pool
 from tests.kernels.conftest import gpu
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cache_ops, reference
-from kernels.attention_config import AttentionConfig
-from kernels.reference import FP8_DTYPE
-from kernels.triton_attention import paged_attention
+from pagedserve.kernels import cache_ops, reference
+from pagedserve.kernels.attention_config import AttentionConfig
+from pagedserve.kernels.reference import FP8_DTYPE
+from pagedserve.kernels.triton_attention import paged_attention
 from tests.kernels.conftest import PagedBatch, gpu, make_paged_batch
 
 SMALL_TILES = AttentionConfig(block_m=32, tile_n=16, num_warps=4, num_stages=2)

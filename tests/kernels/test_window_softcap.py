@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.attention_config import AttentionConfig
-from kernels.triton_attention import paged_attention
+from pagedserve.kernels import reference
+from pagedserve.kernels.attention_config import AttentionConfig
+from pagedserve.kernels.triton_attention import paged_attention
 from tests.kernels.conftest import PagedBatch, assert_close_per_sequence, gpu, make_paged_batch
 
 # Tiles of one block (16 tokens), so short contexts span several tiles and the window skips some of them.

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from common.messages import RequestError, SamplingParams, SeqOutput, StepOutput, SubmitRequest
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from pagedserve.common.messages import RequestError, SamplingParams, SeqOutput, StepOutput, SubmitRequest
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.settings import SchedulerSettings
 from tests.scheduler.fake_worker import FakeWorker
 
 OWNER = b"client-0"

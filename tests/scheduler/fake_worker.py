@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from common.messages import StepOutput, StepPlan, TokenLogprobs
+from pagedserve.common.messages import StepOutput, StepPlan, TokenLogprobs
 
 
 def fake_next_token(seed: int, token_ids: list[int], vocab_size: int) -> int:

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from common.messages import FinishReason, SamplingParams, SubmitRequest
-from scheduler.beam import BeamGroup, Hypothesis, beam_score, select
+from pagedserve.common.messages import FinishReason, SamplingParams, SubmitRequest
+from pagedserve.scheduler.beam import BeamGroup, Hypothesis, beam_score, select
 from tests.scheduler.conftest import OWNER, make_harness
 from tests.scheduler.fake_worker import fake_candidates
 

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler.block_manager import BlockManager
+from pagedserve.scheduler.block_manager import BlockManager
 
 
 def _grow(bm: BlockManager, seq_id: int, num_computed: int, num_tokens: int):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.messages import FinishReason, SamplingParams, SubmitRequest
-from scheduler.request import SeqStatus
+from pagedserve.common.messages import FinishReason, SamplingParams, SubmitRequest
+from pagedserve.scheduler.request import SeqStatus
 from tests.scheduler.conftest import OWNER, make_harness
 
 M = 30  # tokens each sequence of the big requests generates

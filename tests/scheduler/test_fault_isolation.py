@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from common.messages import ErrorKind, FinishReason, SamplingParams, StepOutput, SubmitRequest, TokenLogprobs
-from scheduler import search
-from scheduler.scheduler import Scheduler
+from pagedserve.common.messages import (
+    ErrorKind,
+    FinishReason,
+    SamplingParams,
+    StepOutput,
+    SubmitRequest,
+    TokenLogprobs,
+)
+from pagedserve.scheduler import search
+from pagedserve.scheduler.scheduler import Scheduler
 from tests.scheduler.conftest import OWNER, Harness, make_harness
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from common.messages import FinishReason
+from pagedserve.common.messages import FinishReason
 from tests.scheduler.conftest import OWNER, make_harness
 
 
@@ -95,7 +95,7 @@ def test_prefix_caching_off_computes_everything():
 
 def test_cache_salt_keeps_tenants_apart():
     h = make_harness(num_blocks=64, block_size=4)
-    from common.messages import SamplingParams, SubmitRequest
+    from pagedserve.common.messages import SamplingParams, SubmitRequest
 
     for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):
         msg = SubmitRequest(rid, list(range(12)), SamplingParams(max_tokens=1), cache_salt=salt)
@@ -130,7 +130,7 @@ def test_swap_preemption_gives_identical_streams(mode):
 def test_auto_preemption_swaps_long_sequences_and_recomputes_short_ones(
     monkeypatch, swap_min_tokens, swapped
 ):
-    import scheduler.preemption as sched
+    import pagedserve.scheduler.preemption as sched
 
     monkeypatch.setattr(sched, "SWAP_MIN_TOKENS", swap_min_tokens)
     h = make_harness(num_blocks=12, block_size=4, preemption_mode="auto", num_cpu_blocks=64)
@@ -181,7 +181,7 @@ def test_preempting_a_sequence_that_shares_blocks_keeps_streams_identical():
 
 
 def test_priority_policy_orders_admission_and_preempts_the_least_urgent():
-    from common.messages import SamplingParams, SubmitRequest
+    from pagedserve.common.messages import SamplingParams, SubmitRequest
 
     h = make_harness(num_blocks=256, max_num_seqs=1, scheduling_policy="priority")
     for rid, priority in (("low", 5), ("high", -1), ("mid", 2), ("high2", -1)):
@@ -341,7 +341,7 @@ def test_differential_fuzz_caching_swap_and_pool_size_change_nothing(trial):
 
 def test_a_priority_under_fcfs_is_refused_not_ignored():
     """fcfs orders by arrival alone: a non-zero priority would change nothing, so it is an error (vLLM's)."""
-    from common.messages import ErrorKind, SamplingParams, SubmitRequest
+    from pagedserve.common.messages import ErrorKind, SamplingParams, SubmitRequest
 
     h = make_harness(num_blocks=64)
     urgent = SubmitRequest("p", [1, 2], SamplingParams(max_tokens=2), priority=3)

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from common.messages import FinishReason, SamplingParams, StepOutput, SubmitRequest
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from pagedserve.common.messages import FinishReason, SamplingParams, StepOutput, SubmitRequest
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.settings import SchedulerSettings
 from tests.scheduler.conftest import OWNER, FakeClock, make_harness
 
 
@@ -219,7 +219,7 @@ def test_metrics_text_counts_tokens_and_blocks():
 def test_decodes_go_before_an_earlier_queued_prefill():
     """Under the priority policy an urgent long prompt sorts before a running decode; its chunks must
     still leave the decode its token every step."""
-    from common.messages import SamplingParams, SubmitRequest
+    from pagedserve.common.messages import SamplingParams, SubmitRequest
 
     h = make_harness(num_blocks=256, max_num_batched_tokens=8, scheduling_policy="priority")
     h.scheduler.add_request(OWNER, SubmitRequest("decoding", [1, 2, 3], SamplingParams(max_tokens=20), 5))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from common.config import SchedulerConfig
-from common.messages import SamplingParams, WorkerReady
-from scheduler.preemption import PreemptionPolicy
-from scheduler.queues import RunQueue
-from scheduler.request import Request, Sequence
-from scheduler.settings import SchedulerSettings
+from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.messages import SamplingParams, WorkerReady
+from pagedserve.scheduler.preemption import PreemptionPolicy
+from pagedserve.scheduler.queues import RunQueue
+from pagedserve.scheduler.request import Request, Sequence
+from pagedserve.scheduler.settings import SchedulerSettings
 
 
 def _ready(**fields) -> WorkerReady:

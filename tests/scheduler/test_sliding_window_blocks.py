@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from common.config import SchedulerConfig
-from common.messages import CodecError, WorkerReady, decode, encode
-from scheduler.block_manager import HOLE, NULL_BLOCK, BlockManager
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
-from scheduler.step import Step
+from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.messages import CodecError, WorkerReady, decode, encode
+from pagedserve.scheduler.block_manager import HOLE, NULL_BLOCK, BlockManager
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.settings import SchedulerSettings
+from pagedserve.scheduler.step import Step
 from tests.scheduler.conftest import make_harness
 from tests.scheduler.test_memory_management import _assert_nothing_left, _random_arrivals, _run_arrivals
 

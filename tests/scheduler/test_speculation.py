@@ -3,9 +3,9 @@ draft slots, accepted runs, outputs checked, blocks released."""
 
 from __future__ import annotations
 
-from common.messages import StepOutput
-from scheduler.metrics import SchedulerMetrics
-from scheduler.speculation import Speculation
+from pagedserve.common.messages import StepOutput
+from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.speculation import Speculation
 from tests.scheduler.conftest import make_harness
 
 
@@ -64,7 +64,7 @@ def test_ineligible_sequences_never_draft():
 
 
 def test_low_acceptance_pauses_speculation_and_probes():
-    from scheduler.settings import SchedulerSettings
+    from pagedserve.scheduler.settings import SchedulerSettings
 
     settings = SchedulerSettings(
         num_kv_blocks=8, block_size=4, max_model_len=64, vocab_size=10, eos_token_ids=(), max_num_seqs=4,

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import reference_fp8
-from worker.models.interface import WeightMap
-from worker.models.quantization import QuantConfig
-from worker.parallel import ParallelContext, row_parallel_linear
+from pagedserve.kernels import reference_fp8
+from pagedserve.worker.models.interface import WeightMap
+from pagedserve.worker.models.quantization import QuantConfig
+from pagedserve.worker.parallel import ParallelContext, row_parallel_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -67,7 +67,7 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  
     """Per-token e4m3 activations with their float32 scales: one Triton launch on CUDA
     (kernels/fp8_quant.py), the PyTorch reference elsewhere (the same bits)."""
     if x.is_cuda:
-        from kernels import fp8_quant  # on demand: a CPU worker needs no Triton
+        from pagedserve.kernels import fp8_quant  # on demand: a CPU worker needs no Triton
 
         return fp8_quant.quantize_per_token(x)
     return reference_fp8.quantize_per_token(x)

@@ -22,12 +22,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.attention import AttentionBackend
-from worker.model_config import ModelConfig
-from worker.models.interface import AttentionShape, CausalLM
-from worker.models.layers import GELU_APPROXIMATE, Attention, GatedMLP, RMSNorm, RotaryEmbedding, param
-from worker.models.llama import LlamaForCausalLM
-from worker.parallel import ParallelContext, vocab_parallel_embedding
+from pagedserve.worker.attention import AttentionBackend
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models.interface import AttentionShape, CausalLM
+from pagedserve.worker.models.layers import (
+    GELU_APPROXIMATE,
+    Attention,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    param,
+)
+from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.parallel import ParallelContext, vocab_parallel_embedding
 
 
 def gemma_sliding_layers(raw: dict[str, Any], default_pattern: int) -> list[bool]:

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from worker.model_config import DEFAULT_ROPE_THETA, ModelConfig, rope_settings
-from worker.models.gemma2 import Gemma2ForCausalLM, gemma_config_fields
-from worker.models.layers import RotaryEmbedding
+from pagedserve.worker.model_config import DEFAULT_ROPE_THETA, ModelConfig, rope_settings
+from pagedserve.worker.models.gemma2 import Gemma2ForCausalLM, gemma_config_fields
+from pagedserve.worker.models.layers import RotaryEmbedding
 
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # transformers' default rope_local_base_freq
 

@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from worker.attention import AttentionBackend, AttentionMetadata
-from worker.model_config import ModelConfig
-from worker.parallel import ParallelContext
+from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.parallel import ParallelContext
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_size, Hkv, D]
 

@@ -17,10 +17,10 @@ import types
 import torch
 from torch import nn
 
-from kernels import reference_ops
-from worker.attention import AttentionBackend, AttentionMetadata
-from worker.model_config import ModelConfig
-from worker.models.fp8_linear import (
+from pagedserve.kernels import reference_ops
+from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models.fp8_linear import (
     Fp8Activation,
     linear,
     make_linear,
@@ -28,11 +28,11 @@ from worker.models.fp8_linear import (
     row_parallel_partial,
     runs_fp8,
 )
-from worker.models.interface import KVCache
+from pagedserve.worker.models.interface import KVCache
 
 # rope_inv_freq: re-exported for the callers that import the shared layers from here
-from worker.models.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401
-from worker.parallel import ParallelContext
+from pagedserve.worker.models.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401
+from pagedserve.worker.parallel import ParallelContext
 
 # With fused ops, the RMSNorm before a projection with FP8 products and the SiLU-and-mul before an FP8 down
 # projection write e4m3 and per-token scales instead of bf16 (kernels/fused_ops.py, bit-identical to
@@ -126,7 +126,7 @@ GELU_APPROXIMATE = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu_new"
 
 def _fused_ops() -> types.ModuleType:
     """kernels.fused_ops, imported on demand: without --fused-ops the worker needs no Triton."""
-    from kernels import fused_ops
+    from pagedserve.kernels import fused_ops
 
     return fused_ops
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.attention import AttentionBackend, AttentionMetadata
-from worker.model_config import ModelConfig
-from worker.models.fp8_linear import row_parallel_partial
-from worker.models.interface import AttentionShape, CausalLM, KVCache, WeightMap
-from worker.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, add_norm, param
-from worker.parallel import ParallelContext, vocab_parallel_embedding, vocab_parallel_logits
+from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models.fp8_linear import row_parallel_partial
+from pagedserve.worker.models.interface import AttentionShape, CausalLM, KVCache, WeightMap
+from pagedserve.worker.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, add_norm, param
+from pagedserve.worker.parallel import ParallelContext, vocab_parallel_embedding, vocab_parallel_logits
 
 LLAMA_WEIGHTS = WeightMap(
     prefix="model.",

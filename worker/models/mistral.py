@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.models.interface import uniform_windows
-from worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.interface import uniform_windows
+from pagedserve.worker.models.llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):

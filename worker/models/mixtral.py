@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from worker.attention import AttentionBackend
-from worker.model_config import ModelConfig
-from worker.models.interface import WeightMap, uniform_windows
-from worker.models.llama import LLAMA_WEIGHTS, LlamaDecoderLayer
-from worker.models.mistral import MistralForCausalLM
-from worker.models.moe import moe_decoder_layer
+from pagedserve.worker.attention import AttentionBackend
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models.interface import WeightMap, uniform_windows
+from pagedserve.worker.models.llama import LLAMA_WEIGHTS, LlamaDecoderLayer
+from pagedserve.worker.models.mistral import MistralForCausalLM
+from pagedserve.worker.models.moe import moe_decoder_layer
 
 MIXTRAL_WEIGHTS = WeightMap(
     prefix=LLAMA_WEIGHTS.prefix,

@@ -24,19 +24,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import reference_moe, reference_ops
-from worker.attention import AttentionBackend
-from worker.model_config import ModelConfig
-from worker.models.layers import param
-from worker.models.llama import LlamaDecoderLayer
-from worker.parallel import ParallelContext
+from pagedserve.kernels import reference_moe, reference_ops
+from pagedserve.worker.attention import AttentionBackend
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models.layers import param
+from pagedserve.worker.models.llama import LlamaDecoderLayer
+from pagedserve.worker.parallel import ParallelContext
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _experts_fn(device: torch.device, fused: bool) -> ExpertsFn:
     if device.type == "cuda" or fused:
-        from kernels import fused_moe  # imported on demand: on the CPU without fused ops, no Triton needed
+        from pagedserve.kernels import (
+            fused_moe,  # imported on demand: on the CPU without fused ops, no Triton needed
+        )
 
         return fused_moe.fused_moe
     return reference_moe.fused_moe
@@ -79,7 +81,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Module()
             self.shared_expert_gate.weight = param(1, hidden, **kw)
             if fused:
-                from kernels import fused_ops
+                from pagedserve.kernels import fused_ops
 
                 self._silu_and_mul = fused_ops.silu_and_mul
             else:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.models.interface import WeightMap, uniform_windows
-from worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.interface import WeightMap, uniform_windows
+from pagedserve.worker.models.llama import LlamaForCausalLM
 
 PHI3_WEIGHTS = WeightMap(
     prefix="model.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.llama import LlamaForCausalLM
 
 
 def qwen_sliding_window(raw: dict[str, Any]) -> int | None:

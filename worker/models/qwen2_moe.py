@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from worker.attention import AttentionBackend
-from worker.model_config import ModelConfig
-from worker.models.interface import WeightMap
-from worker.models.llama import LlamaDecoderLayer
-from worker.models.moe import moe_decoder_layer
-from worker.models.qwen2 import Qwen2ForCausalLM, qwen_layer_windows
-from worker.models.qwen3_moe import QWEN_MOE_WEIGHTS, qwen_moe_fields
+from pagedserve.worker.attention import AttentionBackend
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models.interface import WeightMap
+from pagedserve.worker.models.llama import LlamaDecoderLayer
+from pagedserve.worker.models.moe import moe_decoder_layer
+from pagedserve.worker.models.qwen2 import Qwen2ForCausalLM, qwen_layer_windows
+from pagedserve.worker.models.qwen3_moe import QWEN_MOE_WEIGHTS, qwen_moe_fields
 
 QWEN2_MOE_WEIGHTS = WeightMap(
     prefix=QWEN_MOE_WEIGHTS.prefix,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.models.llama import LlamaForCausalLM
-from worker.models.qwen2 import qwen_layer_windows, qwen_sliding_window
+from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.qwen2 import qwen_layer_windows, qwen_sliding_window
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from worker.attention import AttentionBackend
-from worker.model_config import ModelConfig
-from worker.models.interface import WeightMap
-from worker.models.llama import LLAMA_WEIGHTS, LlamaDecoderLayer
-from worker.models.moe import moe_decoder_layer
-from worker.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.worker.attention import AttentionBackend
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models.interface import WeightMap
+from pagedserve.worker.models.llama import LLAMA_WEIGHTS, LlamaDecoderLayer
+from pagedserve.worker.models.moe import moe_decoder_layer
+from pagedserve.worker.models.qwen3 import Qwen3ForCausalLM
 
 QWEN_MOE_WEIGHTS = WeightMap(
     prefix=LLAMA_WEIGHTS.prefix,

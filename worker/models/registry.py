@@ -10,20 +10,20 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.attention import AttentionBackend
-from worker.model_config import ModelConfig
-from worker.models.gemma2 import Gemma2ForCausalLM
-from worker.models.gemma3 import Gemma3ForCausalLM
-from worker.models.interface import CausalLM
-from worker.models.llama import LlamaForCausalLM
-from worker.models.mistral import MistralForCausalLM
-from worker.models.mixtral import MixtralForCausalLM
-from worker.models.phi3 import Phi3ForCausalLM
-from worker.models.qwen2 import Qwen2ForCausalLM
-from worker.models.qwen2_moe import Qwen2MoeForCausalLM
-from worker.models.qwen3 import Qwen3ForCausalLM
-from worker.models.qwen3_moe import Qwen3MoeForCausalLM
-from worker.parallel import ParallelContext
+from pagedserve.worker.attention import AttentionBackend
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models.gemma2 import Gemma2ForCausalLM
+from pagedserve.worker.models.gemma3 import Gemma3ForCausalLM
+from pagedserve.worker.models.interface import CausalLM
+from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.mistral import MistralForCausalLM
+from pagedserve.worker.models.mixtral import MixtralForCausalLM
+from pagedserve.worker.models.phi3 import Phi3ForCausalLM
+from pagedserve.worker.models.qwen2 import Qwen2ForCausalLM
+from pagedserve.worker.models.qwen2_moe import Qwen2MoeForCausalLM
+from pagedserve.worker.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.worker.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedserve.worker.parallel import ParallelContext
 
 FAMILIES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM,

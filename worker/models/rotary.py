@@ -30,8 +30,8 @@ import math
 import torch
 from torch import nn
 
-from kernels import reference_ops
-from worker.model_config import ModelConfig, RopeScaling
+from pagedserve.kernels import reference_ops
+from pagedserve.worker.model_config import ModelConfig, RopeScaling
 
 
 def _exponents(dim: int) -> torch.Tensor:  # [dim/2] float32: 0, 2/dim, 4/dim, ...
@@ -163,7 +163,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.fused = fused
         if fused:  # imported on demand: without --fused-ops the worker needs no Triton
-            from kernels import fused_ops
+            from pagedserve.kernels import fused_ops
 
             self._rope = fused_ops.rope_
         else:

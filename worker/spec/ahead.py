@@ -37,10 +37,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from worker.sequences import SeqState
-from worker.spec.device_drafts import DeviceDrafts
-from worker.spec.proposer import ProposeRow
-from worker.staging import stage
+from pagedserve.worker.sequences import SeqState
+from pagedserve.worker.spec.device_drafts import DeviceDrafts
+from pagedserve.worker.spec.proposer import ProposeRow
+from pagedserve.worker.staging import stage
 
 ProposeOnDevice = Callable[[list[ProposeRow]], DeviceDrafts]
 

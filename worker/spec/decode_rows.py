@@ -22,8 +22,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from worker.cuda_graphs import DecodeGraphs
-from worker.inputs import HostInputs
+from pagedserve.worker.cuda_graphs import DecodeGraphs
+from pagedserve.worker.inputs import HostInputs
 
 
 def as_decode_rows(inputs: HostInputs) -> HostInputs:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.staging import stage
+from pagedserve.worker.staging import stage
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.model_config import ModelConfig
+from pagedserve.worker.model_config import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 

@@ -46,8 +46,8 @@ import time
 import numpy as np
 import torch
 
-from worker.cuda_graphs import DecodeGraphs
-from worker.staging import stage
+from pagedserve.worker.cuda_graphs import DecodeGraphs
+from pagedserve.worker.staging import stage
 
 
 def chain_inputs(

@@ -50,25 +50,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.config import WorkerConfig
-from common.model_source import resolve_model
-from common.speculative import SpeculativeConfig
-from worker.attention import AttentionMetadata, get_attention_backend
-from worker.batch_limits import profile_max_num_seqs, resolve_max_num_seqs
-from worker.cuda_graphs import DecodeGraphs
-from worker.dummy_weights import init_dummy_weights
-from worker.inputs import HostInputs, build_inputs
-from worker.kv_cache import KVPools, determine_num_kv_blocks, kv_block_bytes
-from worker.loader import load_model_config, load_weights
-from worker.model_config import resolve_max_model_len
-from worker.models.registry import build_model
-from worker.parallel import ParallelContext
-from worker.spec.device_drafts import DeviceDrafts
-from worker.spec.draft_checks import check_draft
-from worker.spec.draft_graphs import DraftChain
-from worker.spec.draft_pool import DraftBlockPool, DraftSeq
-from worker.spec.proposer import ProposeRow
-from worker.staging import stage
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.model_source import resolve_model
+from pagedserve.common.speculative import SpeculativeConfig
+from pagedserve.worker.attention import AttentionMetadata, get_attention_backend
+from pagedserve.worker.batch_limits import profile_max_num_seqs, resolve_max_num_seqs
+from pagedserve.worker.cuda_graphs import DecodeGraphs
+from pagedserve.worker.dummy_weights import init_dummy_weights
+from pagedserve.worker.inputs import HostInputs, build_inputs
+from pagedserve.worker.kv_cache import KVPools, determine_num_kv_blocks, kv_block_bytes
+from pagedserve.worker.loader import load_model_config, load_weights
+from pagedserve.worker.model_config import resolve_max_model_len
+from pagedserve.worker.models.registry import build_model
+from pagedserve.worker.parallel import ParallelContext
+from pagedserve.worker.spec.device_drafts import DeviceDrafts
+from pagedserve.worker.spec.draft_checks import check_draft
+from pagedserve.worker.spec.draft_graphs import DraftChain
+from pagedserve.worker.spec.draft_pool import DraftBlockPool, DraftSeq
+from pagedserve.worker.spec.proposer import ProposeRow
+from pagedserve.worker.staging import stage
 
 MAX_GRAPH_BATCH = 64  # decode graphs up to this batch: speculation backs off well before it at high load
 DEFAULT_POOL_FRACTION = 0.05  # of the device's memory, for a pool that `allocate_kv` did not size

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.sequences import BlockTableArray
+from pagedserve.worker.sequences import BlockTableArray
 
 
 @dataclass

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from common.config import WorkerConfig
-from common.speculative import SpeculativeConfig, parse_speculative_config
-from worker.spec.ngram import NgramProposer
-from worker.spec.proposer import Proposer
-from worker.spec.verify import Speculation
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.speculative import SpeculativeConfig, parse_speculative_config
+from pagedserve.worker.spec.ngram import NgramProposer
+from pagedserve.worker.spec.proposer import Proposer
+from pagedserve.worker.spec.verify import Speculation
 
 
 def speculative_config_of(cfg: WorkerConfig) -> SpeculativeConfig | None:
@@ -24,7 +24,7 @@ def build_proposer(
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    from worker.spec.draft_model import DraftModelProposer  # noqa: PLC0415 (lazy: a model of its own)
+    from pagedserve.worker.spec.draft_model import DraftModelProposer  # noqa: PLC0415 (lazy: a model of its own)
 
     return DraftModelProposer(cfg, spec, device, dtype)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker.spec.proposer import ProposeRow
+from pagedserve.worker.spec.proposer import ProposeRow
 
 MAX_LOOKBACK = 8192  # tokens searched back from the end: bounds a step's host work on long sequences
 

@@ -29,15 +29,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from common.messages import StepOutput, StepPlan, TokenLogprobs
-from worker.logits_processors import LogitsProcessors
-from worker.plan_check import PlanError, PlanLimits
-from worker.sampler import MASK64, SamplingTensors
-from worker.sequences import BlockTableArray, SeqState
-from worker.spec.ahead import DraftAhead
-from worker.spec.device_drafts import DeviceDrafts
-from worker.spec.proposer import Proposer, ProposeRow
-from worker.structured import TokenBitmask
+from pagedserve.common.messages import StepOutput, StepPlan, TokenLogprobs
+from pagedserve.worker.logits_processors import LogitsProcessors
+from pagedserve.worker.plan_check import PlanError, PlanLimits
+from pagedserve.worker.sampler import MASK64, SamplingTensors
+from pagedserve.worker.sequences import BlockTableArray, SeqState
+from pagedserve.worker.spec.ahead import DraftAhead
+from pagedserve.worker.spec.device_drafts import DeviceDrafts
+from pagedserve.worker.spec.proposer import Proposer, ProposeRow
+from pagedserve.worker.structured import TokenBitmask
 
 
 def may_speculate(seq: SeqState) -> bool:
