@@ -64,11 +64,14 @@ SAMPLING_FIELDS = frozenset(
 # How the scheduler treats the request rather than what it generates (vLLM's extensions of the same names).
 SCHEDULING_FIELDS = frozenset({"priority", "cache_salt"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"} | SCORING_FIELDS | STRUCTURED_FIELDS
+COMPLETION_FIELDS |= (
+    {"use_beam_search", "length_penalty", "add_special_tokens"} | SCORING_FIELDS | STRUCTURED_FIELDS
+)
 CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion_tokens", "logprobs"}
 CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"}
 CHAT_FIELDS |= {"parallel_tool_calls", "chat_template", "chat_template_kwargs", "add_generation_prompt"}
-CHAT_FIELDS |= {"continue_final_message", "documents"} | SCORING_FIELDS | STRUCTURED_FIELDS
+CHAT_FIELDS |= {"continue_final_message", "documents", "modalities", "add_special_tokens"}
+CHAT_FIELDS |= SCORING_FIELDS | STRUCTURED_FIELDS
 # Other constraints on the output (vLLM's names), which a forced tool_choice cannot be combined with
 OTHER_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -95,6 +98,12 @@ def check_fields(body: Any, allowed: frozenset[str]) -> Fields:
     if unknown:
         raise invalid(f"unsupported parameter(s): {', '.join(unknown)[:200]}", unknown[0][:100])
     return Fields(body)
+
+
+def _only(f: Fields, name: str, neutral: bool) -> None:
+    """Refuses the boolean's other value, which we would not honour."""
+    if f.boolean(name, neutral) is not neutral:
+        raise invalid(f"'{name}' is not supported (only {neutral})", name)
 
 
 def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int = 0) -> int:
@@ -221,6 +230,7 @@ def parse_completion(body: Any, model: ServedModel, max_seqs: int) -> Generation
     f = check_fields(body, COMPLETION_FIELDS)
     echo = f.boolean("echo")
     f.neutral("suffix", "")
+    _only(f, "add_special_tokens", True)  # the tokenizer's BOS and the like, always added
     n = f.integer("n", 1, lo=1, hi=MAX_N)
     best_of = f.integer("best_of", None, lo=1, hi=SamplingParams.MAX_BEAM_WIDTH)
     beam_width = 0
@@ -245,6 +255,8 @@ def parse_chat(
     """A /v1/chat/completions body. Messages, tools and the template controls: api/chat.py, api/tools.py."""
     config = config or ApiConfig()
     f = check_fields(body, CHAT_FIELDS)
+    f.neutral("modalities", ["text"])  # text is all we generate
+    _only(f, "add_special_tokens", False)  # the template writes them (vLLM's default)
     tools = parse_tools(body, config)
     _check_num_seqs(1, f.integer("n", 1, lo=1, hi=MAX_N), max_seqs)  # type: ignore[arg-type]
     legacy_max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)  # checked also when overridden
