@@ -106,13 +106,8 @@ def _only(f: Fields, name: str, neutral: bool) -> None:
         raise invalid(f"'{name}' is not supported (only {neutral})", name)
 
 
-def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int = 0) -> int:
-    """The request's max_tokens; when it has none, `default` (if > 0), else the checkpoint's
-    generation_config max_new_tokens (api/sampling_fields.py), cut to what fits, else as much as fits."""
-    return _requested_tokens(requested, prompt, model, default or default_max_tokens(model))
-
-
-def _requested_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int) -> int:
+def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int) -> int:
+    """The request's max_tokens; when it has none, `default` (if > 0) cut to what fits, else all that fits."""
     room = model.max_model_len - len(prompt)
     if room < 1:
         raise _too_long("prompt", len(prompt), model)
@@ -267,7 +262,8 @@ def parse_chat(
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     num_logprobs = (top_logprobs or 0) if want_logprobs else None
     prompt = render_chat_request(body, model, config, tools)
-    req = _generation_request(f, [prompt.token_ids], max_tokens, num_logprobs, model)
+    cap = default_max_tokens(model, config.default_max_tokens)  # the checkpoint's, capped by our default
+    req = _generation_request(f, [prompt.token_ids], max_tokens, num_logprobs, model, default_max_tokens=cap)
     structured = tools.structured()
     constrained = body.get("response_format") not in (None, {"type": "text"})
     if structured is not None and (constrained or any(body.get(k) is not None for k in OTHER_CONSTRAINTS)):
