@@ -107,8 +107,7 @@ class ApiConfig:
     allowed_methods: str = '["*"]'  # methods a page may use ("*": any)
     allowed_headers: str = '["*"]'  # request headers a page may send ("*": any)
     allow_credentials: bool = False  # let pages send cookies and HTTP authentication (never with origin "*")
-    # Chat without max_tokens generates at most this many (or generation_config's max_new_tokens if fewer,
-    # and what fits in the context); 0: no cap
+    # Chat without max_tokens: at most this many (or max_new_tokens if fewer), as fits; 0: as much as fits
     default_max_tokens: int = 4096
 
     def __post_init__(self) -> None:
