@@ -120,11 +120,10 @@ def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel, de
         )
     if requested is not None:
         return requested
-    if default > 0:
-        return min(default, room)
-    # By default, as much as fits: in the context, and (for one sequence) in the KV pool.
+    # By default, as much as fits (in the context, and for one sequence in the KV pool), at most `default`
     pool_room = model.kv_capacity_tokens - len(prompt)
-    return min(room, pool_room) if pool_room > 0 else room
+    fits = min(room, pool_room) if pool_room > 0 else room
+    return min(default, fits) if default > 0 else fits
 
 
 def _check_num_seqs(num_prompts: int, seqs_per_prompt: int, max_seqs: int) -> None:

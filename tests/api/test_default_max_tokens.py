@@ -46,7 +46,13 @@ def test_a_short_context_cuts_it_to_what_fits(make_server: Any) -> None:
 
 
 def test_zero_means_as_much_as_fits(make_server: Any) -> None:
-    api = make_server(ApiConfig(default_max_tokens=0), max_model_len=2048, num_kv_blocks=512)
+    api = make_server(ApiConfig(default_max_tokens=0), max_model_len=8192, num_kv_blocks=1024, scripted=(5,))
+    prompt_tokens = api.post("/v1/chat/completions", {"messages": USER, "max_tokens": 1}).json()["usage"]
+    assert chat_max_tokens(api) == 8192 - prompt_tokens["prompt_tokens"]
+
+
+def test_the_default_is_cut_to_the_kv_pool_too(make_server: Any) -> None:
+    api = make_server(max_model_len=8192, num_kv_blocks=128, scripted=(5,))  # 2048 tokens of KV
     prompt_tokens = api.post("/v1/chat/completions", {"messages": USER, "max_tokens": 1}).json()["usage"]
     assert chat_max_tokens(api) == 2048 - prompt_tokens["prompt_tokens"]
 
