@@ -10,7 +10,6 @@ from typing import Any
 import openai
 import pytest
 
-from api.request_fields import MAX_LISTED_FIELDS, listed
 from common.config import ApiConfig
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
@@ -154,6 +153,8 @@ def test_a_null_refused_field_asks_for_nothing(server: ApiServer) -> None:
 
 
 def test_the_listing_is_bounded_and_printable(server: ApiServer) -> None:
+    from api.request_fields import MAX_LISTED_FIELDS, listed
+
     hostile = {f"f{i:03}" + "x" * 300: i for i in range(200)} | {"a\r\nSet-Cookie: x": 1, "é,ü": 2}
     reply = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, **hostile})
     assert reply.status == 200 and reply.headers is not None

@@ -9,7 +9,6 @@ from typing import Any
 import openai
 import pytest
 
-from api.openai_format import stop_reason
 from tests.api.harness import ApiServer
 
 USER = [{"role": "user", "content": "hi"}]
@@ -88,6 +87,8 @@ def test_the_openai_client_reads_it(api: ApiServer) -> None:
 
 
 def test_the_rule() -> None:
+    from api.openai_format import stop_reason
+
     assert stop_reason("stop", "###", [4, 5], eos_token_id=2) == "###"
     assert stop_reason("stop", None, [4, 5], eos_token_id=2) == 5
     assert stop_reason("stop", None, [4, 2], eos_token_id=2) is None
