@@ -107,7 +107,7 @@ REFUSED = [
     ("/v1/chat/completions", "function_call", "auto", "'tool_choice'"),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}, "text"),
     ("/v1/chat/completions", "modalities", ["text", "audio"], "only ['text']"),
-    ("/v1/chat/completions", "web_search_options", {}, "search"),
+    ("/v1/chat/completions", "web_search_options", {}, "does not search the web"),
     ("/v1/completions", "truncate_prompt_tokens", 4, "shorten the prompt"),
     ("/v1/completions", "logits_processors", ["my.Processor"], "not supported"),
     ("/v1/completions", "add_special_tokens", False, "only True"),
