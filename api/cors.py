@@ -131,7 +131,10 @@ async def add_origin_headers(request: web.Request, response: web.StreamResponse)
     policy = request.app[CORS]
     if origin is None or _is_preflight(request) or not policy.allows_origin(origin):
         return
-    response.headers.update(policy.origin_headers(origin))
+    headers = policy.origin_headers(origin)
+    if "Vary" in headers and "Vary" in response.headers:  # the handler's own Vary stays
+        headers["Vary"] = f"{response.headers['Vary']}, Origin"
+    response.headers.update(headers)
     response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
 
 
