@@ -13,6 +13,7 @@ are refused: a null (or false) asks for nothing.
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -46,10 +47,11 @@ REFUSED_FIELDS: Mapping[str, str] = {
 
 
 def listed(names: list[str]) -> str:
-    """The names as one header value and log field: printable ASCII (escaped as JSON escapes them, commas
-    too), each at most MAX_LISTED_NAME_CHARS, at most MAX_LISTED_FIELDS of them, then how many in all."""
+    """The names as one header value and log field: the first MAX_LISTED_FIELDS in sorted order, as
+    printable ASCII (escaped as JSON escapes them, commas too), each at most MAX_LISTED_NAME_CHARS, then how
+    many in all. Linear in the number of names (an 8 MB body holds a million)."""
     shown = []
-    for name in names[:MAX_LISTED_FIELDS]:
+    for name in heapq.nsmallest(MAX_LISTED_FIELDS, names):
         escaped = json.dumps(name)[1:-1].replace(",", "\\u002c")
         cut = len(escaped) > MAX_LISTED_NAME_CHARS
         shown.append(escaped[:MAX_LISTED_NAME_CHARS] + "..." if cut else escaped)
@@ -61,19 +63,20 @@ def listed(names: list[str]) -> str:
 def screen_fields(
     body: Any, allowed: frozenset[str], strict: bool, refused: Mapping[str, str] = REFUSED_FIELDS
 ) -> tuple[Any, list[str]]:
-    """The body without the fields outside `allowed`, and their names (sorted). A field in `refused` with a
-    value is a 400 saying why; with `strict`, so is any other. A body that is not an object is returned as it
-    is, for the parser to refuse."""
+    """The body without the fields outside `allowed`, and their names. A field in `refused` with a value is
+    a 400 saying why; with `strict`, so is any other. A body that is not an object is returned as it is, for
+    the parser to refuse."""
     if not isinstance(body, dict):
         return body, []
-    unknown = sorted(name for name in body if name not in allowed)
+    unknown = [name for name in body if name not in allowed]
     if not unknown:
         return body, []
-    for name in unknown:
-        if name in refused and body[name] is not None and body[name] is not False:
+    for name in sorted(n for n in refused if n in body and n not in allowed):
+        if body[name] is not None and body[name] is not False:
             raise invalid(refused[name], name)
     if strict:
-        raise invalid(f"unsupported parameter(s): {', '.join(unknown)[:200]}", unknown[0][:100])
+        first = heapq.nsmallest(MAX_LISTED_FIELDS, unknown)
+        raise invalid(f"unsupported parameter(s): {', '.join(first)[:200]}", first[0][:100])
     return {name: value for name, value in body.items() if name in allowed}, unknown
 
 
