@@ -11,13 +11,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from api.generation import Choice
-from api.openai_format import ChatFormat
-from api.reasoning import REASONING_PARSERS, ReasoningParser
-from api.tool_parsers import ToolParser
-from api.tools import ToolOptions
-from client import SequenceDelta
-from common.config import ApiConfig
+from pagedserve.api.generation import Choice
+from pagedserve.api.openai_format import ChatFormat
+from pagedserve.api.reasoning import REASONING_PARSERS, ReasoningParser
+from pagedserve.api.tool_parsers import ToolParser
+from pagedserve.api.tools import ToolOptions
+from pagedserve.client import SequenceDelta
+from pagedserve.common.config import ApiConfig
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from api.errors import ApiError, invalid
-from api.request_fields import IGNORED_FIELDS_HEADER
-from common.config import ApiConfig, json_string_list
+from pagedserve.api.errors import ApiError, invalid
+from pagedserve.api.request_fields import IGNORED_FIELDS_HEADER
+from pagedserve.common.config import ApiConfig, json_string_list
 
 ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # Starlette's, for "*"
 SAFELISTED_HEADERS = ("Accept", "Accept-Language", "Content-Language", "Content-Type")

@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from client import RequestHandle, SequenceDelta
-from common.messages import TokenLogprobs
+from pagedserve.client import RequestHandle, SequenceDelta
+from pagedserve.common.messages import TokenLogprobs
 
 
 @dataclass

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from api.generation import Choice, Usage
-from api.model import ServedModel
-from api.scoring import PromptEcho, echo_choice
-from client import SequenceDelta
-from common.messages import TokenLogprobs
+from pagedserve.api.generation import Choice, Usage
+from pagedserve.api.model import ServedModel
+from pagedserve.api.scoring import PromptEcho, echo_choice
+from pagedserve.client import SequenceDelta
+from pagedserve.common.messages import TokenLogprobs
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; a masked-out token reports this instead
 

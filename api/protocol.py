@@ -15,20 +15,20 @@ from typing import Any
 
 import msgspec
 
-from api.chat import render_chat_request
-from api.chat import too_long as _too_long
-from api.chat_output import ChatOutput
-from api.errors import invalid
-from api.fields import (
+from pagedserve.api.chat import render_chat_request
+from pagedserve.api.chat import too_long as _too_long
+from pagedserve.api.chat_output import ChatOutput
+from pagedserve.api.errors import invalid
+from pagedserve.api.fields import (
     MAX_CACHE_SALT_CHARS,
     MAX_LENGTH_PENALTY,
     MAX_N,
     Fields,
     is_int,
 )
-from api.model import ServedModel
-from api.reasoning import REASONING_PARSERS, prompt_opens_reasoning
-from api.sampling_fields import (
+from pagedserve.api.model import ServedModel
+from pagedserve.api.reasoning import REASONING_PARSERS, prompt_opens_reasoning
+from pagedserve.api.sampling_fields import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     PROCESSOR_FIELDS,
     default_max_tokens,
@@ -36,13 +36,13 @@ from api.sampling_fields import (
     processor_fields,
     sampling_defaults,
 )
-from api.scheduling import parse_priority
-from api.scoring import SCORING_FIELDS, OutputOptions, parse_output_options
-from api.structured_fields import STRUCTURED_FIELDS, parse_structured
-from api.tool_parsers import TOOL_PARSERS
-from api.tools import parse_tools
-from common.config import ApiConfig
-from common.messages import SamplingParams
+from pagedserve.api.scheduling import parse_priority
+from pagedserve.api.scoring import SCORING_FIELDS, OutputOptions, parse_output_options
+from pagedserve.api.structured_fields import STRUCTURED_FIELDS, parse_structured
+from pagedserve.api.tool_parsers import TOOL_PARSERS
+from pagedserve.api.tools import parse_tools
+from pagedserve.common.config import ApiConfig
+from pagedserve.common.messages import SamplingParams
 
 # Accepted and dropped: they change nothing about the output.
 IGNORED_FIELDS = frozenset(

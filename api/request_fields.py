@@ -20,9 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
-from api.errors import invalid
-from api.state import RECORD, STATE
-from common.log import get_logger
+from pagedserve.api.errors import invalid
+from pagedserve.api.state import RECORD, STATE
+from pagedserve.common.log import get_logger
 
 log = get_logger(component="api.request_fields")
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from api.errors import invalid
-from api.fields import Fields, is_int, show
-from api.generation_config import GenerationDefaults
-from common.sampling_params import (
+from pagedserve.api.errors import invalid
+from pagedserve.api.fields import Fields, is_int, show
+from pagedserve.api.generation_config import GenerationDefaults
+from pagedserve.common.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
@@ -26,7 +26,7 @@ from common.sampling_params import (
 )
 
 if TYPE_CHECKING:
-    from api.model import ServedModel
+    from pagedserve.api.model import ServedModel
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
 MAX_BAD_WORD_STRINGS = MAX_BAD_WORDS // 2  # each word may become two token sequences

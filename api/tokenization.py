@@ -17,17 +17,17 @@ from typing import Any
 
 from aiohttp import web
 
-from api.chat import render_chat_request
-from api.errors import invalid
-from api.fields import Fields, is_int
-from api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread
-from api.model import ServedModel
-from api.protocol import IGNORED_FIELDS, check_fields
-from api.request_body import parse_json
-from api.request_fields import REFUSED_FIELDS, accept_fields
-from api.state import STATE
-from api.tools import parse_tools
-from common.config import ApiConfig
+from pagedserve.api.chat import render_chat_request
+from pagedserve.api.errors import invalid
+from pagedserve.api.fields import Fields, is_int
+from pagedserve.api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread
+from pagedserve.api.model import ServedModel
+from pagedserve.api.protocol import IGNORED_FIELDS, check_fields
+from pagedserve.api.request_body import parse_json
+from pagedserve.api.request_fields import REFUSED_FIELDS, accept_fields
+from pagedserve.api.state import STATE
+from pagedserve.api.tools import parse_tools
+from pagedserve.common.config import ApiConfig
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = frozenset(

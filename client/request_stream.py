@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.detokenizer import SequenceText
-from client.scored_prompt import ScoredPrompt
-from common.messages import AbortRequest, FinishReason, SamplingParams, SeqOutput, TokenLogprobs
+from pagedserve.client.detokenizer import SequenceText
+from pagedserve.client.scored_prompt import ScoredPrompt
+from pagedserve.common.messages import AbortRequest, FinishReason, SamplingParams, SeqOutput, TokenLogprobs
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.messages import AbortRequest
+from pagedserve.common.messages import AbortRequest
 from tests.api.harness import ApiServer, wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog"

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from common.config import ApiConfig
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer
 
 LOCAL_PAGE = "http://localhost:5173"

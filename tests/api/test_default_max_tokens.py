@@ -9,9 +9,9 @@ from typing import Any
 import openai
 import pytest
 
-from api.generation_config import GenerationDefaults
-from api.sampling_fields import default_max_tokens
-from common.config import ApiConfig
+from pagedserve.api.generation_config import GenerationDefaults
+from pagedserve.api.sampling_fields import default_max_tokens
+from pagedserve.common.config import ApiConfig
 
 USER = [{"role": "user", "content": "hi"}]
 

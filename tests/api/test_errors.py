@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from common.config import ApiConfig
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer, HttpReply
 
 USER = [{"role": "user", "content": "hi"}]

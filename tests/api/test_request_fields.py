@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from common.config import ApiConfig
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
 
@@ -153,7 +153,7 @@ def test_a_null_refused_field_asks_for_nothing(server: ApiServer) -> None:
 
 
 def test_the_listing_is_bounded_and_printable(server: ApiServer) -> None:
-    from api.request_fields import MAX_LISTED_FIELDS, listed
+    from pagedserve.api.request_fields import MAX_LISTED_FIELDS, listed
 
     hostile = {f"f{i:03}" + "x" * 300: i for i in range(200)} | {"a\r\nSet-Cookie: x": 1, "é,ü": 2}
     reply = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, **hostile})

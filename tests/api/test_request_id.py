@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from common.config import ApiConfig
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer, parse_sse
 
 USER = [{"role": "user", "content": "hi"}]

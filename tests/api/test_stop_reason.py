@@ -87,7 +87,7 @@ def test_the_openai_client_reads_it(api: ApiServer) -> None:
 
 
 def test_the_rule() -> None:
-    from api.openai_format import stop_reason
+    from pagedserve.api.openai_format import stop_reason
 
     assert stop_reason("stop", "###", [4, 5], eos_token_id=2) == "###"
     assert stop_reason("stop", None, [4, 5], eos_token_id=2) == 5

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from api.model import longest_token_chars
-from common.config import ApiConfig
+from pagedserve.api.model import longest_token_chars
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
 
