@@ -6,6 +6,7 @@ server.py         the aiohttp app: routes, error/access-log middleware, the API 
 handlers.py       /v1/completions and /v1/chat/completions: one JSON body or server-sent events; a stream
                   whose client stops reading is aborted (max_buffered_tokens, stream_write_timeout_s)
 request_body.py   the body as strict JSON: no NaN/Infinity, no lone surrogates, no RecursionError
+request_fields.py  fields a body may have: unknown ones ignored (X-Ignored-Fields) or, strict, refused
 protocol.py       request bodies -> prompts (token ids) and SamplingParams; what is refused and why
 chat.py           chat messages (tool results, tool calls, reasoning), tools and documents -> the prompt
 chat_template.py  --chat-template, a request's own template (sandboxed child process), chat_template_kwargs
@@ -27,6 +28,7 @@ state.py          what handlers share: config, client, model, counters, tokenize
 errors.py         ApiError and OpenAI's error body (the 401s word for word)
 tokenization.py   POST /tokenize and /detokenize (vLLM's), by the served model's tokenizer
 version.py        GET /version
+cors.py           CORS (vLLM's --allowed-origins & co.): preflights before the API key, origin headers
 request_id.py     X-Request-Id: the client's or a fresh one, echoed on every response, in the response id
 scheduling.py     `priority`, refused under the scheduler's fcfs policy (it would change nothing)
 dashboard.py      /dashboard: the KV cache's live view (static/dashboard/), its sign-in, its event stream

@@ -131,7 +131,7 @@ class ParsedChatFormat(ChatFormat):
         if body is None:
             if not fields:
                 return None
-            body = {"index": index, "delta": {}, "logprobs": None, "finish_reason": None}
+            body = {"index": index, "delta": {}, "logprobs": None, "finish_reason": None, "stop_reason": None}
         if first:
             body["delta"] = {"role": "assistant", **(fields or {"content": ""})}
         else:

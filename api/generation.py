@@ -34,6 +34,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
     @property
     def text(self) -> str:
@@ -103,6 +104,7 @@ class Generation:
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs or ())
             choice.finish_reason = delta.finish_reason or choice.finish_reason
+            choice.stop_string = delta.stop_string or choice.stop_string
         return choices
 
     def limit_buffer(self, max_tokens: int, on_overflow: Callable[[], None]) -> None:

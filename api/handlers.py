@@ -15,8 +15,16 @@ from pagedserve.api.errors import ApiError, error_body, invalid, unavailable
 from pagedserve.api.generation import Generation
 from pagedserve.api.model import ServedModel
 from pagedserve.api.openai_format import CompletionFormat, ResponseFormat
-from pagedserve.api.protocol import GenerationRequest, parse_chat, parse_completion
+from pagedserve.api.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    IGNORED_FIELDS,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+)
 from pagedserve.api.request_body import parse_json
+from pagedserve.api.request_fields import accept_fields
 from pagedserve.api.request_id import request_id
 from pagedserve.api.scoring import PromptEcho
 from pagedserve.api.state import RECORD, STATE
@@ -62,12 +70,12 @@ def needs_thread(body: Any) -> bool:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, parse_completion, CompletionFormat, "cmpl-")
+    return await _serve(request, parse_completion, CompletionFormat, "cmpl-", COMPLETION_FIELDS)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     parse = partial(parse_chat, config=request.app[STATE].config)
-    return await _serve(request, parse, ParsedChatFormat, "chatcmpl-")
+    return await _serve(request, parse, ParsedChatFormat, "chatcmpl-", CHAT_FIELDS)
 
 
 async def _serve(
@@ -75,12 +83,13 @@ async def _serve(
     parse: Callable[[Any, ServedModel, int], GenerationRequest],
     format_cls: type[ResponseFormat],
     id_prefix: str,
+    fields: frozenset[str],
 ) -> web.StreamResponse:
     state = request.app[STATE]
     if state.draining:
         raise unavailable("the server is shutting down")
     raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    body = parse_json(raw)
+    body, headers = accept_fields(request, parse_json(raw), fields | IGNORED_FIELDS)
     model = await state.models.get()
     check_model(body, model)
     max_seqs = state.config.max_seqs_per_request
@@ -126,11 +135,10 @@ async def _serve(
         fmt.chat_output = req.chat_output
     try:
         if req.stream:
-            return await _stream(request, generation, fmt, req.include_usage, state.config)
+            return await _stream(request, generation, fmt, req.include_usage, state.config, headers)
         choices = await generation.collect()
-        return web.Response(
-            text=dumps(fmt.response(choices, generation.usage)), content_type="application/json"
-        )
+        body = dumps(fmt.response(choices, generation.usage))
+        return web.Response(text=body, content_type="application/json", headers=headers)
     except RequestRejected as e:
         raise ApiError.from_rejection(e) from None
     except ClientClosed as e:  # the scheduler connection is gone
@@ -148,14 +156,19 @@ async def _serve(
 
 
 async def _stream(
-    request: web.Request, generation: Generation, fmt: ResponseFormat, include_usage: bool, config: ApiConfig
+    request: web.Request,
+    generation: Generation,
+    fmt: ResponseFormat,
+    include_usage: bool,
+    config: ApiConfig,
+    headers: dict[str, str],
 ) -> web.StreamResponse:
     """Writes the events as they come. A client that takes nothing for stream_write_timeout_s, or leaves
     more than max_buffered_tokens unread, has its request aborted and its stream ended (see _end_stalled)."""
     events = generation.stream()
     # Wait for the first delta before sending headers, so that a refusal still gets its HTTP status.
     pending = await anext(events, None)
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
     await response.prepare(request)
     loop = asyncio.get_running_loop()
     stalled = "write_timeout"

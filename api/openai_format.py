@@ -18,6 +18,22 @@ def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
+def stop_reason(
+    finish_reason: str | None, stop_string: str | None, token_ids: list[int], eos_token_id: int | None
+) -> int | str | None:
+    """vLLM's `stop_reason`: the stop string, or the stop token id, that ended a choice; None when the
+    tokenizer's EOS or the length ended it (or it has not ended). The scheduler stops a sequence on its
+    last token only when that is a stop token (stop_token_ids, or generation_config's other EOS ids, which
+    vLLM also reports by id)."""
+    if finish_reason != "stop":
+        return None
+    if stop_string is not None:
+        return stop_string
+    if token_ids and token_ids[-1] != eos_token_id:
+        return token_ids[-1]
+    return None
+
+
 class ResponseFormat:
     """The shapes of one request's answer; per request, since streams keep a little state per choice."""
 
@@ -41,6 +57,10 @@ class ResponseFormat:
         self.created = int(time.time())
         self._usage_field = include_usage_field  # stream_options.include_usage: every chunk has "usage"
         self._started: set[int] = set()  # choices that have sent a chunk
+        self.eos_token_id: int | None = getattr(getattr(model, "tokenizer", None), "eos_token_id", None)
+
+    def stop_reason(self, finish_reason: str | None, stop_string: str | None, token_ids: list[int]) -> Any:
+        return stop_reason(finish_reason, stop_string, token_ids, self.eos_token_id)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -121,6 +141,7 @@ class CompletionFormat(ResponseFormat):
         )
         logprobs = self._logprobs(c.index, token_ids, entries) if self.logprobs else None
         body = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        body["stop_reason"] = self.stop_reason(c.finish_reason, c.stop_string, c.token_ids)
         if self.echo is not None and self.echo.scored(c.index) is not None:
             body["prompt_logprobs"] = self.echo.prompt_logprobs(c.index)
         return body
@@ -132,7 +153,13 @@ class CompletionFormat(ResponseFormat):
         if not text and delta.finish_reason is None and not entries:
             return None
         logprobs = self._logprobs(index, token_ids, entries) if self.logprobs else None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
+            "stop_reason": self.stop_reason(delta.finish_reason, delta.stop_string, delta.token_ids),
+        }
 
 
 class ChatFormat(ResponseFormat):
@@ -164,6 +191,7 @@ class ChatFormat(ResponseFormat):
             "message": {"role": "assistant", "content": c.text},
             "logprobs": self._logprobs(c.token_ids, c.logprobs) if self.logprobs else None,
             "finish_reason": c.finish_reason,
+            "stop_reason": self.stop_reason(c.finish_reason, c.stop_string, c.token_ids),
         }
 
     def chunk_choice(self, index: int, delta: SequenceDelta, first: bool) -> dict[str, Any] | None:
@@ -173,4 +201,10 @@ class ChatFormat(ResponseFormat):
         if delta.text and not first:
             message["content"] = delta.text
         logprobs = self._logprobs(delta.token_ids, delta.logprobs or []) if self.logprobs else None
-        return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        return {
+            "index": index,
+            "delta": message,
+            "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
+            "stop_reason": self.stop_reason(delta.finish_reason, delta.stop_string, delta.token_ids),
+        }

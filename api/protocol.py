@@ -64,11 +64,14 @@ SAMPLING_FIELDS = frozenset(
 # How the scheduler treats the request rather than what it generates (vLLM's extensions of the same names).
 SCHEDULING_FIELDS = frozenset({"priority", "cache_salt"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-COMPLETION_FIELDS |= {"use_beam_search", "length_penalty"} | SCORING_FIELDS | STRUCTURED_FIELDS
+COMPLETION_FIELDS |= (
+    {"use_beam_search", "length_penalty", "add_special_tokens"} | SCORING_FIELDS | STRUCTURED_FIELDS
+)
 CHAT_FIELDS = SAMPLING_FIELDS | SCHEDULING_FIELDS | {"messages", "max_completion_tokens", "logprobs"}
 CHAT_FIELDS |= {"top_logprobs", "response_format", "tools", "tool_choice"}
 CHAT_FIELDS |= {"parallel_tool_calls", "chat_template", "chat_template_kwargs", "add_generation_prompt"}
-CHAT_FIELDS |= {"continue_final_message", "documents"} | SCORING_FIELDS | STRUCTURED_FIELDS
+CHAT_FIELDS |= {"continue_final_message", "documents", "modalities", "add_special_tokens"}
+CHAT_FIELDS |= SCORING_FIELDS | STRUCTURED_FIELDS
 # Other constraints on the output (vLLM's names), which a forced tool_choice cannot be combined with
 OTHER_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -97,13 +100,14 @@ def check_fields(body: Any, allowed: frozenset[str]) -> Fields:
     return Fields(body)
 
 
-def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int = 0) -> int:
-    """The request's max_tokens; when it has none, `default` (if > 0), else the checkpoint's
-    generation_config max_new_tokens (api/sampling_fields.py), cut to what fits, else as much as fits."""
-    return _requested_tokens(requested, prompt, model, default or default_max_tokens(model))
+def _only(f: Fields, name: str, neutral: bool) -> None:
+    """Refuses the boolean's other value, which we would not honour."""
+    if f.boolean(name, neutral) is not neutral:
+        raise invalid(f"'{name}' is not supported (only {neutral})", name)
 
 
-def _requested_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int) -> int:
+def _max_tokens(requested: int | None, prompt: list[int], model: ServedModel, default: int) -> int:
+    """The request's max_tokens; when it has none, `default` (if > 0) cut to what fits, else all that fits."""
     room = model.max_model_len - len(prompt)
     if room < 1:
         raise _too_long("prompt", len(prompt), model)
@@ -116,11 +120,10 @@ def _requested_tokens(requested: int | None, prompt: list[int], model: ServedMod
         )
     if requested is not None:
         return requested
-    if default > 0:
-        return min(default, room)
-    # By default, as much as fits: in the context, and (for one sequence) in the KV pool.
+    # By default, as much as fits (in the context, and for one sequence in the KV pool), at most `default`
     pool_room = model.kv_capacity_tokens - len(prompt)
-    return min(room, pool_room) if pool_room > 0 else room
+    fits = min(room, pool_room) if pool_room > 0 else room
+    return min(default, fits) if default > 0 else fits
 
 
 def _check_num_seqs(num_prompts: int, seqs_per_prompt: int, max_seqs: int) -> None:
@@ -221,6 +224,7 @@ def parse_completion(body: Any, model: ServedModel, max_seqs: int) -> Generation
     f = check_fields(body, COMPLETION_FIELDS)
     echo = f.boolean("echo")
     f.neutral("suffix", "")
+    _only(f, "add_special_tokens", True)  # the tokenizer's BOS and the like, always added
     n = f.integer("n", 1, lo=1, hi=MAX_N)
     best_of = f.integer("best_of", None, lo=1, hi=SamplingParams.MAX_BEAM_WIDTH)
     beam_width = 0
@@ -245,6 +249,8 @@ def parse_chat(
     """A /v1/chat/completions body. Messages, tools and the template controls: api/chat.py, api/tools.py."""
     config = config or ApiConfig()
     f = check_fields(body, CHAT_FIELDS)
+    f.neutral("modalities", ["text"])  # text is all we generate
+    _only(f, "add_special_tokens", False)  # the template writes them (vLLM's default)
     tools = parse_tools(body, config)
     _check_num_seqs(1, f.integer("n", 1, lo=1, hi=MAX_N), max_seqs)  # type: ignore[arg-type]
     legacy_max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)  # checked also when overridden
@@ -255,7 +261,8 @@ def parse_chat(
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     num_logprobs = (top_logprobs or 0) if want_logprobs else None
     prompt = render_chat_request(body, model, config, tools)
-    req = _generation_request(f, [prompt.token_ids], max_tokens, num_logprobs, model)
+    cap = default_max_tokens(model, config.default_max_tokens)  # the checkpoint's, capped by our default
+    req = _generation_request(f, [prompt.token_ids], max_tokens, num_logprobs, model, default_max_tokens=cap)
     structured = tools.structured()
     constrained = body.get("response_format") not in (None, {"type": "text"})
     if structured is not None and (constrained or any(body.get(k) is not None for k in OTHER_CONSTRAINTS)):

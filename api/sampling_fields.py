@@ -73,10 +73,11 @@ def sampling_defaults(model: ServedModel, beam: bool = False) -> tuple[float, fl
     )
 
 
-def default_max_tokens(model: ServedModel) -> int:
-    """The checkpoint's max_new_tokens (0: none): a chat request's max_tokens when it has none, as in vLLM
-    (a completion's default is OpenAI's 16, which vLLM's request sets before any default applies)."""
-    return defaults_of(model).max_tokens or 0
+def default_max_tokens(model: ServedModel, cap: int = 0) -> int:
+    """A chat request's max_tokens when it has none (0: as much as fits): the smaller of the checkpoint's
+    max_new_tokens, as in vLLM, and `cap` (ApiConfig.default_max_tokens), where each is set. A completion's
+    default is OpenAI's 16, which vLLM's request sets before any default applies."""
+    return min((n for n in (defaults_of(model).max_tokens or 0, cap) if n > 0), default=0)
 
 
 def min_tokens(f: Fields, max_tokens: int) -> int:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from pagedserve.api.cors import add_cors
 from pagedserve.api.dashboard import add_dashboard, is_dashboard_path
 from pagedserve.api.errors import ApiError, error_body, unauthorized
 from pagedserve.api.handlers import chat_completions, completions, dumps
@@ -203,6 +204,7 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     middlewares = [observe, check_request_id, authenticate]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_request_bytes)
     app.on_response_prepare.append(echo_request_id)
+    add_cors(app, config)  # preflights answered before the API key; origin headers on every response
     app[STATE] = ApiState(config, client, ModelState(config, client))
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)

@@ -22,8 +22,9 @@ from pagedserve.api.errors import invalid
 from pagedserve.api.fields import Fields, is_int
 from pagedserve.api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread
 from pagedserve.api.model import ServedModel
-from pagedserve.api.protocol import check_fields
+from pagedserve.api.protocol import IGNORED_FIELDS, check_fields
 from pagedserve.api.request_body import parse_json
+from pagedserve.api.request_fields import REFUSED_FIELDS, accept_fields
 from pagedserve.api.state import STATE
 from pagedserve.api.tools import parse_tools
 from pagedserve.common.config import ApiConfig
@@ -41,6 +42,18 @@ TOKENIZE_CHAT_FIELDS = frozenset(
     }
 )
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+# Not ignored where they do not apply: the client meant the other form (or /v1/chat/completions' decoding)
+_CHAT_ONLY = "'{}' applies to a conversation: send 'messages' instead of 'prompt'"
+TOKENIZE_REFUSED = {
+    **REFUSED_FIELDS,
+    **{name: _CHAT_ONLY.format(name) for name in TOKENIZE_CHAT_FIELDS - TOKENIZE_FIELDS - {"messages"}},
+}
+TOKENIZE_CHAT_REFUSED = {**REFUSED_FIELDS, "prompt": "Only one of `prompt` or `messages` should be provided."}
+DETOKENIZE_REFUSED = {
+    **REFUSED_FIELDS,
+    "skip_special_tokens": "'skip_special_tokens' is not supported: /detokenize keeps special tokens",
+    "spaces_between_special_tokens": "'spaces_between_special_tokens' is not supported by /detokenize",
+}
 Work = Callable[[Any, ServedModel, ApiConfig], dict[str, Any]]
 
 
@@ -110,10 +123,18 @@ async def detokenize(request: web.Request) -> web.Response:
     return await _answer(request, detokenize_body)
 
 
+def _accept_fields(request: web.Request, work: Work, body: Any) -> tuple[Any, dict[str, str]]:
+    if work is detokenize_body:
+        return accept_fields(request, body, DETOKENIZE_FIELDS | IGNORED_FIELDS, DETOKENIZE_REFUSED)
+    if isinstance(body, dict) and "messages" in body:
+        return accept_fields(request, body, TOKENIZE_CHAT_FIELDS | IGNORED_FIELDS, TOKENIZE_CHAT_REFUSED)
+    return accept_fields(request, body, TOKENIZE_FIELDS | IGNORED_FIELDS, TOKENIZE_REFUSED)
+
+
 async def _answer(request: web.Request, work: Work) -> web.Response:
     state = request.app[STATE]
     raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    body = parse_json(raw)
+    body, headers = _accept_fields(request, work, parse_json(raw))
     model = await state.models.get()
     check_model(body, model)
     if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
@@ -121,7 +142,7 @@ async def _answer(request: web.Request, work: Work) -> web.Response:
     else:  # a long text or conversation, or a request's own template: off the event loop, as in handlers.py
         loop = asyncio.get_running_loop()
         answer = await loop.run_in_executor(state.tokenizer_pool, work, body, model, state.config)
-    return web.Response(text=dumps(answer), content_type="application/json")
+    return web.Response(text=dumps(answer), content_type="application/json", headers=headers)
 
 
 def add_routes(app: web.Application) -> None:

@@ -84,6 +84,7 @@ class StopChecker:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""
         self.stopped = False  # a stop string was found; nothing more will be emitted
+        self.matched: str | None = None  # the stop string found
 
     def push(self, text: str) -> str:
         """Returns the part of `text` (with what was held back before it) that is safe to emit."""
@@ -101,10 +102,10 @@ class StopChecker:
         """What to emit when `buf` holds a stop string that ends the text (as a search of the whole text
         would find it first); None when it holds none yet. A stop found past the start of another that the
         next text may still complete waits: the earlier one wins if it completes ("🙂Sa" before "S")."""
-        hits = [(i, len(s)) for i, s in ((buf.find(s), s) for s in self._stop) if i >= 0]
+        hits = [(i, len(s), s) for i, s in ((buf.find(s), s) for s in self._stop) if i >= 0]
         if not hits:
             return None
-        at, length = min(hits)  # the earliest; of two starting there, the shorter ends first
+        at, length, matched = min(hits)  # the earliest; of two starting there, the shorter ends first
         if not final:
             for i in range(max(0, len(buf) - self._hold), at):
                 tail = buf[i:]
@@ -112,6 +113,7 @@ class StopChecker:
                     self._pending = tail  # (the hit lies inside it: found again, or beaten, next time)
                     return buf[:i]
         self.stopped = True
+        self.matched = matched
         self._pending = ""
         return buf[: at + length] if self._include else buf[:at]
 
@@ -157,6 +159,11 @@ class SequenceText:
     def stopped(self) -> bool:
         """A stop string was found: the text ends before it and the sequence should end."""
         return self._stop is not None and self._stop.stopped
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text (None: none has)."""
+        return None if self._stop is None else self._stop.matched
 
     def push(self, token_ids: Sequence[int]) -> str:
         early = ""

@@ -29,6 +29,7 @@ class SequenceDelta:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens the scheduler served from its prefix cache
     num_output_tokens: int  # tokens this sequence has generated so far, these included
+    stop_string: str | None = None  # on the last delta of a sequence that a stop string ended: that string
 
 
 @dataclass
@@ -118,6 +119,7 @@ class _RequestState:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         finish_reason = out.finish_reason
         text = None
+        stop_string = None
         if self.texts is not None:
             seq_text = self.texts[i]
             # A stop token's text is left out, as a stop string's, unless include_stop_str_in_output
@@ -127,6 +129,7 @@ class _RequestState:
                 text += seq_text.finish()
             if seq_text.stopped:
                 finish_reason = FinishReason.STOP
+                stop_string = seq_text.stop_string
         self._put(
             SequenceDelta(
                 self.request_id,
@@ -138,6 +141,7 @@ class _RequestState:
                 out.num_prompt_tokens,
                 self.num_cached_tokens,
                 self.num_output_tokens[i],
+                stop_string,
             )
         )
         if finish_reason is None:

@@ -12,6 +12,7 @@ import argparse
 import ast
 import inspect
 import io
+import json
 import os
 import sys
 import textwrap
@@ -46,6 +47,9 @@ Quantization = Literal["", "fp8"]
 GenerationConfigMode = Literal["auto", "none"]
 TPAllReduce = Literal["auto", "nccl", "one-shot", "no-copy", "fused"]
 LoadFormat = Literal["auto", "dummy"]
+# Pages served from this machine (a local web UI) may call the api; no other site may read its answers
+_LOCAL_ORIGINS = [f"{s}://{h}:*" for h in ("localhost", "127.0.0.1", "[::1]") for s in ("http", "https")]
+DEFAULT_ALLOWED_ORIGINS = json.dumps(_LOCAL_ORIGINS)
 ToolCallParserName = Literal["", "hermes", "llama3_json", "mistral"]  # api/tool_parsers
 ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]  # api/reasoning.py
 
@@ -95,9 +99,26 @@ class ApiConfig:
     reasoning_parser: ReasoningParserName = ""
     # Serve /dashboard, the KV cache's live view (behind api_key when set); --no-dashboard turns it off
     dashboard: bool = True
+    # Refuse (400) request fields the api does not know, instead of ignoring them with a warning header
+    strict_request_fields: bool = False
+    # CORS (api/cors.py), vLLM's flags as JSON lists: origins whose pages may call the api ("*": any; a
+    # "scheme://host:*" entry, any port of that host); the default: pages served from this machine only
+    allowed_origins: str = DEFAULT_ALLOWED_ORIGINS
+    allowed_methods: str = '["*"]'  # methods a page may use ("*": any)
+    allowed_headers: str = '["*"]'  # request headers a page may send ("*": any)
+    allow_credentials: bool = False  # let pages send cookies and HTTP authentication (never with origin "*")
+    # Chat without max_tokens: at most this many (or max_new_tokens if fewer), as fits; 0: as much as fits
+    default_max_tokens: int = 4096
 
     def __post_init__(self) -> None:
         check_choices(self)
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            json_string_list(name, getattr(self, name))
+        # Credentials with any origin would let every site act with the user's cookies
+        if self.allow_credentials and "*" in json_string_list("allowed_origins", self.allowed_origins):
+            raise ValueError('allow_credentials needs allowed_origins to name origins, not "*"')
+        if self.default_max_tokens < 0:
+            raise ValueError(f"default_max_tokens must be at least 0, got {self.default_max_tokens}")
 
 
 @dataclass(frozen=True)
@@ -273,6 +294,14 @@ class WorkerConfig:
 
 
 C = TypeVar("C")
+
+
+def json_string_list(name: str, text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form for --allowed-origins and its kin), else ValueError."""
+    value = json.loads(text) if text.lstrip().startswith("[") else None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a JSON list of strings, e.g. '[\"*\"]', got {text[:100]!r}")
+    return value
 
 
 def default_cluster_key_file() -> str:

@@ -90,7 +90,10 @@ class ApiServer:
             conn.request(method, path, body=data, headers=headers)
             response = conn.getresponse()
             return HttpReply(
-                response.status, response.getheader("Content-Type") or "", response.read().decode()
+                response.status,
+                response.getheader("Content-Type") or "",
+                response.read().decode(),
+                response.headers,
             )
         finally:
             conn.close()
@@ -114,6 +117,7 @@ class HttpReply:
     status: int
     content_type: str
     text: str
+    headers: http.client.HTTPMessage | None = None  # case-insensitive .get(name)
 
     def json(self) -> Any:
         return json.loads(self.text)

@@ -56,6 +56,7 @@ def test_chat_response_and_usage(make_server: Any, tokenizer: Any) -> None:
         "message": {"role": "assistant", "content": content},
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,
     }
     assert body["usage"]["prompt_tokens"] == len(prompt) and body["usage"]["completion_tokens"] == 6
 

@@ -29,6 +29,7 @@ def test_completion_returns_the_decoded_text_and_usage(server: ApiServer, tokeni
         "text": tokenizer.decode(echo(ids, 7), skip_special_tokens=True),
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,
     }
     assert body["usage"] == {
         "prompt_tokens": len(ids),

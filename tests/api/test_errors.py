@@ -43,7 +43,7 @@ BAD_COMPLETIONS: list[tuple[str, Any]] = [
     ("logprobs as a bool", {"prompt": "abc", "logprobs": True}),
     ("logit_bias past 100", {"prompt": "abc", "logit_bias": {"5": 101}}),
     ("suffix", {"prompt": "abc", "suffix": "xyz"}),
-    ("unknown parameter", {"prompt": "abc", "frobnicate": 1}),
+    ("functions, the deprecated tools", {"prompt": "abc", "functions": [{"name": "f"}]}),
     ("empty stop string", {"prompt": "abc", "stop": ""}),
     ("stop of the wrong type", {"prompt": "abc", "stop": [1]}),
     ("stop token id outside the vocabulary", {"prompt": "abc", "stop_token_ids": [99999]}),

@@ -62,7 +62,7 @@ def test_streams_carry_it_in_their_headers_and_every_chunk(http: httpx.Client) -
 def test_error_responses_carry_it_too(http: httpx.Client) -> None:
     headers = {"X-Request-Id": "err-1"}
     for reply in (
-        http.post("/v1/completions", json={"prompt": "a", "frobnicate": 1}, headers=headers),
+        http.post("/v1/completions", json={"prompt": "a", "functions": [{}]}, headers=headers),
         http.post("/v1/completions", content=b"{not json", headers=headers),
         http.post("/v1/completions", json={"prompt": "a", "model": "nope"}, headers=headers),
         http.post("/v1/nowhere", json={}, headers=headers),

@@ -95,7 +95,7 @@ BAD_TOKENIZE = [
     ("prompt as ids", {"prompt": [1, 2, 3]}),
     ("prompt as a number", {"prompt": 7}),
     ("prompt and messages", {"prompt": "a", "messages": USER}),
-    ("unknown field", {"prompt": "a", "frobnicate": 1}),
+    ("a refused field", {"prompt": "a", "truncate_prompt_tokens": 1}),
     ("chat field on text", {"prompt": "a", "add_generation_prompt": True}),
     ("add_special_tokens as a string", {"prompt": "a", "add_special_tokens": "yes"}),
     ("return_token_strs as 1", {"prompt": "a", "return_token_strs": 1}),
