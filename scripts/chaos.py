@@ -272,6 +272,7 @@ def measure_wire_storm(stack: Stack, examples: int = 10_000, seed: int = 0) -> d
 
     from common.config import default_cluster_key_file
     from common.security import load_cluster_key, secure_client
+    from common.socket_limits import Receiver, max_message_bytes
     from scripts.fuzz_wire import KINDS
 
     key = load_cluster_key(stack.env.get("PAGEDSERVE_CLUSTER_KEY_FILE", default_cluster_key_file()))
@@ -280,7 +281,7 @@ def measure_wire_storm(stack: Stack, examples: int = 10_000, seed: int = 0) -> d
     for address in (stack.scheduler_address, stack.env["PAGEDSERVE_WORKER_ADDRESS"]):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        secure_client(sock, key)
+        secure_client(sock, key, max_message_bytes(Receiver.CLIENT))
         sock.connect(address)
         socks.append(sock)
     pids = {name: stack.pid(name) for name in ("scheduler", "worker", "api")}

@@ -30,6 +30,7 @@ from common.messages import (
     decode,
 )
 from common.security import load_cluster_key, secure_server
+from common.socket_limits import Receiver, max_message_bytes
 from scheduler.server import SchedulerServer, WorkerWatch
 from scripts._servers import free_port
 from tests.chaos.scheduler_peers import Client, Peer
@@ -85,7 +86,8 @@ def test_heartbeat_thread_beats_with_its_worker_id_until_stopped():
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     key = load_cluster_key(default_cluster_key_file())
-    secure_server(router, key)  # (no authenticator here: the handshake alone shows the thread uses CURVE)
+    # (no authenticator here: the handshake alone shows the thread uses CURVE)
+    secure_server(router, key, max_message_bytes(Receiver.SCHEDULER_WORKERS))
     port = router.bind_to_random_port("tcp://127.0.0.1")
     beats = HeartbeatThread(f"tcp://127.0.0.1:{port}", "w-1", interval_s=0.02, key=key).start()
     try:
