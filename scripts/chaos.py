@@ -174,7 +174,7 @@ def measure_kill(stack: Stack, name: str, sig: signal.Signals = signal.SIGKILL) 
             result["error_s"] = max(s.first_error_at() for s in streams) - t0  # type: ignore[type-var]
     finally:
         if sig == signal.SIGSTOP:
-            os.kill(pid, signal.SIGCONT)  # it is told to shut down, exits, and its supervisor restarts it
+            os.kill(pid, signal.SIGCONT)  # it was declared dead: told to reset, it announces itself again
     result["back_s"] = stack.wait_serving() - t0
     stop_polling.set()
     if poller.is_alive():
