@@ -5,19 +5,25 @@ Defects guarded:
 - False 503s after a quiet spell: after 10 s or more with no traffic the first requests failed with 503
   "the scheduler did not answer for N s" within a second, although the scheduler was idle and healthy (the
   silence was measured from the last message heard, long before the request was sent).
-- A client (the api) whose own event loop did not run for longer than the timeout (stopped, starved,
-  blocked) failed every request in flight on resume, the scheduler's answers still unread.
+- A client (the api) whose own process or event loop did not run for longer than the timeout (stopped,
+  starved, blocked) failed every request in flight on resume, blaming the scheduler for its own pause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 from client import AsyncEngineClient
 from common.messages import SamplingParams
 from common.security import load_cluster_key
+from scripts._servers import ROOT
 from tests.chaos.answering_scheduler import AnsweringScheduler
 
 TIMEOUT_S = 1.0  # the client's liveness timeout here (10 s by default)
@@ -64,3 +70,56 @@ def test_a_client_whose_loop_stalled_longer_than_the_timeout_keeps_its_requests(
                 assert result.outputs[0].finish_reason == "length"
 
         asyncio.run(scenario())
+
+
+CLIENT_PROCESS = """
+import asyncio, sys
+from client import AsyncEngineClient
+from common.messages import SamplingParams
+
+async def main() -> None:
+    address, key_file, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    async with AsyncEngineClient(
+        address, detokenize=False, cluster_key_file=key_file, liveness_timeout_s=timeout_s
+    ) as client:
+        [handle] = await client.submit([1, 2, 3], SamplingParams(max_tokens=1))
+        print("submitted", flush=True)
+        try:
+            result = await asyncio.wait_for(handle.result(), 30)
+            print("finished", result.outputs[0].finish_reason, flush=True)
+        except Exception as e:
+            print("failed", type(e).__name__, e, flush=True)
+
+asyncio.run(main())
+"""
+
+
+def _words(proc: subprocess.Popen) -> queue.Queue[str]:
+    """The client process's words as it says them (its log lines, on the same stdout, left out)."""
+    words: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith(("submitted", "finished", "failed")):
+                words.put(line.strip())
+
+    threading.Thread(target=read, daemon=True).start()
+    return words
+
+
+def test_a_client_process_stopped_longer_than_the_timeout_keeps_its_requests(tmp_path: Path):
+    key_file = tmp_path / "key"
+    timeout_s = 2.0
+    with AnsweringScheduler(load_cluster_key(key_file), answer_after_s=3 * timeout_s + 1.5) as scheduler:
+        argv = [sys.executable, "-c", CLIENT_PROCESS, scheduler.address, str(key_file), str(timeout_s)]
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        words = _words(proc)
+        try:
+            assert words.get(timeout=60) == "submitted"
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(3 * timeout_s)
+            proc.send_signal(signal.SIGCONT)
+            assert words.get(timeout=20) == "finished length"
+        finally:
+            proc.kill()
+            proc.wait()
