@@ -47,7 +47,8 @@ from common.socket_limits import Receiver, max_message_bytes
 from common.stall import StallClock
 
 log = get_logger(component="client")
-LIVENESS_PING_S = 1.0  # with requests in flight and nothing heard for this long, the client asks for info
+# The keep-alive's period, at most: with requests in flight and an answer owed for a period, it asks for info
+LIVENESS_PING_S = 1.0
 CONNECTION_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -212,7 +213,7 @@ class SchedulerConnection:
         self._last_heard = time.monotonic()
         self._sent_into_silence = None
 
-    def silent_for(self, now: float) -> float:
+    def _owed_for(self, now: float) -> float:
         """Seconds the scheduler has owed an answer without giving any: since the later of its last message,
         the first request sent after it, and the last stall of this process."""
         owed_since = max(self._last_heard, self._sent_into_silence or 0.0, self._rearmed_at)
@@ -234,7 +235,7 @@ class SchedulerConnection:
                 self._rearmed_at = now
             if not self._requests or not self._connected.is_set():
                 continue
-            silent = self.silent_for(now)
+            silent = self._owed_for(now)
             if silent > self._liveness_timeout_s:
                 log.error(
                     "scheduler_not_answering", silent_s=round(silent, 1), num_requests=len(self._requests)
