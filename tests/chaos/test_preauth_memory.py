@@ -13,7 +13,7 @@ import asyncio
 import socket
 import struct
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
@@ -28,7 +28,7 @@ from tests.chaos.maximal_messages import (
     maximal_step_plan,
 )
 from tests.chaos.scheduler_peers import Client, scheduler
-from tests.chaos.scheduler_process import scheduler_process
+from tests.chaos.scheduler_process import SchedulerProcess, scheduler_process
 
 CLAIMED = 500_000_000  # the frame size the attacker announces
 SENT = 150 << 20  # what it sends of it on each socket, at most (a few hundred MB in all)
@@ -55,15 +55,38 @@ def _claim_a_huge_frame(port: int) -> int:
     return sent
 
 
-def test_an_unauthenticated_oversized_frame_costs_the_scheduler_no_memory(tmp_path: Path):
-    with scheduler_process(tmp_path) as sched:
+@pytest.fixture(scope="module")
+def sched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SchedulerProcess]:
+    with scheduler_process(tmp_path_factory.mktemp("scheduler")) as process:
         time.sleep(1.0)  # let its start-up allocations settle
-        before = sched.rss_bytes()
-        for port in (sched.scheduler_port, sched.worker_port):
-            _claim_a_huge_frame(port)
-        grown = sched.rss_bytes() - before
-        assert grown < 4 << 20, f"the scheduler grew by {grown / 2**20:.0f} MiB"
-        assert sched.proc.poll() is None
+        yield process
+
+
+def test_an_unauthenticated_oversized_frame_costs_the_scheduler_no_memory(sched: SchedulerProcess):
+    before = sched.rss_bytes()
+    for port in (sched.scheduler_port, sched.worker_port):
+        _claim_a_huge_frame(port)
+    grown = sched.rss_bytes() - before
+    assert grown < 4 << 20, f"the scheduler grew by {grown / 2**20:.0f} MiB"
+    assert sched.proc.poll() is None
+
+
+def test_a_peer_that_does_not_finish_its_handshake_is_dropped_within_seconds(sched: SchedulerProcess):
+    """(Before: held for libzmq's default 30 s, with whatever frame it had claimed.)"""
+    with socket.create_connection(("127.0.0.1", sched.scheduler_port), timeout=10) as conn:
+        conn.sendall(GREETING)
+        conn.recv(64)  # the scheduler's greeting
+        conn.sendall(b"\x06" + struct.pack(">Q", 1000) + b"\x00" * 500)  # half a HELLO, then nothing
+        started = time.monotonic()
+        conn.settimeout(HANDSHAKE_IVL_MS / 1000 + 3)
+        try:
+            while conn.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail("the half-finished handshake was still held")
+        assert time.monotonic() - started >= HANDSHAKE_IVL_MS / 1000 - 1  # dropped by the timer, not at once
 
 
 def test_the_default_limits_bound_an_unauthenticated_connection_to_a_few_mib_for_seconds():
