@@ -62,6 +62,7 @@ def sched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SchedulerProcess
         yield process
 
 
+@pytest.mark.e2e
 def test_an_unauthenticated_oversized_frame_costs_the_scheduler_no_memory(sched: SchedulerProcess):
     before = sched.rss_bytes()
     for port in (sched.scheduler_port, sched.worker_port):
@@ -71,6 +72,7 @@ def test_an_unauthenticated_oversized_frame_costs_the_scheduler_no_memory(sched:
     assert sched.proc.poll() is None
 
 
+@pytest.mark.e2e
 def test_a_peer_that_does_not_finish_its_handshake_is_dropped_within_seconds(sched: SchedulerProcess):
     """(Before: held for libzmq's default 30 s, with whatever frame it had claimed.)"""
     with socket.create_connection(("127.0.0.1", sched.scheduler_port), timeout=10) as conn:
