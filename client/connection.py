@@ -24,10 +24,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from client.errors import ClientClosed, RequestRejected
-from client.request_stream import _RequestState
-from common.log import get_logger
-from common.messages import (
+from pagedserve.client.errors import ClientClosed, RequestRejected
+from pagedserve.client.request_stream import _RequestState
+from pagedserve.common.log import get_logger
+from pagedserve.common.messages import (
     AbortRequest,
     CodecError,
     ErrorKind,
@@ -41,10 +41,10 @@ from common.messages import (
     decode,
     encode,
 )
-from common.monitor import open_monitor
-from common.security import load_cluster_key, secure_client
-from common.socket_limits import Receiver, max_message_bytes
-from common.stall import StallClock
+from pagedserve.common.monitor import open_monitor
+from pagedserve.common.security import load_cluster_key, secure_client
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
+from pagedserve.common.stall import StallClock
 
 log = get_logger(component="client")
 # The keep-alive's period, at most: with requests in flight and an answer owed for a period, it asks for info

@@ -26,8 +26,8 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from common.log import get_logger
-from common.socket_limits import limit_socket
+from pagedserve.common.log import get_logger
+from pagedserve.common.socket_limits import limit_socket
 
 ZAP_DOMAIN = "pagedserve"
 log = get_logger(component="security")

@@ -21,8 +21,8 @@ from enum import Enum
 
 import zmq
 
-from common.config import SchedulerConfig
-from common.sampling_params import (
+from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
@@ -32,7 +32,7 @@ from common.sampling_params import (
     MAX_REASONING_TAG_CHARS,
     SamplingParams,
 )
-from common.wire_types import (
+from pagedserve.common.wire_types import (
     MAX_NAME_CHARS,
     MAX_PROMPT_TOKENS,
     MAX_REQUEST_ID_CHARS,

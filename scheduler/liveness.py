@@ -24,8 +24,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from common.monitor import open_monitor
-from common.stall import StallClock
+from pagedserve.common.monitor import open_monitor
+from pagedserve.common.stall import StallClock
 
 log = structlog.get_logger(process="scheduler")
 

@@ -12,9 +12,9 @@ import threading
 
 import zmq
 
-from common.messages import Heartbeat, encode
-from common.security import ClusterKey, secure_client
-from common.socket_limits import Receiver, max_message_bytes
+from pagedserve.common.messages import Heartbeat, encode
+from pagedserve.common.security import ClusterKey, secure_client
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
 
 
 class HeartbeatThread:

@@ -17,8 +17,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.config import default_cluster_key_file
-from common.messages import (
+from pagedserve.common.config import default_cluster_key_file
+from pagedserve.common.messages import (
     AbortRequest,
     CodecError,
     ErrorKind,
@@ -37,9 +37,9 @@ from common.messages import (
     decode,
     encode,
 )
-from common.security import authenticate, load_cluster_key, secure_server
-from common.socket_limits import Receiver, max_message_bytes
-from scheduler.kv_views import empty_snapshot
+from pagedserve.common.security import authenticate, load_cluster_key, secure_server
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
+from pagedserve.scheduler.kv_views import empty_snapshot
 
 
 @dataclass

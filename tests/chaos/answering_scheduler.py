@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from common.messages import (
+from pagedserve.common.messages import (
     InfoReply,
     InfoRequest,
     Message,
@@ -18,8 +18,8 @@ from common.messages import (
     decode,
     encode,
 )
-from common.security import ClusterKey, secure_server
-from common.socket_limits import Receiver, max_message_bytes
+from pagedserve.common.security import ClusterKey, secure_server
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
 
 
 class AnsweringScheduler:

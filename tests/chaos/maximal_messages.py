@@ -3,7 +3,7 @@ characters, every number at its widest encoding (for the MAXMSGSIZE tests)."""
 
 from __future__ import annotations
 
-from common.messages import (
+from pagedserve.common.messages import (
     Fork,
     NewSequence,
     PromptLogprobs,
@@ -13,7 +13,7 @@ from common.messages import (
     StepPlan,
     TokenLogprobs,
 )
-from common.sampling_params import (
+from pagedserve.common.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
@@ -24,8 +24,8 @@ from common.sampling_params import (
     SamplingParams,
     StructuredOutput,
 )
-from common.socket_limits import MAX_PROMPT_TOP, MAX_SAMPLED_TOP, WireLimits
-from common.wire_types import (
+from pagedserve.common.socket_limits import MAX_PROMPT_TOP, MAX_SAMPLED_TOP, WireLimits
+from pagedserve.common.wire_types import (
     MAX_INT32,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRING_CHARS,

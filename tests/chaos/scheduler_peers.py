@@ -11,11 +11,11 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from common.config import SchedulerConfig
-from common.messages import InfoReply, InfoRequest, Message, StepPlan, WorkerReady, decode, encode
-from common.security import ClusterKey, load_cluster_key, secure_client
-from common.socket_limits import Receiver, max_message_bytes
-from scheduler.server import SchedulerServer
+from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.messages import InfoReply, InfoRequest, Message, StepPlan, WorkerReady, decode, encode
+from pagedserve.common.security import ClusterKey, load_cluster_key, secure_client
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
+from pagedserve.scheduler.server import SchedulerServer
 from scripts._servers import free_port
 from tests.scheduler.fake_worker import FakeWorker
 

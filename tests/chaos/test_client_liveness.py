@@ -18,10 +18,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from client import AsyncEngineClient, RequestRejected
-from common.messages import ErrorKind, SamplingParams, SubmitRequest, decode
-from common.security import authenticate, load_cluster_key, secure_server
-from common.socket_limits import Receiver, max_message_bytes
+from pagedserve.client import AsyncEngineClient, RequestRejected
+from pagedserve.common.messages import ErrorKind, SamplingParams, SubmitRequest, decode
+from pagedserve.common.security import authenticate, load_cluster_key, secure_server
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
 
 PARAMS = SamplingParams(max_tokens=4)
 

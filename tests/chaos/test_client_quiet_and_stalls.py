@@ -20,9 +20,9 @@ import threading
 import time
 from pathlib import Path
 
-from client import AsyncEngineClient
-from common.messages import SamplingParams
-from common.security import load_cluster_key
+from pagedserve.client import AsyncEngineClient
+from pagedserve.common.messages import SamplingParams
+from pagedserve.common.security import load_cluster_key
 from scripts._servers import ROOT
 from tests.chaos.answering_scheduler import AnsweringScheduler
 
@@ -74,8 +74,8 @@ def test_a_client_whose_loop_stalled_longer_than_the_timeout_keeps_its_requests(
 
 CLIENT_PROCESS = """
 import asyncio, sys
-from client import AsyncEngineClient
-from common.messages import SamplingParams
+from pagedserve.client import AsyncEngineClient
+from pagedserve.common.messages import SamplingParams
 
 async def main() -> None:
     address, key_file, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])

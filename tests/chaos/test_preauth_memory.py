@@ -17,10 +17,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.config import SchedulerConfig
-from common.messages import RequestError, SubmitRequest, decode, encode
-from common.socket_limits import HANDSHAKE_IVL_MS, Receiver, WireLimits, max_message_bytes
-from common.wire_types import MAX_INT32
+from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.messages import RequestError, SubmitRequest, decode, encode
+from pagedserve.common.socket_limits import HANDSHAKE_IVL_MS, Receiver, WireLimits, max_message_bytes
+from pagedserve.common.wire_types import MAX_INT32
 from tests.chaos.maximal_messages import (
     maximal_params,
     maximal_request_outputs,

@@ -21,19 +21,19 @@ from pathlib import Path
 import pytest
 import zmq.asyncio
 
-from common.messages import (
+from pagedserve.common.messages import (
     RequestError,
     RequestOutputs,
     SamplingParams,
     StepPlan,
     SubmitRequest,
 )
-from common.security import load_cluster_key
+from pagedserve.common.security import load_cluster_key
+from pagedserve.worker.heartbeat import HeartbeatThread
 from scripts._servers import ROOT
 from tests.chaos.scheduler_peers import Client, Peer, ready_msg, scheduler
 from tests.chaos.scheduler_process import scheduler_process
 from tests.scheduler.fake_worker import FakeWorker
-from worker.heartbeat import HeartbeatThread
 
 pytestmark = pytest.mark.e2e
 HEARTBEAT_TIMEOUT_S = 2.0

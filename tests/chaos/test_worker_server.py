@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common.messages import (
+from pagedserve.common.messages import (
     Message,
     NewSequence,
     SamplingParams,
@@ -27,8 +27,8 @@ from common.messages import (
     decode,
     encode,
 )
-from common.security import ClusterKey, load_cluster_key, secure_server
-from common.socket_limits import Receiver, max_message_bytes
+from pagedserve.common.security import ClusterKey, load_cluster_key, secure_server
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
 from scripts._servers import ROOT, free_port
 
 pytestmark = pytest.mark.e2e

@@ -13,8 +13,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.config import SchedulerConfig, default_cluster_key_file
-from common.messages import (
+from pagedserve.common.config import SchedulerConfig, default_cluster_key_file
+from pagedserve.common.messages import (
     ErrorKind,
     Heartbeat,
     InfoReply,
@@ -29,14 +29,14 @@ from common.messages import (
     WorkerReady,
     decode,
 )
-from common.security import load_cluster_key, secure_server
-from common.socket_limits import Receiver, max_message_bytes
-from common.stall import StallClock
-from scheduler.server import SchedulerServer, WorkerWatch
+from pagedserve.common.security import load_cluster_key, secure_server
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
+from pagedserve.common.stall import StallClock
+from pagedserve.scheduler.server import SchedulerServer, WorkerWatch
+from pagedserve.worker.heartbeat import HeartbeatThread
 from scripts._servers import free_port
 from tests.chaos.scheduler_peers import Client, Peer
 from tests.scheduler.fake_worker import FakeWorker
-from worker.heartbeat import HeartbeatThread
 
 NUM_BLOCKS, BLOCK_SIZE, VOCAB_SIZE = 64, 4, 1000
 WAIT_S = 10.0  # bound on every wait: a failure shows up as a timeout, never as a hang
