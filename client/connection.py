@@ -7,8 +7,11 @@ client holding the cluster key (common/security.py), without which the scheduler
 
 The connection watches the scheduler: when its connection closes (its process exited), every request in
 flight fails at once with UNAVAILABLE, and so do new ones until it is back (ZeroMQ reconnects by itself);
-when the scheduler stops answering (a hung process) for `liveness_timeout_s`, the requests in flight fail
-the same way.
+when the scheduler owes an answer and stays silent (a hung process) for `liveness_timeout_s`, the requests
+in flight fail the same way. The silence counts from when an answer was owed: the scheduler's last message,
+or the first request sent after it, whichever is later (after a quiet spell the last message is old, and
+says nothing about a scheduler that was just asked). A keep-alive tick that comes late means that this
+process was not running (common/stall.py): the timeout then starts afresh, once what arrived is read.
 """
 
 from __future__ import annotations
@@ -40,9 +43,12 @@ from pagedserve.common.messages import (
 )
 from pagedserve.common.monitor import open_monitor
 from pagedserve.common.security import load_cluster_key, secure_client
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
+from pagedserve.common.stall import StallClock
 
 log = get_logger(component="client")
-LIVENESS_PING_S = 1.0  # with requests in flight and nothing heard for this long, the client asks for info
+# The keep-alive's period, at most: with requests in flight and an answer owed for a period, it asks for info
+LIVENESS_PING_S = 1.0
 CONNECTION_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -67,6 +73,10 @@ class SchedulerConnection:
         self._liveness_timeout_s = liveness_timeout_s
         self._connected = asyncio.Event()  # the scheduler's connection is up (handshake done)
         self._last_heard = 0.0  # monotonic time of the scheduler's last message
+        # monotonic time of the first request sent since the last message heard (None: none since): from
+        # then on the scheduler owes an answer, whatever the silence before it
+        self._sent_into_silence: float | None = None
+        self._rearmed_at = 0.0  # when the keep-alive last found that this process had stalled
         self._query_counter = itertools.count()
         self._requests: dict[str, _RequestState] = {}
         self._info_waiters: dict[int, asyncio.Future] = {}  # query id -> its InfoReply or KVSnapshot
@@ -86,7 +96,7 @@ class SchedulerConnection:
         # No high-water marks: a dropped output would leave its request waiting forever.
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
-        secure_client(socket, key)
+        secure_client(socket, key, max_message_bytes(Receiver.CLIENT))
         monitor = open_monitor(socket, CONNECTION_EVENTS)
         socket.connect(self.address)
         self._socket = socket
@@ -116,6 +126,8 @@ class SchedulerConnection:
         """Sends a request's submission, its state in flight from now on (so no output can miss it)."""
         assert self._socket is not None
         self._requests[state.request_id] = state
+        if self._sent_into_silence is None:
+            self._sent_into_silence = time.monotonic()
         await self._socket.send_multipart(encode(msg))
 
     def _send_nowait(self, msg: Message) -> None:
@@ -161,7 +173,7 @@ class SchedulerConnection:
         try:
             while True:
                 frames = await self._socket.recv_multipart()
-                self._last_heard = time.monotonic()
+                self._heard()
                 try:
                     msg = decode(frames)
                 except CodecError as e:
@@ -182,7 +194,7 @@ class SchedulerConnection:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._last_heard = time.monotonic()
+                    self._heard()
                     self._connected.set()
                     log.info("scheduler_connected", address=self.address)
                 elif event == zmq.EVENT_DISCONNECTED:
@@ -197,21 +209,40 @@ class SchedulerConnection:
         finally:
             monitor.close(linger=0)
 
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
+        self._sent_into_silence = None
+
+    def _owed_for(self, now: float) -> float:
+        """Seconds the scheduler has owed an answer without giving any: since the later of its last message,
+        the first request sent after it, and the last stall of this process."""
+        owed_since = max(self._last_heard, self._sent_into_silence or 0.0, self._rearmed_at)
+        return max(0.0, now - owed_since)
+
     async def _keep_alive(self) -> None:
         """While requests are in flight, makes sure the scheduler still answers: it is asked for info when
-        quiet, and its requests fail when it stays silent for `liveness_timeout_s` (a hung process)."""
+        quiet, and its requests fail when it owes an answer for `liveness_timeout_s` (a hung process)."""
+        period = min(LIVENESS_PING_S, self._liveness_timeout_s / 4)
+        clock = StallClock(period, time.monotonic())
         while True:
-            await asyncio.sleep(min(LIVENESS_PING_S, self._liveness_timeout_s / 4))
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            stalled = clock.tick(now)
+            if stalled:
+                # This process was not running: the scheduler's answers may wait unread in the socket. They
+                # are read before the next tick, and the scheduler gets a whole timeout from now.
+                log.warning("client_stalled", stalled_s=round(stalled, 1), num_requests=len(self._requests))
+                self._rearmed_at = now
             if not self._requests or not self._connected.is_set():
                 continue
-            silent = time.monotonic() - self._last_heard
+            silent = self._owed_for(now)
             if silent > self._liveness_timeout_s:
                 log.error(
                     "scheduler_not_answering", silent_s=round(silent, 1), num_requests=len(self._requests)
                 )
                 self._fail_all(f"the scheduler did not answer for {silent:.0f} s; the request was lost")
-                self._last_heard = time.monotonic()  # the next requests get a full timeout of their own
-            elif silent > LIVENESS_PING_S:
+                self._heard()  # the next requests get a full timeout of their own
+            elif silent > period or stalled:
                 self._send_nowait(InfoRequest(next(self._query_counter)))  # any answer counts
 
     def _fail_all(self, message: str) -> None:

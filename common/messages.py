@@ -289,6 +289,9 @@ class StepOutput(msgspec.Struct, array_like=True):
 class Shutdown(msgspec.Struct, array_like=True):
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
     reason: Name
+    # True: not an exit; forget every sequence and announce yourself again (a worker declared dead for its
+    # silence, which a stopped process that continues reads first)
+    reannounce: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------

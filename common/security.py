@@ -8,6 +8,10 @@ can neither submit, nor register as a worker, nor read a plan, on loopback as on
 other hosts the operator copies the file there (or points `--cluster-key-file` at a copy).
 
 The file holds the secret key in Z85 (40 characters); the public key is derived from it.
+
+CURVE keeps strangers out, but a stranger's handshake is still read: every secured socket also bounds its
+frames and its handshake time (common/socket_limits.py), so what a peer without the key can make a
+process hold is one frame of that socket's limit, for a few seconds.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from pagedserve.common.log import get_logger
+from pagedserve.common.socket_limits import limit_socket
 
 ZAP_DOMAIN = "pagedserve"
 log = get_logger(component="security")
@@ -90,16 +95,20 @@ def _create(file: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def secure_server(sock: zmq.Socket, key: ClusterKey) -> None:
-    """Makes `sock` (before bind) a CURVE server that the authenticator of `authenticate` guards."""
+def secure_server(sock: zmq.Socket, key: ClusterKey, max_message_bytes: int) -> None:
+    """Makes `sock` (before bind) a CURVE server that the authenticator of `authenticate` guards, taking
+    frames of at most `max_message_bytes` (common/socket_limits.py) from anyone."""
+    limit_socket(sock, max_message_bytes)
     sock.curve_secretkey = key.secret
     sock.curve_publickey = key.public
     sock.curve_server = True
     sock.zap_domain = ZAP_DOMAIN.encode()
 
 
-def secure_client(sock: zmq.Socket, key: ClusterKey) -> None:
-    """Makes `sock` (before connect) a CURVE client that proves it holds the cluster key."""
+def secure_client(sock: zmq.Socket, key: ClusterKey, max_message_bytes: int) -> None:
+    """Makes `sock` (before connect) a CURVE client that proves it holds the cluster key, taking frames of
+    at most `max_message_bytes` (common/socket_limits.py)."""
+    limit_socket(sock, max_message_bytes)
     sock.curve_secretkey = key.secret
     sock.curve_publickey = key.public
     sock.curve_serverkey = key.public

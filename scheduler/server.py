@@ -17,9 +17,10 @@ request fails that request, never the process.
 The worker is declared dead the moment its connection closes (a killed process), when nothing (heartbeat,
 step output) came from it for `heartbeat_timeout_s` (a stopped process), or when a step went unanswered for
 `step_timeout_s` (a hung one): its requests fail with UNAVAILABLE, the core goes with all its requests and KV
-bookkeeping, and new requests are refused until a worker announces itself again. The same worker announcing
-itself again (it lost its connection, or reset itself) is accepted with an empty core; another worker
-announcing itself while one serves is refused. A client whose connection closes (an api that died) has its
+bookkeeping, and new requests are refused until a worker announces itself again (the watch, and how it
+tells its own stalls from the worker's: scheduler/liveness.py). The same worker announcing itself again (it
+lost its connection, or reset itself) is accepted with an empty core; another worker announcing itself
+while one serves is refused. A client whose connection closes (an api that died) has its
 requests aborted, so their KV blocks go back to the pool at once.
 
 `drain()` (SIGTERM) stops admission, lets the requests in flight finish, ends the rest after a timeout, and
@@ -55,9 +56,16 @@ from pagedserve.common.messages import (
     encode,
 )
 from pagedserve.common.security import ClusterKey, authenticate, load_cluster_key, secure_server
+from pagedserve.common.socket_limits import Receiver, WireLimits, max_message_bytes
 from pagedserve.scheduler.clients import ClientSender, submitted_request_id
 from pagedserve.scheduler.kv_views import KVViews
-from pagedserve.scheduler.liveness import PeerConnections, WorkerWatch, source_fd, watch_disconnects
+from pagedserve.scheduler.liveness import (
+    PeerConnections,
+    WorkerWatch,
+    source_fd,
+    watch_disconnects,
+    watch_worker,
+)
 from pagedserve.scheduler.request import Output
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.settings import SchedulerSettings
@@ -77,11 +85,15 @@ class SchedulerServer:
         self._ctx = zmq.asyncio.Context()
         self._clients = self._ctx.socket(zmq.ROUTER)
         self._workers = self._ctx.socket(zmq.ROUTER)
-        for sock in (self._clients, self._workers):
+        self._limits = WireLimits.of_scheduler(config)  # what the sockets' frame limits were worked out for
+        for sock, receiver in (
+            (self._clients, Receiver.SCHEDULER_CLIENTS),
+            (self._workers, Receiver.SCHEDULER_WORKERS),
+        ):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            secure_server(sock, self.key)
+            secure_server(sock, self.key, max_message_bytes(receiver, self._limits))
         self._workers.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished worker must not block the loop
         self._to_clients = ClientSender(self._clients, on_unreachable=self._on_client_gone)
         self._client_peers = PeerConnections()
@@ -94,6 +106,7 @@ class SchedulerServer:
         self._kv_views = KVViews(config)  # /dashboard's snapshots and --kv-trace (scheduler/kv_views.py)
 
     async def run(self) -> None:
+        config = self.config
         auth = authenticate(self._ctx, self.key)
         self._clients.bind(self.config.scheduler_address)
         self._workers.bind(self.config.worker_address)
@@ -110,7 +123,9 @@ class SchedulerServer:
                 tasks.create_task(watch_disconnects(self._clients, self._client_peers, self._on_client_left))
                 tasks.create_task(watch_disconnects(self._workers, self._worker_peers, self._on_worker_gone))
                 tasks.create_task(self._engine_loop())
-                tasks.create_task(self._watchdog())
+                timeout = min(config.heartbeat_timeout_s, config.step_timeout_s)
+                watch = watch_worker(timeout, lambda: self._watch, self._workers, self._declare_dead)
+                tasks.create_task(watch)
         finally:
             auth.stop()
             self._clients.close()
@@ -330,6 +345,9 @@ class SchedulerServer:
             self._drop_worker()
         config = self.config
         settings = SchedulerSettings.from_config(config, msg)
+        if settings.max_num_seqs > self._limits.seqs:  # the step outputs' frame limit assumes no more
+            log.warning("max_num_seqs_capped", announced=settings.max_num_seqs, used=self._limits.seqs)
+            settings = dataclasses.replace(settings, max_num_seqs=self._limits.seqs)
         self.core = Scheduler(settings)
         self.ready_msg = msg
         self._worker_id = identity
@@ -360,24 +378,14 @@ class SchedulerServer:
         self._worker_id = None
         self._watch = None
 
-    async def _watchdog(self) -> None:
-        period = min(1.0, max(0.01, min(self.config.heartbeat_timeout_s, self.config.step_timeout_s) / 4))
-        while True:
-            await asyncio.sleep(period)
-            if self._watch is None:
-                continue
-            reason = self._watch.death_reason(time.monotonic())
-            if reason is None:
-                continue
-            if self._workers.get(zmq.EVENTS) & zmq.POLLIN:
-                continue  # worker messages wait to be read (this loop was busy): judge once they are
-            self._declare_dead(reason)
-
-    def _declare_dead(self, reason: str, kind: str = ErrorKind.UNAVAILABLE) -> None:
+    def _declare_dead(self, reason: str, kind: str = ErrorKind.UNAVAILABLE, reset: bool = False) -> None:
+        """Fails the worker's requests and forgets it; it is told to exit, or with `reset` (a stopped
+        process: scheduler/liveness.py) to forget its sequences and announce itself again if it continues."""
         assert self.core is not None and self._worker_id is not None
         log.error("worker_dead", reason=reason, num_failed_requests=len(self.core.live_requests()))
         # Should it come back (a stopped process continued), it must not serve plans of a core that is gone.
-        self._workers.send_multipart([self._worker_id, *encode(Shutdown(f"declared dead: {reason}"))])
+        shutdown = Shutdown(f"declared dead: {reason}", reannounce=reset)
+        self._workers.send_multipart([self._worker_id, *encode(shutdown)])
         self._fail_requests(kind, f"{reason}; the request was lost")
         self._drop_worker()
 

@@ -174,7 +174,7 @@ def measure_kill(stack: Stack, name: str, sig: signal.Signals = signal.SIGKILL) 
             result["error_s"] = max(s.first_error_at() for s in streams) - t0  # type: ignore[type-var]
     finally:
         if sig == signal.SIGSTOP:
-            os.kill(pid, signal.SIGCONT)  # it is told to shut down, exits, and its supervisor restarts it
+            os.kill(pid, signal.SIGCONT)  # it was declared dead: told to reset, it announces itself again
     result["back_s"] = stack.wait_serving() - t0
     stop_polling.set()
     if poller.is_alive():
@@ -272,6 +272,7 @@ def measure_wire_storm(stack: Stack, examples: int = 10_000, seed: int = 0) -> d
 
     from pagedserve.common.config import default_cluster_key_file
     from pagedserve.common.security import load_cluster_key, secure_client
+    from pagedserve.common.socket_limits import Receiver, max_message_bytes
     from scripts.fuzz_wire import KINDS
 
     key = load_cluster_key(stack.env.get("PAGEDSERVE_CLUSTER_KEY_FILE", default_cluster_key_file()))
@@ -280,7 +281,7 @@ def measure_wire_storm(stack: Stack, examples: int = 10_000, seed: int = 0) -> d
     for address in (stack.scheduler_address, stack.env["PAGEDSERVE_WORKER_ADDRESS"]):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        secure_client(sock, key)
+        secure_client(sock, key, max_message_bytes(Receiver.CLIENT))
         sock.connect(address)
         socks.append(sock)
     pids = {name: stack.pid(name) for name in ("scheduler", "worker", "api")}

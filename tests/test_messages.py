@@ -96,6 +96,7 @@ EXAMPLES = [
         prompt_logprobs=[(9, PromptLogprobs(3, [TokenLogprobs(-0.5, [4], [-0.25])] * 2, [2, 1]))],
     ),
     Shutdown("bye"),
+    Shutdown("declared dead", reannounce=True),
     KVSnapshotRequest(5, 64),
     KVSnapshot(
         6,

@@ -14,6 +14,7 @@ import zmq
 
 from pagedserve.common.messages import Heartbeat, encode
 from pagedserve.common.security import ClusterKey, secure_client
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
 
 
 class HeartbeatThread:
@@ -46,7 +47,7 @@ class HeartbeatThread:
         # Queue nothing while the scheduler is away: a beat only means something when it is fresh.
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDHWM, 1)
-        secure_client(sock, self.key)
+        secure_client(sock, self.key, max_message_bytes(Receiver.HEARTBEAT))
         sock.connect(self.address)
         frames = encode(Heartbeat(self.worker_id))
         try:

@@ -10,6 +10,10 @@ the worker announces itself afresh to the scheduler that comes back on the same 
 not match the worker's state (ModelRunner.check_plan) is not run: the worker forgets everything and announces
 itself again, which makes the scheduler fail what ran and start over with an empty cache.
 
+A Shutdown with `reannounce` (the scheduler declared this worker dead for its silence: it was stopped, or
+starved) is no exit: the worker forgets everything and announces itself again, so a process that continues
+after a pause serves again at once instead of being restarted.
+
 SIGTERM does not stop the worker at once: it serves for `shutdown_timeout_s` more, while the scheduler lets
 its requests finish, and exits when the scheduler says Shutdown or goes away. Tensor-parallel ranks other
 than 0 keep following rank 0 through that time and exit on its Shutdown.
@@ -35,6 +39,7 @@ from pagedserve.common.messages import CodecError, Shutdown, StepPlan, WorkerRea
 from pagedserve.common.model_source import ModelSourceError, resolve_config
 from pagedserve.common.monitor import open_monitor
 from pagedserve.common.security import ClusterKey, ClusterKeyError, load_cluster_key, secure_client
+from pagedserve.common.socket_limits import Receiver, WireLimits, max_message_bytes
 from pagedserve.worker.heartbeat import HeartbeatThread
 from pagedserve.worker.kv_window import freeing_window
 from pagedserve.worker.loader import load_model_config
@@ -71,11 +76,11 @@ class _StopFlag:
 class _Connection:
     """The DEALER socket to the scheduler and what its monitor says about it."""
 
-    def __init__(self, address: str, key: ClusterKey) -> None:
+    def __init__(self, address: str, key: ClusterKey, limits: WireLimits) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        secure_client(self.sock, key)
+        secure_client(self.sock, key, max_message_bytes(Receiver.WORKER, limits))
         self.monitor = open_monitor(
             self.sock,
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH,
@@ -204,7 +209,9 @@ def serve(cfg: WorkerConfig) -> int:
     stop = _StopFlag(cfg.shutdown_timeout_s + SHUTDOWN_GRACE_S)
     signal.signal(signal.SIGTERM, stop.set)
     signal.signal(signal.SIGINT, stop.set)
-    conn = _Connection(cfg.worker_address, key)
+    # the scheduler batches within the limits the worker announces: they bound its plans
+    limits = WireLimits(runner.max_model_len, runner.max_num_seqs, block_size=runner.block_size)
+    conn = _Connection(cfg.worker_address, key, limits)
     ready = WorkerReady(
         num_kv_blocks=runner.num_kv_blocks,
         block_size=runner.block_size,
@@ -331,6 +338,8 @@ def _loop(
                 steps_in_flight = [step.step_id for step in runner.in_flight]
                 log.exception("step_failed", step_id=msg.step_id, steps_in_flight=steps_in_flight)
                 return 1
+        elif isinstance(msg, Shutdown) and msg.reannounce:
+            _reannounce(conn, ready, runner, log, parallel, f"the scheduler said: {msg.reason}")
         elif isinstance(msg, Shutdown):
             parallel.forward_to_followers(frames)
             log.info("shutdown", reason=msg.reason)

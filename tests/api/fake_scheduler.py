@@ -38,6 +38,7 @@ from pagedserve.common.messages import (
     encode,
 )
 from pagedserve.common.security import authenticate, load_cluster_key, secure_server
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
 from pagedserve.scheduler.kv_views import empty_snapshot
 
 
@@ -120,7 +121,7 @@ class FakeScheduler:
         self._auth = authenticate(self._ctx, key)
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        secure_server(self._socket, key)
+        secure_server(self._socket, key, max_message_bytes(Receiver.SCHEDULER_CLIENTS))
         self._socket.bind("tcp://127.0.0.1:*")
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._step_loop())]

@@ -14,6 +14,7 @@ import zmq.asyncio
 from pagedserve.common.config import SchedulerConfig
 from pagedserve.common.messages import InfoReply, InfoRequest, Message, StepPlan, WorkerReady, decode, encode
 from pagedserve.common.security import ClusterKey, load_cluster_key, secure_client
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
 from pagedserve.scheduler.server import SchedulerServer
 from scripts._servers import free_port
 from tests.scheduler.fake_worker import FakeWorker
@@ -29,7 +30,7 @@ class Peer:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if key is not None:
-            secure_client(self.sock, key)
+            secure_client(self.sock, key, max_message_bytes(Receiver.CLIENT))
         self.sock.connect(address)
 
     async def send(self, msg: Message) -> None:

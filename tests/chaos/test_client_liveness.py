@@ -21,6 +21,7 @@ import zmq.asyncio
 from pagedserve.client import AsyncEngineClient, RequestRejected
 from pagedserve.common.messages import ErrorKind, SamplingParams, SubmitRequest, decode
 from pagedserve.common.security import authenticate, load_cluster_key, secure_server
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
 
 PARAMS = SamplingParams(max_tokens=4)
 
@@ -36,7 +37,7 @@ async def _silent_scheduler(
     auth = authenticate(ctx, key)
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    secure_server(sock, key)
+    secure_server(sock, key, max_message_bytes(Receiver.SCHEDULER_CLIENTS))
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     address = f"tcp://127.0.0.1:{port}"
     client = AsyncEngineClient(address, detokenize=False, cluster_key_file=str(key_file), **client_options)

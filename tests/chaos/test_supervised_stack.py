@@ -51,9 +51,11 @@ def test_killed_api_has_its_requests_aborted_and_blocks_freed(stack: Stack):
 
 
 def test_stopped_worker_is_declared_dead_by_heartbeat_and_comes_back(stack: Stack):
+    pid = stack.pid("worker")
     row = measure_kill(stack, "worker", signal.SIGSTOP)
     assert row["error_s"] <= CHAOS_SETTINGS["heartbeat_timeout_s"] + ERROR_S, row
-    assert row["back_s"] <= BACK_S + 10, row  # the heartbeat timeout, then a restart
+    assert row["back_s"] <= BACK_S + 10, row  # the heartbeat timeout, then its re-announcement
+    assert stack.pid("worker") == pid  # continued, it was reset, not restarted
 
 
 def test_a_client_that_reads_nothing_has_its_stream_ended_and_memory_stays_flat(stack: Stack):

@@ -28,6 +28,7 @@ from pagedserve.common.messages import (
     encode,
 )
 from pagedserve.common.security import ClusterKey, load_cluster_key, secure_server
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
 from scripts._servers import ROOT, free_port
 
 pytestmark = pytest.mark.e2e
@@ -41,7 +42,7 @@ class Scheduler:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        secure_server(self.sock, key)
+        secure_server(self.sock, key, max_message_bytes(Receiver.SCHEDULER_WORKERS))
         self.sock.bind(address)
         self.worker: bytes | None = None
 

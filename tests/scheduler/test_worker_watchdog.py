@@ -30,6 +30,8 @@ from pagedserve.common.messages import (
     decode,
 )
 from pagedserve.common.security import load_cluster_key, secure_server
+from pagedserve.common.socket_limits import Receiver, max_message_bytes
+from pagedserve.common.stall import StallClock
 from pagedserve.scheduler.server import SchedulerServer, WorkerWatch
 from pagedserve.worker.heartbeat import HeartbeatThread
 from scripts._servers import free_port
@@ -80,12 +82,27 @@ def test_with_two_steps_in_flight_the_second_is_timed_from_the_first_answer():
     assert watch.step_sent_at is None and watch.death_reason(50.0) is None
 
 
+def test_a_late_tick_is_a_stall_of_this_process_and_gives_the_worker_a_whole_timeout_again():
+    clock = StallClock(0.5, now=0.0)
+    assert clock.tick(1.0) == 0.0 and clock.tick(1.9) == 0.0  # late by 0.5 and 0.4: jitter
+    watch = WorkerWatch(heartbeat_timeout_s=2.0, step_timeout_s=5.0, last_heard=1.0)
+    watch.step_sent(1.5)
+    stalled = clock.tick(8.4)  # this process did not run from 1.9 to 8.4
+    assert stalled == pytest.approx(6.0) and watch.death_reason(8.4) is not None
+    watch.resumed(8.4, stalled)
+    assert watch.death_reason(10.3) is None and not watch.step_overdue(10.3)
+    assert "stopped responding" in (watch.death_reason(10.5) or "")  # still silent a timeout later
+    watch.heard(10.4)
+    assert watch.step_overdue(12.6) and not watch.step_overdue(12.4)  # the stall does not count
+
+
 def test_heartbeat_thread_beats_with_its_worker_id_until_stopped():
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     key = load_cluster_key(default_cluster_key_file())
-    secure_server(router, key)  # (no authenticator here: the handshake alone shows the thread uses CURVE)
+    # (no authenticator here: the handshake alone shows the thread uses CURVE)
+    secure_server(router, key, max_message_bytes(Receiver.SCHEDULER_WORKERS))
     port = router.bind_to_random_port("tcp://127.0.0.1")
     beats = HeartbeatThread(f"tcp://127.0.0.1:{port}", "w-1", interval_s=0.02, key=key).start()
     try:
@@ -152,9 +169,10 @@ async def _serve_like_a_worker(worker: Peer, worker_id: str, beat_s: float = 0.0
 
 
 async def _until_shutdown(worker: Peer) -> AsyncIterator[Message]:
-    """The messages the worker gets before a Shutdown, which must come."""
+    """The messages the worker gets up to a Shutdown, which must come (and comes last)."""
     while not isinstance(msg := await worker.recv(), Shutdown):
         yield msg
+    yield msg
 
 
 async def _generate(client: Client, request_id: str) -> list[int]:
@@ -224,10 +242,12 @@ def test_silent_worker_fails_its_requests_then_a_new_worker_is_accepted():
             error = await client.recv()
             assert isinstance(error, RequestError) and error.request_id == "in-flight"
             assert error.kind == ErrorKind.UNAVAILABLE and "stopped responding" in error.message
-            # Should it come back, it must stop: after the plans queued for it (async scheduling sends the
-            # next plan before the answer to the first), it is told to shut down.
-            queued = [msg async for msg in _until_shutdown(worker)]
+            # Should it come back, it must not serve that core: after the plans queued for it (async
+            # scheduling sends the next plan before the answer to the first), it is told to reset (a
+            # stopped process that continues announces itself again instead of being restarted).
+            *queued, shutdown = [msg async for msg in _until_shutdown(worker)]
             assert all(isinstance(msg, StepPlan) for msg in queued) and len(queued) <= 1
+            assert isinstance(shutdown, Shutdown) and shutdown.reannounce
             await _assert_refused_while_no_worker(client)
             gc.collect()
             assert old_core() is None, "the dead worker's requests and KV bookkeeping are still held"
@@ -265,6 +285,8 @@ def test_worker_that_beats_but_never_finishes_its_step_is_declared_hung():
                 await asyncio.gather(beating, return_exceptions=True)
             assert isinstance(error, RequestError) and error.kind == ErrorKind.UNAVAILABLE
             assert "did not finish a step" in error.message
+            *_, shutdown = [msg async for msg in _until_shutdown(worker)]
+            assert isinstance(shutdown, Shutdown) and not shutdown.reannounce  # a hung worker is ended
             await _assert_refused_while_no_worker(client)
             await _assert_new_worker_serves(cfg, ctx, client)
 
