@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from api.auth import request_cache_salt
 from api.chat_output import ParsedChatFormat
 from api.errors import ApiError, error_body, invalid, unavailable
 from api.generation import Generation
@@ -102,7 +103,7 @@ async def _serve(
     try:
         for prompt, params in zip(req.prompts, req.params, strict=True):
             handle = await state.client.submit_one(
-                prompt, params, priority=req.priority, cache_salt=req.cache_salt
+                prompt, params, priority=req.priority, cache_salt=request_cache_salt(request, req.cache_salt)
             )
             handles.append(handle)
     except BaseException as e:  # refused, or cancelled because the client left: stop what was submitted
