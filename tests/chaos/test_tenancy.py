@@ -68,7 +68,7 @@ def _start_api(server: Server, log_dir: Path, **settings: str) -> tuple[subproce
     with open(log_dir / "api-shared.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "api"], cwd=ROOT, env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120  # a loaded CI machine starts it slowly
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
@@ -91,7 +91,7 @@ def keyed_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     key_file = log_dir / "keys"
     key_file.write_text(KEY_FILE)
     server = start_server(
-        tiny_model_dir, log_dir, api_key_file=str(key_file), num_kv_blocks=128, max_num_seqs=8,
+        tiny_model_dir, log_dir, api_key_file=str(key_file), num_kv_blocks=256, max_num_seqs=8,
         max_num_batched_tokens=512, max_model_len=512,
     )  # fmt: skip
     yield server
