@@ -158,8 +158,10 @@ def _login_page(message: str = "", status: int = 200) -> web.Response:
 async def page(request: web.Request) -> web.StreamResponse:
     try:
         signed_in = _signed_in(request)
-    except ApiError as e:
-        return _login_page(e.message, status=e.status)
+    except ApiError as e:  # a wrong bearer key: 401, or 429 with its Retry-After
+        refused = _login_page(e.message, status=e.status)
+        refused.headers.update(e.headers or {})
+        return refused
     if not signed_in:
         return _login_page(status=401)
     return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-store"})
