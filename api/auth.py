@@ -90,8 +90,9 @@ class ApiKeys:
         self._fixed = [_tenant("", api_key)] if api_key else []
         self._path = os.path.expanduser(key_file) if key_file else ""
         self._clock = clock
-        self._stamp: tuple[int, int, int] | None = None  # the file's (inode, size, mtime_ns) last read
+        self._stamp = b""  # SHA-256 of the file's bytes last loaded
         self._checked = -math.inf
+        self._error = ""  # the last reload's problem, logged once
         self._by_digest: dict[bytes, Tenant] = {t.key_digest: t for t in self._fixed}
         if self._path:
             self._reload(at_start=True)
@@ -118,19 +119,23 @@ class ApiKeys:
     def _reload(self, at_start: bool) -> None:
         self._checked = self._clock()
         try:
-            st = os.stat(self._path)
-            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            # Its bytes, not its mtime: two writes within one clock tick leave the same mtime and size.
+            with open(self._path, "rb") as f:
+                data = f.read(MAX_KEY_FILE_BYTES + 1)
+            if len(data) > MAX_KEY_FILE_BYTES:
+                raise KeyFileError(f"{self._path} is larger than {MAX_KEY_FILE_BYTES} bytes")
+            stamp = hashlib.sha256(data).digest()
             if stamp == self._stamp:
                 return
-            if st.st_size > MAX_KEY_FILE_BYTES:
-                raise KeyFileError(f"{self._path} is larger than {MAX_KEY_FILE_BYTES} bytes")
-            with open(self._path, encoding="utf-8") as f:
-                tenants = parse_key_file(f.read(MAX_KEY_FILE_BYTES + 1), self._path)
+            tenants = parse_key_file(data.decode("utf-8"), self._path)
         except (OSError, UnicodeDecodeError, KeyFileError) as e:
             if at_start:
                 raise KeyFileError(f"--api-key-file: {e}") from None
-            log.error("api_key_file_unusable", path=self._path, error=str(e), keeps=len(self._by_digest))
+            if str(e) != self._error:  # once per new problem, not once per check
+                log.error("api_key_file_unusable", path=self._path, error=str(e), keeps=len(self._by_digest))
+            self._error = str(e)
             return
+        self._error = ""
         self._stamp = stamp
         self._by_digest = {t.key_digest: t for t in self._fixed + tenants}
         log.info("api_keys_loaded", path=self._path, keys=len(self._by_digest))

@@ -3,6 +3,9 @@ else OpenAI's 401; the key file's tenants, the throttle on wrong keys and dashbo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -10,9 +13,10 @@ from typing import Any, cast
 import pytest
 from aiohttp import web
 
-from api.auth import Auth, FailureLimiter, KeyFileError, address_of, parse_key_file
+from api.auth import RELOAD_CHECK_S, ApiKeys, Auth, FailureLimiter, KeyFileError, address_of, parse_key_file
 from api.dashboard import Sessions
 from common.config import ApiConfig, parse_config
+from scripts._servers import ROOT
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
 
@@ -169,3 +173,33 @@ def test_the_new_settings_come_from_flags() -> None:
     assert config.auth_failures_per_minute == 5
     with pytest.raises(ValueError, match="auth_failures_per_minute"):
         ApiConfig(auth_failures_per_minute=-1)
+
+
+def test_python_m_api_with_an_unusable_key_file_exits_2(tmp_path: Path) -> None:
+    """Exit code 2 is a configuration error, which the supervisor does not restart."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+    env["PAGEDSERVE_CLUSTER_KEY_FILE"] = str(tmp_path / "cluster_key")
+    argv = [sys.executable, "-m", "api", "--api-key-file", str(tmp_path / "missing"), "--port", "0"]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=120)
+    assert done.returncode == 2, done.stderr.decode()[-2000:]
+    assert b"api_key_file_unusable" in done.stdout + done.stderr
+
+
+def test_the_key_file_is_read_again_when_it_changes_and_a_broken_one_keeps_the_last_keys(
+    tmp_path: Path,
+) -> None:
+    now = [0.0]
+    key_file = tmp_path / "keys"
+    key_file.write_text("a:sk-1\n")
+    keys = ApiKeys("", str(key_file), clock=lambda: now[0])
+    assert keys.match(b"sk-1") is not None and keys.match(b"sk-2") is None
+    key_file.write_text("b:sk-2\n")
+    assert keys.match(b"sk-2") is None  # read again at most once per RELOAD_CHECK_S
+    now[0] += RELOAD_CHECK_S
+    assert keys.match(b"sk-2") is not None and keys.match(b"sk-1") is None  # sk-1 withdrawn
+    key_file.write_text("b:sk-2\nc:sk-2\n")  # one key, two names: refused, the last good keys kept
+    now[0] += RELOAD_CHECK_S
+    assert keys.match(b"sk-2") is not None
+    key_file.unlink()
+    now[0] += RELOAD_CHECK_S
+    assert keys.match(b"sk-2") is not None and keys.enabled
