@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from api.errors import ApiError, unauthorized
-from common.config import ApiConfig
-from common.log import get_logger
+from pagedserve.api.errors import ApiError, unauthorized
+from pagedserve.common.config import ApiConfig
+from pagedserve.common.log import get_logger
 
 log = get_logger(component="api")
 

@@ -14,12 +14,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from api.chat_template import SANDBOX, request_template, server_template, template_kwargs
-from api.errors import ApiError, invalid
-from api.fields import MAX_MESSAGES, MAX_NAME_CHARS, Fields, show
-from api.model import ServedModel
-from api.tools import ToolOptions
-from common.config import ApiConfig
+from pagedserve.api.chat_template import SANDBOX, request_template, server_template, template_kwargs
+from pagedserve.api.errors import ApiError, invalid
+from pagedserve.api.fields import MAX_MESSAGES, MAX_NAME_CHARS, Fields, show
+from pagedserve.api.model import ServedModel
+from pagedserve.api.tools import ToolOptions
+from pagedserve.common.config import ApiConfig
 
 CHAT_ROLES = {
     "system": "system",

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
-from api.errors import invalid, unavailable
-from api.fields import show
+from pagedserve.api.errors import invalid, unavailable
+from pagedserve.api.fields import show
 
 MAX_TEMPLATE_CHARS = 256 * 1024
 MAX_TEMPLATE_KWARGS = 64

@@ -34,12 +34,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from api.auth import AUTH, Tenant, bearer_key
-from api.errors import ApiError, unauthorized, unavailable
-from api.state import STATE
-from common.kv_view import snapshot_json
-from common.log import get_logger
-from common.messages import MAX_SNAPSHOT_CELLS
+from pagedserve.api.auth import AUTH, Tenant, bearer_key
+from pagedserve.api.errors import ApiError, unauthorized, unavailable
+from pagedserve.api.state import STATE
+from pagedserve.common.kv_view import snapshot_json
+from pagedserve.common.log import get_logger
+from pagedserve.common.messages import MAX_SNAPSHOT_CELLS
 
 log = get_logger(component="api")
 

@@ -13,9 +13,17 @@ from typing import Any, cast
 import pytest
 from aiohttp import web
 
-from api.auth import RELOAD_CHECK_S, ApiKeys, Auth, FailureLimiter, KeyFileError, address_of, parse_key_file
-from api.dashboard import Sessions
-from common.config import ApiConfig, parse_config
+from pagedserve.api.auth import (
+    RELOAD_CHECK_S,
+    ApiKeys,
+    Auth,
+    FailureLimiter,
+    KeyFileError,
+    address_of,
+    parse_key_file,
+)
+from pagedserve.api.dashboard import Sessions
+from pagedserve.common.config import ApiConfig, parse_config
 from scripts._servers import ROOT
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
@@ -179,7 +187,15 @@ def test_python_m_api_with_an_unusable_key_file_exits_2(tmp_path: Path) -> None:
     """Exit code 2 is a configuration error, which the supervisor does not restart."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     env["PAGEDSERVE_CLUSTER_KEY_FILE"] = str(tmp_path / "cluster_key")
-    argv = [sys.executable, "-m", "api", "--api-key-file", str(tmp_path / "missing"), "--port", "0"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pagedserve.api",
+        "--api-key-file",
+        str(tmp_path / "missing"),
+        "--port",
+        "0",
+    ]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=120)
     assert done.returncode == 2, done.stderr.decode()[-2000:]
     assert b"api_key_file_unusable" in done.stdout + done.stderr

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from api.dashboard import COOKIE
-from common.config import ApiConfig
+from pagedserve.api.dashboard import COOKIE
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer, HttpReply
 from tests.api.test_errors import assert_error
 from tests.e2e.processes import ROOT, Server, free_port, start_server
@@ -66,7 +66,9 @@ def _start_api(server: Server, log_dir: Path, **settings: str) -> tuple[subproce
     env = server.engine.env | {"PAGEDSERVE_PORT": str(port)}
     env |= {"PAGEDSERVE_" + k.upper(): v for k, v in settings.items()}
     with open(log_dir / "api-shared.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "api"], cwd=ROOT, env=env, stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.api"], cwd=ROOT, env=env, stdout=log, stderr=log
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120  # a loaded CI machine starts it slowly
     while time.monotonic() < deadline and proc.poll() is None:

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from api.dashboard import COOKIE, STATIC_DIR
-from common.config import ApiConfig, parse_config
-from common.kv_view import snapshot_to_dict
+from pagedserve.api.dashboard import COOKIE, STATIC_DIR
+from pagedserve.common.config import ApiConfig, parse_config
+from pagedserve.common.kv_view import snapshot_to_dict
 from tests.api.harness import ApiServer
 from tests.scheduler.conftest import make_harness
 
