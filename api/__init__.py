@@ -26,12 +26,15 @@ model.py          the tokenizer, loaded from --model at start; the served model'
                   from the scheduler once a worker is ready (503 while it serves another checkpoint)
 state.py          what handlers share: config, client, model, counters, tokenizer thread, requests in flight
 errors.py         ApiError and OpenAI's error body (the 401s word for word)
+auth.py           API keys (--api-key, --api-key-file, reloaded) and their tenants: each tenant's prefix-cache
+                  salt; wrong keys throttled per client address (429)
 tokenization.py   POST /tokenize and /detokenize (vLLM's), by the served model's tokenizer
 version.py        GET /version
 cors.py           CORS (vLLM's --allowed-origins & co.): preflights before the API key, origin headers
 request_id.py     X-Request-Id: the client's or a fresh one, echoed on every response, in the response id
 scheduling.py     `priority`, refused under the scheduler's fcfs policy (it would change nothing)
-dashboard.py      /dashboard: the KV cache's live view (static/dashboard/), its sign-in, its event stream
+dashboard.py      /dashboard: the KV cache's live view (static/dashboard/), its sign-in and revocable
+                  sessions, its event stream
 
-With ApiConfig.api_key set, every route but /health and /metrics needs `Authorization: Bearer <key>`.
+With API keys set (auth.py), every route but /health and /metrics needs `Authorization: Bearer <key>`.
 """

@@ -14,6 +14,7 @@ import structlog
 import uvloop
 from aiohttp import web
 
+from pagedserve.api.auth import KeyFileError
 from pagedserve.api.server import create_app, drain
 from pagedserve.api.state import STATE
 from pagedserve.common.config import ApiConfig, parse_config
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.run(serve(config))
     except ClusterKeyError as e:  # a configuration error: exit code 2, which the supervisor does not retry
         configure_logging("api", config.log_level).error("cluster_key_unusable", error=str(e))
+        raise SystemExit(2) from None
+    except KeyFileError as e:
+        configure_logging("api", config.log_level).error("api_key_file_unusable", error=str(e))
         raise SystemExit(2) from None
 
 

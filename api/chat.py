@@ -178,10 +178,10 @@ def render_chat_request(
         raise invalid(message, "continue_final_message")
     if continue_final and messages[-1]["role"] != "assistant":
         raise invalid("'continue_final_message' needs the last message to be the assistant's", "messages")
-    kwargs = template_kwargs(body.get("chat_template_kwargs"))
+    tokenizer = model.tokenizer
+    kwargs = template_kwargs(body.get("chat_template_kwargs"), tokenizer.special_tokens_map)
     own_template = request_template(body.get("chat_template"), config.trust_request_chat_template)
     template = own_template or server_template(config.chat_template)
-    tokenizer = model.tokenizer
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise invalid("this model has no chat template: start the server with --chat-template")
     options: dict[str, Any] = dict(

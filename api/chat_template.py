@@ -17,6 +17,7 @@ import multiprocessing
 import multiprocessing.pool
 import os
 import threading
+from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -29,7 +30,7 @@ RENDER_TIMEOUT_S = 5.0  # a request's own template, rendered in the child proces
 RENDER_MEMORY_BYTES = 1 << 30  # the child's address space beyond its imports
 STARTUP_TIMEOUT_S = 120.0  # the child's start: a fresh interpreter importing transformers' renderer
 # Names the renderer sets itself (or transformers' apply_chat_template takes), so not template kwargs.
-RESERVED_KWARGS = frozenset(
+CALL_KWARGS = frozenset(
     {
         "messages",
         "conversation",
@@ -50,6 +51,24 @@ RESERVED_KWARGS = frozenset(
         "strftime_now",
     }
 )
+# What the template reads as given by the server: the special tokens (the tokenizer's special_tokens_map,
+# which apply_chat_template lets kwargs override) and jinja's own globals. A kwarg of one of these names
+# would put text of the request's choosing where the template puts a special token (`bos_token`).
+SPECIAL_TOKEN_NAMES = frozenset(
+    {
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        "extra_special_tokens",
+    }
+)
+JINJA_GLOBALS = frozenset({"range", "dict", "lipsum", "cycler", "joiner", "namespace"})
+RESERVED_KWARGS = CALL_KWARGS | SPECIAL_TOKEN_NAMES | JINJA_GLOBALS
 
 
 @lru_cache(maxsize=4)
@@ -74,15 +93,16 @@ def server_template(spec: str) -> str | None:
     return template
 
 
-def template_kwargs(value: Any) -> dict[str, Any]:
+def template_kwargs(value: Any, special_tokens: Iterable[str] = ()) -> dict[str, Any]:
     """`chat_template_kwargs`: variables for the template (Qwen3's enable_thinking, say). A variable the
-    template does not use changes nothing, as in vLLM; one the renderer sets itself is a 400."""
+    template does not use changes nothing, as in vLLM; one the renderer sets itself, a special token's name
+    (RESERVED_KWARGS, and `special_tokens`: the tokenizer's own names) or a jinja global is a 400."""
     if value is None:
         return {}
     if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
         message = f"'chat_template_kwargs' must be an object of at most {MAX_TEMPLATE_KWARGS} entries"
         raise invalid(message, "chat_template_kwargs")
-    reserved = sorted(set(value) & RESERVED_KWARGS)
+    reserved = sorted(set(value) & (RESERVED_KWARGS | set(special_tokens)))
     if reserved:
         message = f"'chat_template_kwargs' may not set {show(reserved)}: use the request's own fields"
         raise invalid(message, "chat_template_kwargs")

@@ -3,14 +3,18 @@
 Routes (all under /dashboard; none when ApiConfig.dashboard is off):
     GET  /dashboard                  the page (api/static/dashboard/), or the sign-in form when a key is set
     POST /dashboard/login            the form's key -> a session cookie, then back to the page
+    POST /dashboard/logout           ends the cookie's session, then back to the page (the sign-in form)
     GET  /dashboard/events           server-sent events: one `data: <snapshot JSON>` per snapshot
     GET  /dashboard/snapshot         one snapshot as JSON (?cells=N), for scripts and curl
     GET  /dashboard/static/NAME      the page's script, style and the vendored Chart.js
 
-Authentication. With an api_key, every route but the sign-in needs the key, as `Authorization: Bearer` (for
-programs) or as the session cookie the sign-in form sets: a browser's EventSource sends no headers, and a key
-in the URL would sit in access logs and history. The cookie holds HMAC-SHA256(api_key, a fixed label), never
-the key itself, is HttpOnly and SameSite=Strict, and is valid as long as the key is.
+Authentication. With API keys (api/auth.py), every route but the sign-in and sign-out needs a key, as
+`Authorization: Bearer` (for programs) or as the session cookie the sign-in form sets: a browser's
+EventSource sends no headers, and a key in the URL would sit in access logs and history. The cookie holds a
+random token of this process's session table (Sessions), never the key nor anything derived from it; it is
+HttpOnly and SameSite=Strict. A session ends at its expiry (SESSION_TTL_S), at sign-out, when the key that
+opened it leaves the key file, or when the api restarts; an event stream open under it ends with it. Wrong
+keys at the sign-in count towards the address's throttle as the api's do.
 
 One poller per api process asks the scheduler for a snapshot every PERIOD_S while at least one browser
 holds an event stream open, and stops with the last; every stream gets the latest snapshot (a stream that
@@ -22,11 +26,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
 
+from pagedserve.api.auth import AUTH, Tenant, bearer_key
 from pagedserve.api.errors import ApiError, unauthorized, unavailable
 from pagedserve.api.state import STATE
 from pagedserve.common.kv_view import snapshot_json
@@ -39,7 +47,8 @@ PREFIX = "/dashboard"
 STATIC_DIR = Path(__file__).parent / "static" / "dashboard"
 STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
 COOKIE = "pagedserve_dashboard"
-COOKIE_MAX_AGE_S = 12 * 3600
+SESSION_TTL_S = 12 * 3600
+MAX_SESSIONS = 1024  # signed-in browsers; past it, the oldest session ends
 PERIOD_S = 0.5  # a snapshot per viewer stream at most this often (the scheduler caches its own as well)
 DEFAULT_CELLS = 4096
 MAX_VIEWERS = 32
@@ -52,25 +61,93 @@ def is_dashboard_path(path: str) -> bool:
     return path == PREFIX or path.startswith(PREFIX + "/")
 
 
-def session_token(api_key: str) -> str:
-    return hmac.new(api_key.encode(), b"pagedserve dashboard session", hashlib.sha256).hexdigest()
+class Sessions:
+    """Dashboard sign-ins: random tokens, each with the tenant that signed in and an expiry; at most
+    `max_sessions` (the oldest ends first). Only a token's SHA-256 is kept, so the table shows no cookie."""
+
+    def __init__(
+        self, max_sessions: int = MAX_SESSIONS, ttl_s: float = SESSION_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._open: OrderedDict[bytes, tuple[Tenant, float]] = OrderedDict()  # -> (tenant, expiry)
+
+    @staticmethod
+    def _id(token: str) -> bytes:
+        return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+    def open(self, tenant: Tenant) -> str:
+        """A new session's token (the cookie's value)."""
+        now = self._clock()
+        for sid, (_, expiry) in list(self._open.items()):
+            if expiry <= now:
+                del self._open[sid]
+        while len(self._open) >= self.max_sessions:
+            self._open.popitem(last=False)
+        token = secrets.token_urlsafe(32)
+        self._open[self._id(token)] = (tenant, now + self.ttl_s)
+        return token
+
+    def find(self, token: str) -> Tenant | None:
+        """The tenant of a live session, or None (none, expired or revoked)."""
+        sid = self._id(token)
+        entry = self._open.get(sid)
+        if entry is None or entry[1] <= self._clock():
+            self._open.pop(sid, None)
+            return None
+        return entry[0]
+
+    def revoke(self, token: str) -> None:
+        self._open.pop(self._id(token), None)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+SESSIONS = web.AppKey("dashboard_sessions", Sessions)
+
+
+def _session_alive(request: web.Request) -> bool:
+    """Whether the request's cookie names a live session whose key still opens the api (a session whose
+    key was removed is ended here)."""
+    token = request.cookies.get(COOKIE, "")[:256]
+    if not token:
+        return False
+    tenant = request.app[SESSIONS].find(token)
+    if tenant is None:
+        return False
+    if not request.app[AUTH].keys.holds(tenant):
+        request.app[SESSIONS].revoke(token)
+        return False
+    return True
 
 
 def _signed_in(request: web.Request) -> bool:
-    key = request.app[STATE].config.api_key
-    if not key:
+    """A live session or a right bearer key (a wrong one raises 401, or 429 past the address's throttle)."""
+    auth = request.app[AUTH]
+    if not auth.keys.enabled or _session_alive(request):
         return True
-    cookie = request.cookies.get(COOKIE, "")
-    if cookie and hmac.compare_digest(cookie.encode(), session_token(key).encode()):
+    key = bearer_key(request)
+    if key is None:
+        return False
+    auth.check(request, key)
+    return True
+
+
+def _still_signed_in(request: web.Request) -> bool:
+    """For an open event stream: its session or key still valid (checked as each event goes out)."""
+    auth = request.app[AUTH]
+    if not auth.keys.enabled or _session_alive(request):
         return True
-    scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
-    given = token.strip().encode("utf-8", "surrogatepass")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode())
+    key = bearer_key(request)
+    return key is not None and auth.keys.match(key) is not None
 
 
 def _require(request: web.Request) -> None:
     if not _signed_in(request):
-        raise unauthorized(given=bool(request.headers.get("Authorization") or request.cookies.get(COOKIE)))
+        raise unauthorized(given=bool(request.cookies.get(COOKIE)))
 
 
 def _login_page(message: str = "", status: int = 200) -> web.Response:
@@ -79,24 +156,45 @@ def _login_page(message: str = "", status: int = 200) -> web.Response:
 
 
 async def page(request: web.Request) -> web.StreamResponse:
-    if not _signed_in(request):
+    try:
+        signed_in = _signed_in(request)
+    except ApiError as e:  # a wrong bearer key: 401, or 429 with its Retry-After
+        refused = _login_page(e.message, status=e.status)
+        refused.headers.update(e.headers or {})
+        return refused
+    if not signed_in:
         return _login_page(status=401)
     return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-store"})
 
 
 async def login(request: web.Request) -> web.Response:
-    key = request.app[STATE].config.api_key
+    auth = request.app[AUTH]
     form = await request.post()
     given = str(form.get("key", ""))[:4096].encode("utf-8", "surrogatepass")
-    if key and not hmac.compare_digest(given, key.encode()):
-        log.info("dashboard_sign_in_refused", remote=request.remote)
-        return _login_page("That key is not the server's API key.", status=401)
     response = web.Response(status=303, headers={"Location": PREFIX})
-    if key:
+    if auth.keys.enabled:
+        try:
+            tenant = auth.check(request, given)
+        except ApiError as e:
+            log.info("dashboard_sign_in_refused", remote=request.remote, status=e.status)
+            message = "That key does not open this server." if e.status == 401 else e.message
+            refused = _login_page(message, status=e.status)
+            refused.headers.update(e.headers or {})
+            return refused
         response.set_cookie(
-            COOKIE, session_token(key), max_age=COOKIE_MAX_AGE_S, path=PREFIX, httponly=True,
+            COOKIE, request.app[SESSIONS].open(tenant), max_age=SESSION_TTL_S, path=PREFIX, httponly=True,
             samesite="Strict", secure=request.secure,
         )  # fmt: skip
+    return response
+
+
+async def logout(request: web.Request) -> web.Response:
+    """Ends the cookie's session (a token that names none changes nothing)."""
+    token = request.cookies.get(COOKIE, "")[:256]
+    if token:
+        request.app[SESSIONS].revoke(token)
+    response = web.Response(status=303, headers={"Location": PREFIX})
+    response.del_cookie(COOKIE, path=PREFIX)
     return response
 
 
@@ -192,7 +290,7 @@ async def events(request: web.Request) -> web.StreamResponse:
                 event = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
             except TimeoutError:
                 event = b": keepalive\n\n"
-            if not event:
+            if not event or not _still_signed_in(request):  # signed out or revoked: the stream ends
                 break
             # A browser that stops reading is cut, as a generation stream is (its socket's buffer is full).
             await asyncio.wait_for(response.write(event), state.config.stream_write_timeout_s)
@@ -206,9 +304,11 @@ async def events(request: web.Request) -> web.StreamResponse:
 def add_dashboard(app: web.Application) -> None:
     """Adds the dashboard's routes to the api's app."""
     app[VIEWERS] = Viewers()
+    app[SESSIONS] = Sessions()
     app.on_shutdown.append(app[VIEWERS].close)
     app.router.add_get(PREFIX, page)
     app.router.add_post(PREFIX + "/login", login)
+    app.router.add_post(PREFIX + "/logout", logout)
     app.router.add_get(PREFIX + "/events", events)
     app.router.add_get(PREFIX + "/snapshot", snapshot)
     app.router.add_get(PREFIX + "/static/{name}", static)

@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pagedserve.api.auth import request_cache_salt
 from pagedserve.api.chat_output import ParsedChatFormat
 from pagedserve.api.errors import ApiError, error_body, invalid, unavailable
 from pagedserve.api.generation import Generation
@@ -111,7 +112,7 @@ async def _serve(
     try:
         for prompt, params in zip(req.prompts, req.params, strict=True):
             handle = await state.client.submit_one(
-                prompt, params, priority=req.priority, cache_salt=req.cache_salt
+                prompt, params, priority=req.priority, cache_salt=request_cache_salt(request, req.cache_salt)
             )
             handles.append(handle)
     except BaseException as e:  # refused, or cancelled because the client left: stop what was submitted

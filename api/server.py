@@ -1,7 +1,7 @@
 """The aiohttp application: routes, the error and access-log middleware, the API key check, the small
 endpoints, and the drain that SIGTERM starts.
 
-With ApiConfig.api_key set, every route but /health and /metrics needs `Authorization: Bearer <key>`:
+With API keys set (api/auth.py), every route but /health and /metrics needs `Authorization: Bearer <key>`:
 /health is what load balancers and supervisors probe, and /metrics is what Prometheus scrapes, as in vLLM
 (neither shows a prompt or a completion). Keep the port off untrusted networks if /metrics should be
 private.
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from pagedserve.api.auth import AUTH, TENANT, Auth, bearer_key
 from pagedserve.api.cors import add_cors
 from pagedserve.api.dashboard import add_dashboard, is_dashboard_path
 from pagedserve.api.errors import ApiError, error_body, unauthorized
@@ -95,15 +95,15 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With an API key configured, refuses (401) any request but the open paths without `Bearer <key>`."""
-    key = request.app[STATE].config.api_key
-    if key and request.path not in OPEN_PATHS and not is_dashboard_path(request.path):  # its own check
-        scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+    """With API keys configured, refuses (401, or 429 after too many wrong keys: api/auth.py) any request
+    but the open paths without `Bearer <key>`, and marks the request with its key's tenant."""
+    auth = request.app[AUTH]
+    if auth.keys.enabled and request.path not in OPEN_PATHS and not is_dashboard_path(request.path):
+        key = bearer_key(request)  # the dashboard makes its own check (a cookie or this)
+        if key is None:
             raise unauthorized(given=False)
-        given = token.strip().encode("utf-8", "surrogatepass")
-        if not hmac.compare_digest(given, key.encode()):
-            raise unauthorized(given=True)
+        request[TENANT] = tenant = auth.check(request, key)
+        request[RECORD]["key"] = tenant.name  # the key's name on the access line, never the key
     return await handler(request)
 
 
@@ -206,6 +206,7 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     app.on_response_prepare.append(echo_request_id)
     add_cors(app, config)  # preflights answered before the API key; origin headers on every response
     app[STATE] = ApiState(config, client, ModelState(config, client))
+    app[AUTH] = Auth(config)  # reads --api-key-file: KeyFileError when it is unusable
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

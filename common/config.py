@@ -109,6 +109,15 @@ class ApiConfig:
     allow_credentials: bool = False  # let pages send cookies and HTTP authentication (never with origin "*")
     # Chat without max_tokens: at most this many (or max_new_tokens if fewer), as fits; 0: as much as fits
     default_max_tokens: int = 4096
+    # More API keys: a file of one per line, `name:key` or a bare key (# comments), read again when it
+    # changes (a removed key stops working and its dashboard sessions end); api_key counts as well
+    api_key_file: str = ""
+    # Let requests of different API keys share prefix-cache entries; off: each key's are apart (another key
+    # learns nothing of them from cached_tokens or latency), and only a request's cache_salt divides a key's
+    share_prefix_cache_across_keys: bool = False
+    # Wrong API keys one client address (an IPv6 /64) may send per minute; past them, 429 with Retry-After
+    # for any key it sends until the allowance refills; 0: no limit
+    auth_failures_per_minute: int = 30
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -119,6 +128,8 @@ class ApiConfig:
             raise ValueError('allow_credentials needs allowed_origins to name origins, not "*"')
         if self.default_max_tokens < 0:
             raise ValueError(f"default_max_tokens must be at least 0, got {self.default_max_tokens}")
+        if not 0 <= self.auth_failures_per_minute <= 1 << 20:
+            raise ValueError("auth_failures_per_minute must be in [0, 2**20]")
 
 
 @dataclass(frozen=True)
