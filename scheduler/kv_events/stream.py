@@ -1,0 +1,61 @@
+"""The scheduler server's end of the KV events: the publisher its config asks for, fed once per step."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.kv_events_config import parse_kv_events_config
+from pagedserve.scheduler.kv_events.publisher import EventPublisher, NullEventPublisher, ZmqEventPublisher
+from pagedserve.scheduler.kv_events.wire import EventBatch
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.scheduler import Scheduler
+
+
+class KVEventStream:
+    """Takes the core's recorded events after every step and publishes them as one batch."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self._config = parse_kv_events_config(config.kv_events_config)
+        self.data_parallel_rank = config.data_parallel_rank
+        self.publisher: EventPublisher | None = None
+
+    def start(self) -> None:
+        """Opens the publisher's sockets (a taken port fails here, at start); nothing while events are off."""
+        if self._config is None or not self._config.enable_kv_cache_events or self.publisher is not None:
+            return
+        if self._config.resolved_publisher == "zmq":
+            self.publisher = ZmqEventPublisher(self._config, self.data_parallel_rank)
+        else:
+            self.publisher = NullEventPublisher()
+
+    def after_step(self, core: Scheduler) -> None:
+        """Publishes what the core's block manager recorded since the last call, if anything."""
+        if self.publisher is None or core.kv_events is None:
+            return
+        events = core.kv_events.take()
+        if events:
+            self.publisher.publish(EventBatch(time.time(), events, self.data_parallel_rank))
+
+    def metrics_text(self) -> str:
+        """The publisher's counters in Prometheus text format ("" while events are off)."""
+        if self.publisher is None:
+            return ""
+        lines = []
+        for name, value, help_text in (
+            (
+                "pagedserve_kv_events_batches_published_total",
+                self.publisher.published,
+                "KV event batches sent",
+            ),
+            ("pagedserve_kv_events_batches_dropped_total", self.publisher.dropped, "KV event batches lost"),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
