@@ -10,6 +10,7 @@ from pagedserve.scheduler.queues import RunQueue, SwappedQueue
 from pagedserve.scheduler.request import Request, SeqStatus, SequenceTable
 from pagedserve.scheduler.settings import SchedulerSettings
 from pagedserve.scheduler.snapshot import build_snapshot
+from pagedserve.scheduler.vllm_metrics import render_vllm_metrics
 from pagedserve.scheduler.waiting import WaitingQueue
 
 
@@ -71,7 +72,15 @@ class Inspection:
             "pagedserve_kv_slots_allocated": (usage.slots_allocated, "KV slots in blocks held"),
             "pagedserve_kv_slots_used": (usage.slots_used, "KV slots holding a token"),
         }
-        return self._metrics.render(gauges)
+        vllm = render_vllm_metrics(
+            self._metrics,
+            num_running=running_requests,
+            num_waiting=len(self._requests) - running_requests,
+            kv_cache_usage=usage.blocks_used / self._block_manager.num_blocks,
+            model_name=self._settings.model_name,
+            engine=self._settings.data_parallel_rank,
+        )
+        return self._metrics.render(gauges) + vllm
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the queues, the sequences and the block manager disagree."""

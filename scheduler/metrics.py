@@ -7,11 +7,23 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler.request import Sequence
+    from pagedserve.scheduler.request import Request, Sequence
 
 ACCEPTED_BUCKETS = tuple(float(n) for n in range(17))  # accepted drafts of one sequence in one step
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0
+)  # fmt: skip
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so that its dashboards' quantiles read ours alike
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0
+)  # fmt: skip
+VLLM_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
 
@@ -70,6 +82,11 @@ class SchedulerMetrics:
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_acceptance_length: Histogram = field(default_factory=lambda: Histogram(buckets=ACCEPTED_BUCKETS))
+    # the same times in vLLM's buckets (scheduler/vllm_metrics.py), and each request's arrival to its end
+    vllm_time_to_first_token: Histogram = field(default_factory=lambda: Histogram(buckets=VLLM_TTFT_BUCKETS))
+    vllm_inter_token_latency: Histogram = field(default_factory=lambda: Histogram(buckets=VLLM_ITL_BUCKETS))
+    vllm_e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(buckets=VLLM_E2E_BUCKETS))
+    requests_finished_by_reason: dict[str, int] = field(default_factory=dict)  # "stop", "length", "abort"
 
     def observe_step(self, gpu_time_s: float, gpu_idle_before_s: float, decode_only: bool) -> None:
         """GPU time of every step; for decode-only steps also their span on the GPU's clock, from the end
@@ -88,9 +105,21 @@ class SchedulerMetrics:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.time_to_first_token.observe(now - seq.request.arrival_time)
+            self.vllm_time_to_first_token.observe(now - seq.request.arrival_time)
         else:
-            self.inter_token_latency.observe(now - seq.last_token_time)
+            self.observe_interval(now - seq.last_token_time)
         seq.last_token_time = now
+
+    def observe_interval(self, seconds: float) -> None:
+        """The time between two consecutive tokens of a sequence."""
+        self.inter_token_latency.observe(seconds)
+        self.vllm_inter_token_latency.observe(seconds)
+
+    def observe_finished(self, request: Request, reason: str, now: float) -> None:
+        """A request ended (its last sequence with `reason`)."""
+        self.requests_finished_total += 1
+        self.requests_finished_by_reason[reason] = self.requests_finished_by_reason.get(reason, 0) + 1
+        self.vllm_e2e_request_latency.observe(now - request.arrival_time)
 
     def render(self, gauges: dict[str, tuple[float, str]]) -> str:
         """Prometheus text for these metrics plus `gauges` (name -> (value, help))."""

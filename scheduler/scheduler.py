@@ -369,7 +369,7 @@ class Scheduler:
         self._waiting.touch(request)
         if request.finished:
             del self._requests[request.key]
-            self.metrics.requests_finished_total += 1
+            self.metrics.observe_finished(request, reason, self._clock())
 
     def update(self, step: StepOutput) -> list[Output]:
         """Appends the sampled tokens, ends finished sequences and returns what to send to clients. Every
@@ -421,7 +421,7 @@ class Scheduler:
         if seq.last_token_time is None:
             self.metrics.observe_token(seq, now)
         else:
-            self.metrics.inter_token_latency.observe(now - seq.last_token_time)
+            self.metrics.observe_interval(now - seq.last_token_time)
             seq.last_token_time = now
         request = seq.request
         ended = False
