@@ -7,8 +7,10 @@ Wire (vLLM's, `vllm/distributed/kv_events.py`):
   (scheduler/kv_events/wire.py). At `hwm` queued messages a slow subscriber loses batches; the gap in the
   sequence numbers tells it to ask for a replay.
 - ROUTER (replay): a request is [empty frame, starting sequence number (8 bytes big-endian)] from a
-  DEALER (a ROUTER sees the sender's identity first); the answer is one message [empty, seq, payload] per
-  buffered batch from that number on (the last `buffer_steps`), then [empty, -1 (8 bytes, signed), empty].
+  DEALER (a ROUTER sees the sender's identity first); the answer is one message per buffered batch from
+  that number on (the last `buffer_steps`), in the live messages' three frames [topic, seq, payload], then
+  [empty, -1 (8 bytes, signed), empty]. (vLLM's documented contract; with the default empty
+  topic this is also what older vLLM sends.)
 """
 
 from __future__ import annotations
@@ -181,5 +183,7 @@ class ZmqEventPublisher:
         identity, start = frames[0], int.from_bytes(frames[2], "big")
         for seq, payload in list(self._buffer):
             if seq >= start:
-                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+                self._replay.send_multipart(
+                    (identity, self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK
+                )
         self._replay.send_multipart((identity, b"", END_SEQ, b""), zmq.NOBLOCK)

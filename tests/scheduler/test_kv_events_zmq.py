@@ -54,7 +54,9 @@ def _until_subscribed(publisher: ZmqEventPublisher, sub: zmq.Socket) -> int:
     raise AssertionError("the subscription never arrived")
 
 
-def _replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+def _replay(
+    ctx: zmq.Context, endpoint: str, start: int, topic: bytes = b"kv-events"
+) -> list[tuple[int, bytes]]:
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -62,12 +64,12 @@ def _replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, byte
     dealer.send_multipart([b"", start.to_bytes(8, "big")])
     answer = []
     while True:
-        empty, seq, payload = dealer.recv_multipart()
-        assert empty == b""
+        first, seq, payload = dealer.recv_multipart()
         if seq == (-1).to_bytes(8, "big", signed=True):
-            assert payload == b""
+            assert first == payload == b""  # the end: empty topic and payload
             dealer.close()
             return answer
+        assert first == topic  # a batch: the live message's frames
         answer.append((int.from_bytes(seq, "big"), payload))
 
 
