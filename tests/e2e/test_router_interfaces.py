@@ -1,6 +1,10 @@
-"""vllm-router (PyPI, Rust; a consumer no one here wrote) routes by our KV events: a real pagedserve stack
-with --kv-events-config and a mock replica behind `vllm-router --policy kv_aware`; the prompt whose prefix the
-real replica caches goes to it, credited with the cached tokens in the router's own decision log."""
+"""What existing routers and scrapers read from a real pagedserve stack (one per module, KV events on):
+
+- vllm-router (PyPI, Rust; a consumer no one here wrote) routes by our KV events: with a mock replica beside
+  the real one behind `vllm-router --policy kv_aware`, the prompt whose prefix the real replica caches goes
+  to it, credited with the cached tokens in the router's own decision log;
+- /metrics, read with prometheus_client's own parser, has vLLM's families with their labels, moved by
+  exactly the requests sent."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.common.kv_events_config import KVEventsConfig
 from pagedserve.scheduler.kv_events.publisher import ZmqEventPublisher
@@ -75,11 +80,23 @@ def _wait(what: str, check, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def test_vllm_router_credits_the_prefix_a_replica_announced(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
     events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     # (no topic: vllm-router's static sources subscribe to vLLM's default, the empty topic)
     config = {"enable_kv_cache_events": True, "endpoint": events, "replay_endpoint": replay}
-    stack = Honcho(tiny_model_dir, tmp_path / "stack.log", kv_events_config=json.dumps(config))
+    log = tmp_path_factory.mktemp("stack") / "stack.log"
+    honcho = Honcho(tiny_model_dir, log, kv_events_config=json.dumps(config))
+    honcho.events, honcho.replay = events, replay  # type: ignore[attr-defined]
+    try:
+        honcho.wait_healthy()
+        yield honcho
+    finally:
+        honcho.stop()
+
+
+def test_vllm_router_credits_the_prefix_a_replica_announced(stack, tmp_path):
+    events, replay = stack.events, stack.replay
     mock = ThreadingHTTPServer(("127.0.0.1", 0), _Mock)
     threading.Thread(target=mock.serve_forever, daemon=True).start()
     mock_url = f"http://127.0.0.1:{mock.server_port}"
@@ -87,7 +104,6 @@ def test_vllm_router_credits_the_prefix_a_replica_announced(tiny_model_dir, tmp_
     router_port, router_log = free_port(), tmp_path / "router.log"
     router = None
     try:
-        stack.wait_healthy()
         with open(router_log, "wb") as log:
             router = subprocess.Popen(
                 [
@@ -126,4 +142,50 @@ def test_vllm_router_credits_the_prefix_a_replica_announced(tiny_model_dir, tmp_
             router.wait(10)
         mock.shutdown()
         mock_events.close()
-        stack.stop()
+
+
+def _scrape(stack) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics by (name, sorted labels), through prometheus_client's parser."""
+    with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_have_vllms_families_moved_by_the_requests_sent(stack):
+    before = _scrape(stack)
+    (model,) = {dict(k[1])["model_name"] for k in before if k[0] == "vllm:num_requests_running"}
+    assert model == "tiny-llama"  # the served model's name
+    labels = (("engine", "0"), ("model_name", model))
+    prompts = [list(range(200 + 100 * i, 200 + 100 * i + n)) for i, n in enumerate((20, 30, 40))]
+    for prompt in prompts:
+        status, body = stack.post({"prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    after = _scrape(stack)
+
+    def delta(name: str, *extra: tuple[str, str]) -> float:
+        key = (name, tuple(sorted((*labels, *extra))))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("vllm:prompt_tokens_total") == 90 and delta("vllm:generation_tokens_total") == 12
+    assert delta("vllm:request_success_total", ("finished_reason", "length")) == 3
+    assert delta("vllm:request_success_total", ("finished_reason", "stop")) == 0
+    assert delta("vllm:time_to_first_token_seconds_count") == 3
+    assert delta("vllm:inter_token_latency_seconds_count") == 9
+    assert delta("vllm:time_per_output_token_seconds_count") == 9
+    assert delta("vllm:e2e_request_latency_seconds_count") == 3
+    assert delta("vllm:e2e_request_latency_seconds_sum") > 0
+    assert delta("vllm:prefix_cache_queries_total") >= 90 - 3  # (a prompt's last token is never looked up)
+    assert (
+        0
+        <= after[("vllm:prefix_cache_hits_total", labels)]
+        <= after[("vllm:prefix_cache_queries_total", labels)]
+    )
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert after[(name, labels)] == 0  # idle again: nothing runs, waits or holds a block
+    le = [dict(k[1])["le"] for k in after if k[0] == "vllm:e2e_request_latency_seconds_bucket"]
+    assert le[0] == "0.3" and le[-1] == "+Inf" and len(le) == 22  # vLLM's buckets
+    assert any(k[0] == "pagedserve_api_requests_total" for k in after)  # ours are still there
