@@ -1,10 +1,13 @@
-"""The scheduler's metrics and their Prometheus text rendering (exposition format 0.0.4)."""
+"""The scheduler's metrics and their Prometheus families (common/exposition.py renders them)."""
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.request import Request, Sequence
@@ -42,16 +45,18 @@ class Histogram:
         self.total += value
         self.count += 1
 
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
+    def family(
+        self, name: str, doc: str, label_names: Sequence[str] = (), labels: Sequence[str] = ()
+    ) -> HistogramMetricFamily:
+        """This histogram as a Prometheus family (cumulative buckets, as the format counts them)."""
+        family = HistogramMetricFamily(name, doc, labels=label_names)
+        cumulative, buckets = 0, []
         for bound, n in zip(self.buckets, self.counts, strict=False):
             cumulative += n
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.total}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+            buckets.append((str(bound), cumulative))
+        buckets.append(("+Inf", self.count))
+        family.add_metric(labels, buckets, self.total)
+        return family
 
 
 @dataclass
@@ -121,11 +126,11 @@ class SchedulerMetrics:
         self.requests_finished_by_reason[reason] = self.requests_finished_by_reason.get(reason, 0) + 1
         self.vllm_e2e_request_latency.observe(now - request.arrival_time)
 
-    def render(self, gauges: dict[str, tuple[float, str]]) -> str:
-        """Prometheus text for these metrics plus `gauges` (name -> (value, help))."""
-        lines: list[str] = []
-        for name, (value, help_text) in gauges.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+    def families(self, gauges: dict[str, tuple[float, str]]) -> list[Metric]:
+        """Our families (pagedserve_*) for these metrics plus `gauges` (name -> (value, help))."""
+        families: list[Metric] = [
+            GaugeMetricFamily(name, doc, value) for name, (value, doc) in gauges.items()
+        ]
         counters = {
             "pagedserve_preemptions_total": (self.preemptions_total, "Sequences preempted (KV freed)"),
             "pagedserve_prompt_tokens_total": (self.prompt_tokens_total, "Prompt tokens accepted"),
@@ -161,24 +166,25 @@ class SchedulerMetrics:
                 self.decode_step_seconds_total,
                 "Time of decode-only steps on the GPU's clock, from the end of the step before to their end",
             ),
+            "pagedserve_spec_draft_tokens_total": (
+                self.spec_draft_tokens_total,
+                "Draft tokens verified (speculative decoding)",
+            ),
+            "pagedserve_spec_accepted_tokens_total": (
+                self.spec_accepted_tokens_total,
+                "Draft tokens accepted",
+            ),
         }
-        for name, (value, help_text) in counters.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
-        lines += self.time_to_first_token.render(
-            "pagedserve_time_to_first_token_seconds", "From arrival to the first generated token"
-        )
-        lines += self.inter_token_latency.render(
-            "pagedserve_inter_token_latency_seconds", "Between consecutive tokens of a sequence"
-        )
-        lines += [
-            "# HELP pagedserve_spec_draft_tokens_total Draft tokens verified (speculative decoding)",
-            "# TYPE pagedserve_spec_draft_tokens_total counter",
-            f"pagedserve_spec_draft_tokens_total {self.spec_draft_tokens_total}",
-            "# HELP pagedserve_spec_accepted_tokens_total Draft tokens accepted",
-            "# TYPE pagedserve_spec_accepted_tokens_total counter",
-            f"pagedserve_spec_accepted_tokens_total {self.spec_accepted_tokens_total}",
+        families += [CounterMetricFamily(name, doc, value) for name, (value, doc) in counters.items()]
+        return [
+            *families,
+            self.time_to_first_token.family(
+                "pagedserve_time_to_first_token_seconds", "From arrival to the first generated token"
+            ),
+            self.inter_token_latency.family(
+                "pagedserve_inter_token_latency_seconds", "Between consecutive tokens of a sequence"
+            ),
+            self.spec_acceptance_length.family(
+                "pagedserve_spec_acceptance_length", "Draft tokens accepted per drafting sequence and step"
+            ),
         ]
-        lines += self.spec_acceptance_length.render(
-            "pagedserve_spec_acceptance_length", "Draft tokens accepted per drafting sequence and step"
-        )
-        return "\n".join(lines) + "\n"

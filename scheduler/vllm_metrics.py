@@ -3,42 +3,19 @@ tools written for vLLM read the scheduler unchanged: its Grafana dashboard, llm-
 and the Gateway API Inference Extension (queue depth, KV usage), KEDA (a Prometheus query).
 
 Every family carries vLLM's labels: `model_name` (the served model's name) and `engine` (the replica's
-data-parallel rank, "0" for one). Rendered with prometheus_client's own exposition.
+data-parallel rank, "0" for one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-
-from pagedserve.scheduler.metrics import Histogram, SchedulerMetrics
+from pagedserve.scheduler.metrics import SchedulerMetrics
 
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values that we end requests with
 
 
-class _Families(Collector):
-    def __init__(self, families: list[Metric]) -> None:
-        self._families = families
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self._families
-
-
-def _histogram(name: str, doc: str, labels: list[str], histogram: Histogram) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, doc, labels=["model_name", "engine"])
-    cumulative, buckets = 0, []
-    for bound, n in zip(histogram.buckets, histogram.counts, strict=False):
-        cumulative += n
-        buckets.append((str(bound), cumulative))
-    buckets.append(("+Inf", histogram.count))
-    family.add_metric(labels, buckets, histogram.total)
-    return family
-
-
-def render_vllm_metrics(
+def vllm_families(
     metrics: SchedulerMetrics,
     *,
     num_running: int,
@@ -46,8 +23,8 @@ def render_vllm_metrics(
     kv_cache_usage: float,
     model_name: str,
     engine: int,
-) -> str:
-    """vLLM's families in Prometheus text: `num_running` / `num_waiting` requests, `kv_cache_usage` the
+) -> list[Metric]:
+    """vLLM's families: `num_running` / `num_waiting` requests, `kv_cache_usage` the
     fraction of KV blocks held (0 to 1, as vLLM's `kv_cache_usage_perc`, despite its name)."""
     labels = [model_name, str(engine)]
     label_names = ["model_name", "engine"]
@@ -91,31 +68,32 @@ def render_vllm_metrics(
     for reason in (*FINISHED_REASONS, *sorted(set(reasons) - set(FINISHED_REASONS))):
         success.add_metric([*labels, reason], reasons.get(reason, 0))
     families.append(success)
-    itl = metrics.vllm_inter_token_latency
-    families += [
-        _histogram(
+    itl, e2e = metrics.vllm_inter_token_latency, metrics.vllm_e2e_request_latency
+    return [
+        *families,
+        metrics.vllm_time_to_first_token.family(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
+            label_names,
             labels,
-            metrics.vllm_time_to_first_token,
         ),
-        _histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels, itl
+        itl.family(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            label_names,
+            labels,
         ),
         # the older name of the same measure, which vLLM still exports and older dashboards read
-        _histogram(
+        itl.family(
             "vllm:time_per_output_token_seconds",
             "Histogram of time per output token in seconds.",
+            label_names,
             labels,
-            itl,
         ),
-        _histogram(
+        e2e.family(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
+            label_names,
             labels,
-            metrics.vllm_e2e_request_latency,
         ),
     ]
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(families))
-    return generate_latest(registry).decode()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from prometheus_client.core import CounterMetricFamily
+
 from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.exposition import render
 from pagedserve.common.kv_events_config import parse_kv_events_config
 from pagedserve.scheduler.kv_events.publisher import EventPublisher, NullEventPublisher, ZmqEventPublisher
 from pagedserve.scheduler.kv_events.wire import EventBatch
@@ -43,17 +46,17 @@ class KVEventStream:
         """The publisher's counters in Prometheus text format ("" while events are off)."""
         if self.publisher is None:
             return ""
-        lines = []
-        for name, value, help_text in (
-            (
-                "pagedserve_kv_events_batches_published_total",
-                self.publisher.published,
-                "KV event batches sent",
-            ),
-            ("pagedserve_kv_events_batches_dropped_total", self.publisher.dropped, "KV event batches lost"),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
-        return "\n".join(lines) + "\n"
+        published, dropped = self.publisher.published, self.publisher.dropped
+        return render(
+            [
+                CounterMetricFamily(
+                    "pagedserve_kv_events_batches_published_total", "KV event batches sent", published
+                ),
+                CounterMetricFamily(
+                    "pagedserve_kv_events_batches_dropped_total", "KV event batches lost", dropped
+                ),
+            ]
+        )
 
     def close(self) -> None:
         if self.publisher is not None:
