@@ -100,6 +100,7 @@ class ZmqEventPublisher:
             if self.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, 64)  # requests are 8 bytes: larger drops the peer
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError:
             self._close_sockets()

@@ -133,8 +133,13 @@ def test_replay_keeps_only_the_last_buffer_steps_and_survives_bad_requests(ctx: 
         raw.connect(config.replay_endpoint)
         raw.send_multipart([b"", b"\x00\x01"])  # a sequence number of 2 bytes: dropped, unanswered
         raw.send_multipart([b"x", b"y", b"z"])  # garbage
+        big = ctx.socket(zmq.DEALER)
+        big.setsockopt(zmq.LINGER, 0)
+        big.connect(config.replay_endpoint)
+        big.send_multipart([b"", b"\x00" * (1 << 20)])  # past MAXMSGSIZE: its connection is dropped
         assert [s for s, _ in _replay(ctx, config.replay_endpoint, 0)] == [2, 3, 4]
         raw.close()
+        big.close()
     finally:
         publisher.close()
 
