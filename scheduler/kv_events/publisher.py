@@ -68,10 +68,10 @@ def endpoint_for_rank(endpoint: str, data_parallel_rank: int) -> str:
 
 def binds(endpoint: str) -> bool:
     """Whether the PUB socket binds `endpoint` (else it connects to a subscriber that binds): vLLM's rule
-    (a wildcard host, an IPv6 address, ipc://, inproc://), and a loopback host, our default."""
+    (a wildcard host, an IPv6 address, ipc://, inproc://), a loopback host (our default) and 0.0.0.0."""
     host = endpoint.removeprefix("tcp://").rpartition(":")[0]
-    loopback = host in ("localhost", "[::1]") or host.startswith("127.")
-    return "*" in endpoint or "::" in endpoint or not endpoint.startswith("tcp://") or loopback
+    local = host in ("localhost", "[::1]", "0.0.0.0") or host.startswith("127.")
+    return "*" in endpoint or "::" in endpoint or not endpoint.startswith("tcp://") or local
 
 
 class ZmqEventPublisher:

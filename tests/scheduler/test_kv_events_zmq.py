@@ -157,7 +157,7 @@ def test_a_full_queue_drops_batches_and_counts_them():
 
 def test_endpoints_bind_loopback_and_wildcards_and_offset_by_rank():
     assert binds("tcp://127.0.0.1:5557") and binds("tcp://*:5557") and binds("ipc:///tmp/kv")
-    assert binds("tcp://localhost:5557") and binds("tcp://[::1]:5557")
+    assert binds("tcp://localhost:5557") and binds("tcp://[::1]:5557") and binds("tcp://0.0.0.0:5557")
     assert not binds("tcp://10.0.0.5:5557")  # vLLM's rule: a named host is connected to
     assert endpoint_for_rank("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
     assert endpoint_for_rank("tcp://127.0.0.1:5557", 2) == "tcp://127.0.0.1:5559"
