@@ -151,7 +151,8 @@ class SchedulerConfig:
     # runs as without it)
     speculative_min_accepted: float = 0.5
     speculative_probe_steps: int = 32  # while paused, one step in this many drafts again (to measure again)
-    # KV-cache events for KV-aware routers, vLLM's --kv-events-config JSON (docs/kv_events.md); "": off
+    # KV cache events for routers that place requests by cached prefix, as JSON in the shape of vLLM's flag of
+    # this name (docs/kv_events.md); "": off
     kv_events_config: str = ""
     data_parallel_rank: int = 0  # this replica's rank: its KV events carry it, their ports are offset by it
 
