@@ -359,6 +359,7 @@ class SchedulerServer:
             pending.cancel()
         self._pending_steps = {}
         self._kv_views.forget()
+        self._kv_events.cleared()
         self.core = None
         self.ready_msg = None
         self._worker_id = None

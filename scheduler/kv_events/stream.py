@@ -11,7 +11,7 @@ from pagedserve.common.config import SchedulerConfig
 from pagedserve.common.exposition import render
 from pagedserve.common.kv_events_config import parse_kv_events_config
 from pagedserve.scheduler.kv_events.publisher import EventPublisher, NullEventPublisher, ZmqEventPublisher
-from pagedserve.scheduler.kv_events.wire import EventBatch
+from pagedserve.scheduler.kv_events.wire import AllBlocksCleared, EventBatch
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.scheduler import Scheduler
@@ -41,6 +41,12 @@ class KVEventStream:
         events = core.kv_events.take()
         if events:
             self.publisher.publish(EventBatch(time.time(), events, self.data_parallel_rank))
+
+    def cleared(self) -> None:
+        """The worker and its KV pool are gone (it died or restarted): subscribers forget what they knew now,
+        not at the next step."""
+        if self.publisher is not None:
+            self.publisher.publish(EventBatch(time.time(), [AllBlocksCleared()], self.data_parallel_rank))
 
     def metrics_text(self) -> str:
         """The publisher's counters in Prometheus text format ("" while events are off)."""

@@ -113,6 +113,10 @@ def test_a_scheduler_publishes_each_step_and_replays_a_missed_range(ctx: zmq.Con
         # A subscriber that missed everything from seqs[3] on asks for it: the same bytes come back.
         assert _replay(ctx, config.replay_endpoint, seqs[3]) == received[3:]
         assert _replay(ctx, config.replay_endpoint, seqs[-1] + 1) == []  # nothing newer: just the end
+        stream.cleared()  # the worker died: its pool is gone at once
+        topic, seq, payload = sub.recv_multipart()
+        assert int.from_bytes(seq, "big") == seqs[-1] + 1
+        assert [type(e) for e in vllm.DECODER.decode(payload).events] == [vllm.AllBlocksCleared]
         assert stream.publisher.dropped == 0
         assert "pagedserve_kv_events_batches_published_total" in stream.metrics_text()
     finally:
