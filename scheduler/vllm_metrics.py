@@ -33,6 +33,8 @@ def vllm_families(
         ("vllm:num_requests_running", "Number of requests in model execution batches.", num_running),
         ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", num_waiting),
         ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage),
+        # its older name, which older releases of the Gateway API Inference Extension read
+        ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", kv_cache_usage),
     ):
         gauge = GaugeMetricFamily(name, doc, labels=label_names)
         gauge.add_metric(labels, value)

@@ -38,6 +38,7 @@ def test_vllm_families_carry_their_labels_and_agree_with_ours():
     waiting = _value(families, "vllm:num_requests_waiting")
     assert running >= 1 and running + waiting == 3
     usage = _value(families, "vllm:kv_cache_usage_perc")
+    assert _value(families, "vllm:gpu_cache_usage_perc") == usage  # the older name
     assert usage == h.scheduler.block_manager.num_used_blocks / 32 and 0 < usage <= 1
     h.record(h.scheduler.abort(OWNER, "r3"))  # a client goes away
     h.run()
