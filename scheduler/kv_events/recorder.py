@@ -41,25 +41,27 @@ class _NoKVEvents:
 
 
 NO_KV_EVENTS: KVEventSink = _NoKVEvents()
-MAX_PENDING_EVENTS = 1 << 16  # events not yet taken, at most (a step makes far fewer)
+MAX_PENDING = 1 << 20  # block hashes in events not yet taken, at most (a step makes far fewer)
 
 
 class KVEventRecorder:
     """Collects the events of one step: the block manager calls `stored` and `removed`, the scheduler's
-    server `take`s them after every step. Should nobody take them, the pending events stop at
-    MAX_PENDING_EVENTS: they are replaced by one AllBlocksCleared, which is never wrong (a subscriber then
-    knows less than is cached, never more)."""
+    server `take`s them after every step. Should nobody take them, the pending events stop at MAX_PENDING
+    block hashes: they are replaced by one AllBlocksCleared, which is never wrong (a subscriber then knows
+    less than is cached, never more)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._events: list[Event] = [AllBlocksCleared()]  # a new pool: forget any earlier incarnation
+        self._pending = 1  # block hashes (and clears) in `_events`
         self.overflows = 0  # times the pending events were replaced by AllBlocksCleared
 
-    def _add(self, event: Event) -> None:
-        if len(self._events) >= MAX_PENDING_EVENTS:
-            self._events = [AllBlocksCleared()]
+    def _room(self, n: int) -> None:
+        """Makes room for `n` more hashes, replacing everything pending by one clear if there is none."""
+        if self._pending + n > MAX_PENDING:
+            self._events, self._pending = [AllBlocksCleared()], 1
             self.overflows += 1
-        self._events.append(event)
+        self._pending += n
 
     def stored(
         self, hashes: Sequence[bytes], indices: Sequence[int], token_ids: Sequence[int], salt: str
@@ -77,7 +79,8 @@ class KVEventRecorder:
     ) -> None:
         bs = self.block_size
         extra = [(salt,) if i == 0 and salt else None for i in range(start, end)]
-        self._add(
+        self._room(end - start)
+        self._events.append(
             BlockStored(
                 block_hashes=[wire_hash(h) for h in hashes[start:end]],
                 parent_block_hash=wire_hash(hashes[start - 1]) if start > 0 else None,
@@ -93,13 +96,16 @@ class KVEventRecorder:
 
     def removed(self, digest: bytes) -> None:
         """A block's content was evicted; consecutive evictions share one event."""
+        self._room(1)
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockRemoved):
             last.block_hashes.append(wire_hash(digest))
         else:
-            self._add(BlockRemoved(block_hashes=[wire_hash(digest)], medium=MEDIUM_GPU, group_idx=0))
+            self._events.append(
+                BlockRemoved(block_hashes=[wire_hash(digest)], medium=MEDIUM_GPU, group_idx=0)
+            )
 
     def take(self) -> list[Event]:
         """The events since the last call, oldest first."""
-        events, self._events = self._events, []
+        events, self._events, self._pending = self._events, [], 0
         return events

@@ -13,7 +13,7 @@ import pytest
 from pagedserve.common.config import SchedulerConfig
 from pagedserve.common.kv_events_config import KVEventsConfig, kv_events_enabled, parse_kv_events_config
 from pagedserve.scheduler.block_manager import block_hash
-from pagedserve.scheduler.kv_events.recorder import MAX_PENDING_EVENTS, KVEventRecorder
+from pagedserve.scheduler.kv_events.recorder import MAX_PENDING, KVEventRecorder
 from pagedserve.scheduler.kv_events.wire import EventBatch, encode_batch, wire_hash
 from tests.scheduler import vllm_kv_events as vllm
 from tests.scheduler.conftest import Harness, make_harness
@@ -150,10 +150,16 @@ def test_pending_events_are_bounded_by_one_clear():
     recorder = KVEventRecorder(block_size=1)
     recorder.take()  # the first AllBlocksCleared
     digest = block_hash(None, [1])
-    for _ in range(MAX_PENDING_EVENTS + 5):  # the last 5 come after the overflow
-        recorder.stored([digest], [0], [1], "")
+    for _ in range(MAX_PENDING // 2):
+        recorder.stored([digest, digest], [0, 1], [1, 1], "")
+    for _ in range(5):  # past the bound: everything pending is replaced by one clear, then these
+        recorder.removed(digest)
     events = recorder.take()
-    assert recorder.overflows == 1 and len(events) == 6 and type(events[0]).__name__ == "AllBlocksCleared"
+    assert recorder.overflows == 1 and [type(e).__name__ for e in events] == [
+        "AllBlocksCleared",
+        "BlockRemoved",
+    ]
+    assert len(events[1].block_hashes) == 5
     assert recorder.take() == []
 
 
