@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import structlog
 from prometheus_client.core import CounterMetricFamily
 
 from pagedserve.common.config import SchedulerConfig
@@ -16,12 +17,15 @@ from pagedserve.scheduler.kv_events.wire import AllBlocksCleared, EventBatch
 if TYPE_CHECKING:
     from pagedserve.scheduler.scheduler import Scheduler
 
+log = structlog.get_logger(process="scheduler")
+
 
 class KVEventStream:
     """Takes the core's recorded events after every step and publishes them as one batch."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self._config = parse_kv_events_config(config.kv_events_config)
+        self._prefix_caching = config.enable_prefix_caching and config.kv_policy == "paged"
         self.data_parallel_rank = config.data_parallel_rank
         self.publisher: EventPublisher | None = None
 
@@ -29,6 +33,10 @@ class KVEventStream:
         """Opens the publisher's sockets (a taken port fails here, at start); nothing while events are off."""
         if self._config is None or not self._config.enable_kv_cache_events or self.publisher is not None:
             return
+        if not self._prefix_caching:  # (as vLLM: the events describe the prefix cache)
+            log.warning(
+                "kv_events_without_prefix_caching", reason="no block is ever cached, so none announced"
+            )
         if self._config.resolved_publisher == "zmq":
             self.publisher = ZmqEventPublisher(self._config, self.data_parallel_rank)
         else:
