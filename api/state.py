@@ -8,11 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily
 
 from pagedserve.api.generation import Generation
 from pagedserve.api.model import ModelState
 from pagedserve.client import AsyncEngineClient
 from pagedserve.common.config import ApiConfig
+from pagedserve.common.exposition import render
 
 
 @dataclass
@@ -32,13 +34,14 @@ class ApiState:
 
     def metrics_text(self) -> str:
         """The api's own counters in Prometheus text format."""
-        lines = [
-            "# HELP pagedserve_api_requests_total HTTP requests answered by the api, by route and status.",
-            "# TYPE pagedserve_api_requests_total counter",
-        ]
+        family = CounterMetricFamily(
+            "pagedserve_api_requests_total",
+            "HTTP requests answered by the api, by route and status.",
+            labels=["route", "status"],
+        )
         for (route, status), count in sorted(self.requests_total.items()):
-            lines.append(f'pagedserve_api_requests_total{{route="{route}",status="{status}"}} {count}')
-        return "\n".join(lines) + "\n"
+            family.add_metric([route, str(status)], count)
+        return render([family])
 
 
 STATE = web.AppKey("state", ApiState)

@@ -23,6 +23,7 @@ from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+from pagedserve.common.kv_events_config import parse_kv_events_config
 from pagedserve.common.speculative import parse_speculative_config
 
 ENV_PREFIX = "PAGEDSERVE_"
@@ -182,6 +183,10 @@ class SchedulerConfig:
     # runs as without it)
     speculative_min_accepted: float = 0.5
     speculative_probe_steps: int = 32  # while paused, one step in this many drafts again (to measure again)
+    # KV cache events for routers that place requests by cached prefix, as JSON in the shape of vLLM's flag of
+    # this name (docs/kv_events.md); "": off
+    kv_events_config: str = ""
+    data_parallel_rank: int = 0  # this replica's rank: its KV events carry it, their ports are offset by it
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -194,6 +199,9 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.speculative_min_accepted <= 16.0:
             raise ValueError("speculative_min_accepted must be in [0, 16]")
+        if not 0 <= self.data_parallel_rank < 1024:
+            raise ValueError("data_parallel_rank must be in [0, 1024)")
+        parse_kv_events_config(self.kv_events_config)  # a bad config fails at start, naming the key
         if self.max_waiting_seqs < 1 or self.request_seat_quota < 0:
             raise ValueError("max_waiting_seqs must be at least 1 and request_seat_quota at least 0")
         if not 0.05 <= self.kv_snapshot_interval_s <= 60 or not 0 < self.kv_trace_max_mb <= 1 << 20:

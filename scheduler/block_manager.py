@@ -35,6 +35,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from pagedserve.scheduler.kv_events.recorder import NO_KV_EVENTS, KVEventSink
+
 
 @dataclass
 class Allocation:
@@ -80,10 +82,12 @@ class BlockManager:
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         sliding_window: int = 0,
+        kv_events: KVEventSink = NO_KV_EVENTS,
     ) -> None:
         if num_blocks < 1 or block_size < 1 or sliding_window < 0:
             raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
         self.sliding_window = sliding_window  # > 0: blocks behind it are freed (module docstring)
+        self.kv_events = kv_events  # told of every block that enters or leaves the prefix cache
         self._holes: dict[int, int] = {}  # seq_id -> leading holes of its GPU (and CPU) table; absent: 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -197,11 +201,13 @@ class BlockManager:
             return
         table = self._tables[seq_id]
         hashes = self._hashes(seq_id, token_ids, num_full, salt)
+        new = []  # the blocks that enter the cache
         for i in range(max(start, self._holes.get(seq_id, 0)), num_full):
-            block_id = table[i]
-            if self._hash_of[block_id] is None and hashes[i] not in self._cached:
-                self._hash_of[block_id] = hashes[i]
-                self._cached[hashes[i]] = block_id
+            if self._hash_of[table[i]] is None and hashes[i] not in self._cached:
+                new.append(i)
+                self._hash_of[table[i]] = hashes[i]
+                self._cached[hashes[i]] = table[i]
+        self.kv_events.stored(hashes, new, token_ids, salt)
         self._num_registered[seq_id] = num_full
 
     # ----------------------------------------------------------------------------------------------------
@@ -213,6 +219,7 @@ class BlockManager:
         if h is not None:  # evict its cached content
             self._hash_of[block_id] = None
             del self._cached[h]
+            self.kv_events.removed(h)
         self._ref_counts[block_id] = 1
         return block_id
 

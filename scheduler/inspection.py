@@ -3,6 +3,7 @@ tests run after every step. Read-only: it is handed the owners of the state and 
 
 from __future__ import annotations
 
+from pagedserve.common.exposition import render
 from pagedserve.common.messages import KVSnapshot
 from pagedserve.scheduler.block_manager import BlockManager, KVUsage
 from pagedserve.scheduler.metrics import SchedulerMetrics
@@ -10,6 +11,7 @@ from pagedserve.scheduler.queues import RunQueue, SwappedQueue
 from pagedserve.scheduler.request import Request, SeqStatus, SequenceTable
 from pagedserve.scheduler.settings import SchedulerSettings
 from pagedserve.scheduler.snapshot import build_snapshot
+from pagedserve.scheduler.vllm_metrics import vllm_families
 from pagedserve.scheduler.waiting import WaitingQueue
 
 
@@ -71,7 +73,15 @@ class Inspection:
             "pagedserve_kv_slots_allocated": (usage.slots_allocated, "KV slots in blocks held"),
             "pagedserve_kv_slots_used": (usage.slots_used, "KV slots holding a token"),
         }
-        return self._metrics.render(gauges)
+        vllm = vllm_families(
+            self._metrics,
+            num_running=running_requests,
+            num_waiting=len(self._requests) - running_requests,
+            kv_cache_usage=usage.blocks_used / self._block_manager.num_blocks,
+            model_name=self._settings.model_name,
+            engine=self._settings.data_parallel_rank,
+        )
+        return render(self._metrics.families(gauges) + vllm)
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the queues, the sequences and the block manager disagree."""

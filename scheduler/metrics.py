@@ -1,17 +1,32 @@
-"""The scheduler's metrics and their Prometheus text rendering (exposition format 0.0.4)."""
+"""The scheduler's metrics and their Prometheus families (common/exposition.py renders them)."""
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
 if TYPE_CHECKING:
-    from pagedserve.scheduler.request import Sequence
+    from pagedserve.scheduler.request import Request, Sequence
 
 ACCEPTED_BUCKETS = tuple(float(n) for n in range(17))  # accepted drafts of one sequence in one step
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0
+)  # fmt: skip
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so that its dashboards' quantiles read ours alike
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0
+)  # fmt: skip
+VLLM_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
 
@@ -30,16 +45,18 @@ class Histogram:
         self.total += value
         self.count += 1
 
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
+    def family(
+        self, name: str, doc: str, label_names: Sequence[str] = (), labels: Sequence[str] = ()
+    ) -> HistogramMetricFamily:
+        """This histogram as a Prometheus family (cumulative buckets, as the format counts them)."""
+        family = HistogramMetricFamily(name, doc, labels=label_names)
+        cumulative, buckets = 0, []
         for bound, n in zip(self.buckets, self.counts, strict=False):
             cumulative += n
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.total}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+            buckets.append((str(bound), cumulative))
+        buckets.append(("+Inf", self.count))
+        family.add_metric(labels, buckets, self.total)
+        return family
 
 
 @dataclass
@@ -70,6 +87,11 @@ class SchedulerMetrics:
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_acceptance_length: Histogram = field(default_factory=lambda: Histogram(buckets=ACCEPTED_BUCKETS))
+    # the same times in vLLM's buckets (scheduler/vllm_metrics.py), and each request's arrival to its end
+    vllm_time_to_first_token: Histogram = field(default_factory=lambda: Histogram(buckets=VLLM_TTFT_BUCKETS))
+    vllm_inter_token_latency: Histogram = field(default_factory=lambda: Histogram(buckets=VLLM_ITL_BUCKETS))
+    vllm_e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(buckets=VLLM_E2E_BUCKETS))
+    requests_finished_by_reason: dict[str, int] = field(default_factory=dict)  # "stop", "length", "abort"
 
     def observe_step(self, gpu_time_s: float, gpu_idle_before_s: float, decode_only: bool) -> None:
         """GPU time of every step; for decode-only steps also their span on the GPU's clock, from the end
@@ -88,15 +110,27 @@ class SchedulerMetrics:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.time_to_first_token.observe(now - seq.request.arrival_time)
+            self.vllm_time_to_first_token.observe(now - seq.request.arrival_time)
         else:
-            self.inter_token_latency.observe(now - seq.last_token_time)
+            self.observe_interval(now - seq.last_token_time)
         seq.last_token_time = now
 
-    def render(self, gauges: dict[str, tuple[float, str]]) -> str:
-        """Prometheus text for these metrics plus `gauges` (name -> (value, help))."""
-        lines: list[str] = []
-        for name, (value, help_text) in gauges.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+    def observe_interval(self, seconds: float) -> None:
+        """The time between two consecutive tokens of a sequence."""
+        self.inter_token_latency.observe(seconds)
+        self.vllm_inter_token_latency.observe(seconds)
+
+    def observe_finished(self, request: Request, reason: str, now: float) -> None:
+        """A request ended (its last sequence with `reason`)."""
+        self.requests_finished_total += 1
+        self.requests_finished_by_reason[reason] = self.requests_finished_by_reason.get(reason, 0) + 1
+        self.vllm_e2e_request_latency.observe(now - request.arrival_time)
+
+    def families(self, gauges: dict[str, tuple[float, str]]) -> list[Metric]:
+        """Our families (pagedserve_*) for these metrics plus `gauges` (name -> (value, help))."""
+        families: list[Metric] = [
+            GaugeMetricFamily(name, doc, value) for name, (value, doc) in gauges.items()
+        ]
         counters = {
             "pagedserve_preemptions_total": (self.preemptions_total, "Sequences preempted (KV freed)"),
             "pagedserve_prompt_tokens_total": (self.prompt_tokens_total, "Prompt tokens accepted"),
@@ -132,24 +166,25 @@ class SchedulerMetrics:
                 self.decode_step_seconds_total,
                 "Time of decode-only steps on the GPU's clock, from the end of the step before to their end",
             ),
+            "pagedserve_spec_draft_tokens_total": (
+                self.spec_draft_tokens_total,
+                "Draft tokens verified (speculative decoding)",
+            ),
+            "pagedserve_spec_accepted_tokens_total": (
+                self.spec_accepted_tokens_total,
+                "Draft tokens accepted",
+            ),
         }
-        for name, (value, help_text) in counters.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
-        lines += self.time_to_first_token.render(
-            "pagedserve_time_to_first_token_seconds", "From arrival to the first generated token"
-        )
-        lines += self.inter_token_latency.render(
-            "pagedserve_inter_token_latency_seconds", "Between consecutive tokens of a sequence"
-        )
-        lines += [
-            "# HELP pagedserve_spec_draft_tokens_total Draft tokens verified (speculative decoding)",
-            "# TYPE pagedserve_spec_draft_tokens_total counter",
-            f"pagedserve_spec_draft_tokens_total {self.spec_draft_tokens_total}",
-            "# HELP pagedserve_spec_accepted_tokens_total Draft tokens accepted",
-            "# TYPE pagedserve_spec_accepted_tokens_total counter",
-            f"pagedserve_spec_accepted_tokens_total {self.spec_accepted_tokens_total}",
+        families += [CounterMetricFamily(name, doc, value) for name, (value, doc) in counters.items()]
+        return [
+            *families,
+            self.time_to_first_token.family(
+                "pagedserve_time_to_first_token_seconds", "From arrival to the first generated token"
+            ),
+            self.inter_token_latency.family(
+                "pagedserve_inter_token_latency_seconds", "Between consecutive tokens of a sequence"
+            ),
+            self.spec_acceptance_length.family(
+                "pagedserve_spec_acceptance_length", "Draft tokens accepted per drafting sequence and step"
+            ),
         ]
-        lines += self.spec_acceptance_length.render(
-            "pagedserve_spec_acceptance_length", "Draft tokens accepted per drafting sequence and step"
-        )
-        return "\n".join(lines) + "\n"

@@ -42,6 +42,7 @@ from pagedserve.scheduler.block_manager import BlockManager, KVUsage
 from pagedserve.scheduler.faults import CONSTRAINT_FAILED, RequestFaults
 from pagedserve.scheduler.inspection import Inspection
 from pagedserve.scheduler.intake import queue_request
+from pagedserve.scheduler.kv_events.recorder import NO_KV_EVENTS, KVEventRecorder
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.output_check import check_step_output
 from pagedserve.scheduler.passes import Admission, RunningPass
@@ -80,12 +81,15 @@ class Scheduler:
             raise ValueError("max_waiting_seqs must be positive and request_seat_quota not negative")
         self.settings = settings
         self._preemption = PreemptionPolicy.from_settings(settings)
+        # what the block manager tells of its prefix cache, for KV-aware routers (scheduler/kv_events)
+        self.kv_events = KVEventRecorder(settings.block_size) if settings.kv_events else None
         self.block_manager = BlockManager(
             settings.num_kv_blocks,
             settings.block_size,
             num_cpu_blocks=settings.num_cpu_blocks if self._preemption.uses_cpu_pool else 0,
             enable_prefix_caching=settings.enable_prefix_caching and not settings.reserved,
             sliding_window=settings.freeing_window,
+            kv_events=self.kv_events or NO_KV_EVENTS,
         )
         self.metrics = SchedulerMetrics()
         self._spec = Speculation(settings, self.block_manager, self.metrics)  # scheduler/speculation.py
@@ -365,7 +369,7 @@ class Scheduler:
         self._waiting.touch(request)
         if request.finished:
             del self._requests[request.key]
-            self.metrics.requests_finished_total += 1
+            self.metrics.observe_finished(request, reason, self._clock())
 
     def update(self, step: StepOutput) -> list[Output]:
         """Appends the sampled tokens, ends finished sequences and returns what to send to clients. Every
@@ -417,7 +421,7 @@ class Scheduler:
         if seq.last_token_time is None:
             self.metrics.observe_token(seq, now)
         else:
-            self.metrics.inter_token_latency.observe(now - seq.last_token_time)
+            self.metrics.observe_interval(now - seq.last_token_time)
             seq.last_token_time = now
         request = seq.request
         ended = False

@@ -58,6 +58,7 @@ from pagedserve.common.messages import (
 from pagedserve.common.security import ClusterKey, authenticate, load_cluster_key, secure_server
 from pagedserve.common.socket_limits import Receiver, WireLimits, max_message_bytes
 from pagedserve.scheduler.clients import ClientSender, submitted_request_id
+from pagedserve.scheduler.kv_events.stream import KVEventStream
 from pagedserve.scheduler.kv_views import KVViews
 from pagedserve.scheduler.liveness import (
     PeerConnections,
@@ -104,12 +105,14 @@ class SchedulerServer:
         self._pending_steps: dict[int, asyncio.Future[StepOutput]] = {}
         self._wake = asyncio.Event()
         self._kv_views = KVViews(config)  # /dashboard's snapshots and --kv-trace (scheduler/kv_views.py)
+        self._kv_events = KVEventStream(config)  # --kv-events-config (scheduler/kv_events)
 
     async def run(self) -> None:
         config = self.config
         auth = authenticate(self._ctx, self.key)
         self._clients.bind(self.config.scheduler_address)
         self._workers.bind(self.config.worker_address)
+        self._kv_events.start()
         log.info(
             "scheduler_listening",
             scheduler_address=self.config.scheduler_address,
@@ -132,6 +135,7 @@ class SchedulerServer:
             self._workers.close()
             self._ctx.term()
             self._kv_views.close()
+            self._kv_events.close()
 
     async def drain(self, timeout_s: float) -> None:
         """Stops admission, waits up to `timeout_s` for the requests in flight, ends the rest with
@@ -262,7 +266,7 @@ class SchedulerServer:
             vocab_size=settings.vocab_size,
             block_size=settings.block_size,
             num_kv_blocks=settings.num_kv_blocks,
-            metrics_text=self.core.metrics_text(),
+            metrics_text=self.core.metrics_text() + self._kv_events.metrics_text(),
             scheduling_policy=settings.scheduling_policy,
         )
 
@@ -373,6 +377,7 @@ class SchedulerServer:
             pending.cancel()
         self._pending_steps = {}
         self._kv_views.forget()
+        self._kv_events.cleared()
         self.core = None
         self.ready_msg = None
         self._worker_id = None
@@ -441,6 +446,8 @@ class SchedulerServer:
             outputs = core.update(step)
             self._send_errors()
             self._kv_views.after_step(core)
+            self._kv_events.after_step(core)
         self._to_clients.send_outputs(outputs)
         if self.core is core:
             self._kv_views.after_step(core)  # the pool as the work ends (when due)
+            self._kv_events.after_step(core)

@@ -14,6 +14,7 @@ from pagedserve.common.config import (
     SchedulerConfig,
     SchedulingPolicy,
 )
+from pagedserve.common.kv_events_config import kv_events_enabled
 from pagedserve.common.messages import SubmitRequest, WorkerReady
 from pagedserve.scheduler.request import Sequence, num_seqs
 
@@ -49,6 +50,9 @@ class SchedulerSettings:
     speculative_probe_steps: int = _CONFIG.speculative_probe_steps
     # the worker's model slides every layer over at least this many tokens (0: some layer reads everything)
     sliding_window: int = 0
+    kv_events: bool = False  # the block manager records KV-cache events (scheduler/kv_events)
+    model_name: str = ""  # the served model's name: the model_name label of vLLM's metrics
+    data_parallel_rank: int = 0  # the engine label of vLLM's metrics
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, ready: WorkerReady) -> SchedulerSettings:
@@ -86,6 +90,9 @@ class SchedulerSettings:
             speculative_min_accepted=config.speculative_min_accepted,
             speculative_probe_steps=config.speculative_probe_steps,
             sliding_window=ready.sliding_window,
+            kv_events=kv_events_enabled(config.kv_events_config),
+            model_name=ready.model_name,
+            data_parallel_rank=config.data_parallel_rank,
             **limits,
         )
 

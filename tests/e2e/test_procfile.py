@@ -23,7 +23,9 @@ def test_honcho_runs_the_procfile_serves_and_stops_on_sigterm(tiny_model_dir, tm
         status, body = stack.post({"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
         with urllib.request.urlopen(stack.url + "/metrics", timeout=5) as r:
-            assert "pagedserve_kv_blocks_total 24" in r.read().decode()  # PAGEDSERVE_NUM_KV_BLOCKS reached it
+            assert (
+                "pagedserve_kv_blocks_total 24.0" in r.read().decode()
+            )  # PAGEDSERVE_NUM_KV_BLOCKS reached it
     finally:
         os.killpg(honcho.pid, signal.SIGTERM)
         try:

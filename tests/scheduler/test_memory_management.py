@@ -242,12 +242,12 @@ def test_kv_accounting_metrics():
     h.submit("a", [1] * 6, max_tokens=5, n=2)
     h.step()
     text = h.scheduler.metrics_text()
-    assert "pagedserve_kv_slots_allocated 8" in text and "pagedserve_kv_slots_used 6" in text
-    assert "pagedserve_kv_blocks_shared 2" in text
+    assert "pagedserve_kv_slots_allocated 8.0" in text and "pagedserve_kv_slots_used 6.0" in text
+    assert "pagedserve_kv_blocks_shared 2.0" in text
     h.run()
     text = h.scheduler.metrics_text()
     # 10 computed tokens each: the shared prompt block and each sequence's own full second block stay cached
-    assert "pagedserve_kv_blocks_used 0" in text and "pagedserve_kv_blocks_cached 3" in text
+    assert "pagedserve_kv_blocks_used 0.0" in text and "pagedserve_kv_blocks_cached 3.0" in text
 
 
 def test_aborting_sequence_zero_before_its_fork_hands_the_prompt_to_a_sibling():

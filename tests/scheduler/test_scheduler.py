@@ -205,15 +205,15 @@ def test_metrics_text_counts_tokens_and_blocks():
     h.submit("a", [1] * 6, max_tokens=3)
     h.step()
     text = h.scheduler.metrics_text()
-    assert "pagedserve_requests_running 1" in text
-    assert "pagedserve_kv_blocks_used 2" in text
-    assert "pagedserve_prompt_tokens_total 6" in text
+    assert "pagedserve_requests_running 1.0" in text
+    assert "pagedserve_kv_blocks_used 2.0" in text
+    assert "pagedserve_prompt_tokens_total 6.0" in text
     h.run()
     text = h.scheduler.metrics_text()
-    assert "pagedserve_kv_blocks_used 0" in text and "pagedserve_kv_blocks_total 16" in text
-    assert "pagedserve_generated_tokens_total 3" in text
-    assert "pagedserve_time_to_first_token_seconds_count 1" in text
-    assert "pagedserve_inter_token_latency_seconds_count 2" in text
+    assert "pagedserve_kv_blocks_used 0.0" in text and "pagedserve_kv_blocks_total 16.0" in text
+    assert "pagedserve_generated_tokens_total 3.0" in text
+    assert "pagedserve_time_to_first_token_seconds_count 1.0" in text
+    assert "pagedserve_inter_token_latency_seconds_count 2.0" in text
 
 
 def test_decodes_go_before_an_earlier_queued_prefill():
