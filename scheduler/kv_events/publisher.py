@@ -94,6 +94,7 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, 4096)  # a subscriber sends only (un)subscriptions to a topic
         self._replay: zmq.Socket | None = None
         try:
             (self._pub.bind if binds(self.endpoint) else self._pub.connect)(self.endpoint)
