@@ -1,20 +1,32 @@
 """The scheduler's sends to its clients: they never wait. A client that went away or stopped reading is
-told apart by the error of a send, and its requests end; and the request id of a submission that failed to
-decode, so that its sender learns why it gets no answer."""
+told apart by the error of a send, and its requests end; the request id of a submission that failed to
+decode, so that its sender learns why it gets no answer; and the answer to an InfoRequest."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
-from pagedserve.common.messages import Message, MsgType, RequestOutputs, SeqOutput, encode
+from pagedserve.common.messages import (
+    InfoReply,
+    Message,
+    MsgType,
+    RequestOutputs,
+    SeqOutput,
+    WorkerReady,
+    encode,
+)
 from pagedserve.common.wire_types import MAX_REQUEST_ID_CHARS
 from pagedserve.scheduler.request import Output
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.scheduler import Scheduler
 
 log = structlog.get_logger(process="scheduler")
 # Messages queued for one client before it counts as not reading (a stopped process: its own socket takes
@@ -76,3 +88,25 @@ class ClientSender:
                 )
         for owner, outs in by_owner.items():
             self.send(owner, RequestOutputs(outs))
+
+
+def info_reply(
+    query_id: int, core: Scheduler | None, ready: WorkerReady | None, draining: bool, extra_metrics: str = ""
+) -> InfoReply:
+    """What the scheduler serves now (not ready without a worker); `extra_metrics` is appended to the core's
+    Prometheus text."""
+    if core is None or ready is None:
+        return InfoReply(query_id, False, "", "", 0, 0, 0, 0, "")
+    settings = core.settings
+    return InfoReply(
+        query_id=query_id,
+        ready=not draining,
+        model_root=ready.model_root,
+        model_name=ready.model_name,
+        max_model_len=settings.max_model_len,
+        vocab_size=settings.vocab_size,
+        block_size=settings.block_size,
+        num_kv_blocks=settings.num_kv_blocks,
+        metrics_text=core.metrics_text() + extra_metrics,
+        scheduling_policy=settings.scheduling_policy,
+    )

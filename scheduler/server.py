@@ -43,7 +43,6 @@ from pagedserve.common.messages import (
     CodecError,
     ErrorKind,
     Heartbeat,
-    InfoReply,
     InfoRequest,
     KVSnapshotRequest,
     Message,
@@ -57,7 +56,7 @@ from pagedserve.common.messages import (
 )
 from pagedserve.common.security import ClusterKey, authenticate, load_cluster_key, secure_server
 from pagedserve.common.socket_limits import Receiver, WireLimits, max_message_bytes
-from pagedserve.scheduler.clients import ClientSender, submitted_request_id
+from pagedserve.scheduler.clients import ClientSender, info_reply, submitted_request_id
 from pagedserve.scheduler.kv_events.stream import KVEventStream
 from pagedserve.scheduler.kv_views import KVViews
 from pagedserve.scheduler.liveness import (
@@ -230,7 +229,10 @@ class SchedulerServer:
                 )
                 self._send_errors()
         elif isinstance(msg, InfoRequest):
-            self._to_clients.send(owner, self._info(msg.query_id))
+            reply = info_reply(
+                msg.query_id, self.core, self.ready_msg, self.draining, self._kv_events.metrics_text()
+            )
+            self._to_clients.send(owner, reply)
         elif isinstance(msg, KVSnapshotRequest):
             self._to_clients.send(owner, self._kv_views.reply(self.core, msg))
         else:
@@ -251,24 +253,6 @@ class SchedulerServer:
         for request_id in mine:
             self.core.abort(owner, request_id)  # its final outputs would go nowhere
         self._send_errors()
-
-    def _info(self, query_id: int) -> InfoReply:
-        ready = self.ready_msg
-        if self.core is None or ready is None:
-            return InfoReply(query_id, False, "", "", 0, 0, 0, 0, "")
-        settings = self.core.settings
-        return InfoReply(
-            query_id=query_id,
-            ready=not self.draining,
-            model_root=ready.model_root,
-            model_name=ready.model_name,
-            max_model_len=settings.max_model_len,
-            vocab_size=settings.vocab_size,
-            block_size=settings.block_size,
-            num_kv_blocks=settings.num_kv_blocks,
-            metrics_text=self.core.metrics_text() + self._kv_events.metrics_text(),
-            scheduling_policy=settings.scheduling_policy,
-        )
 
     def _send_errors(self) -> None:
         """Sends the errors of the requests the core failed on an internal error (it ended them itself)."""
