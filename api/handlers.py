@@ -30,7 +30,7 @@ log = get_logger(component="api.handlers")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
 # Bodies up to this size are parsed (and tokenized) on the event loop, in well under a millisecond or
-# two; larger ones in the tokenizer thread, so that they neither block the loop nor queue small requests
+# two; larger ones in the tokenizer pool, so that they neither block the loop nor queue small requests
 # behind them.
 INLINE_PARSE_BYTES = 16 * 1024
 STALLED_GRACE_S = 1.0  # how long a stalled stream's error event and [DONE] may take before we hang up
@@ -56,6 +56,35 @@ def check_model(body: Any, model: ServedModel) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
+async def read_json(request: web.Request) -> tuple[int, Any]:
+    """The request's body size and its JSON (request_body.py's strict parse). A large body is parsed in the
+    tokenizer pool: an 8 MB one takes the interpreter a few hundred ms, which on the event loop would stall
+    every other client, /health included."""
+    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return len(raw), parse_json(raw)
+    pool = request.app[STATE].tokenizer_pool
+    return len(raw), await asyncio.get_running_loop().run_in_executor(pool, parse_json, raw)
+
+
+def check_answer_size(req: GenerationRequest, cap: int) -> None:
+    """Refuses a non-stream request whose answer could hold more than `cap` tokens (each sampled token with
+    its top logprobs, and the prompt's tokens with prompt_logprobs): a stream is bounded by what its
+    client leaves unread (max_buffered_tokens), a body is held whole until it is sent."""
+    total = 0
+    for prompt, params in zip(req.prompts, req.params, strict=True):
+        total += params.n * params.max_tokens * (1 + (params.logprobs or 0))
+        if params.prompt_logprobs is not None:
+            total += len(prompt) * (1 + params.prompt_logprobs)
+    if total > cap:
+        raise invalid(
+            f"the answer could hold {total} tokens (n x max_tokens x (1 + logprobs), with the prompt's "
+            f"logprobs, summed over prompts), more than the {cap} a non-stream answer may hold: ask for a "
+            "stream, fewer tokens or fewer logprobs",
+            "max_tokens",
+        )
+
+
 def needs_thread(body: Any) -> bool:
     """A request's own chat template waits for a child process (api/chat_template.py): never on the loop."""
     return isinstance(body, dict) and body.get("chat_template") is not None
@@ -79,16 +108,17 @@ async def _serve(
     state = request.app[STATE]
     if state.draining:
         raise unavailable("the server is shutting down")
-    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    body = parse_json(raw)
+    size, body = await read_json(request)
     model = await state.models.get()
     check_model(body, model)
     max_seqs = state.config.max_seqs_per_request
-    if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
+    if size <= INLINE_PARSE_BYTES and not needs_thread(body):
         req = parse(body, model, max_seqs)
     else:
         loop = asyncio.get_running_loop()
         req = await loop.run_in_executor(state.tokenizer_pool, parse, body, model, max_seqs)
+    if not req.stream:
+        check_answer_size(req, state.config.max_response_tokens)
     response_id = id_prefix + request_id(request)  # X-Request-Id, given or made up (api/request_id.py)
     record = request[RECORD]
     record.update(

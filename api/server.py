@@ -20,6 +20,7 @@ from aiohttp import web
 from api.dashboard import add_dashboard, is_dashboard_path
 from api.errors import ApiError, error_body, unauthorized
 from api.handlers import chat_completions, completions, dumps
+from api.limits import install as install_limits
 from api.model import INFO_TIMEOUT_S, ModelState
 from api.request_id import check_request_id, echo_request_id
 from api.state import RECORD, STATE, ApiState
@@ -113,6 +114,8 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.draining:
         return _json({"status": "shutting down", "reason": "the server is shutting down"}, 503)
+    if not state.client.connected:  # known from the socket's own events: no round trip to wait out
+        return _json({"status": "unavailable", "reason": "the scheduler is not reachable"}, 503)
     try:
         info = await state.client.info(timeout=INFO_TIMEOUT_S)
     except TimeoutError:
@@ -204,6 +207,7 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     app = web.Application(middlewares=middlewares, client_max_size=config.max_request_bytes)
     app.on_response_prepare.append(echo_request_id)
     app[STATE] = ApiState(config, client, ModelState(config, client))
+    install_limits(app, config, frozenset(OPEN_PATHS))  # connection deadlines and cap (api/limits.py)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

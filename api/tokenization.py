@@ -20,10 +20,9 @@ from aiohttp import web
 from api.chat import render_chat_request
 from api.errors import invalid
 from api.fields import Fields, is_int
-from api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread
+from api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread, read_json
 from api.model import ServedModel
 from api.protocol import check_fields
-from api.request_body import parse_json
 from api.state import STATE
 from api.tools import parse_tools
 from common.config import ApiConfig
@@ -112,11 +111,10 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def _answer(request: web.Request, work: Work) -> web.Response:
     state = request.app[STATE]
-    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    body = parse_json(raw)
+    size, body = await read_json(request)
     model = await state.models.get()
     check_model(body, model)
-    if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
+    if size <= INLINE_PARSE_BYTES and not needs_thread(body):
         answer = work(body, model, state.config)
     else:  # a long text or conversation, or a request's own template: off the event loop, as in handlers.py
         loop = asyncio.get_running_loop()
