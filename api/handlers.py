@@ -6,7 +6,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -26,6 +26,7 @@ from common.log import get_logger
 from common.messages import ErrorKind
 
 log = get_logger(component="api.handlers")
+T = TypeVar("T")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
@@ -56,15 +57,32 @@ def check_model(body: Any, model: ServedModel) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
-async def read_json(request: web.Request) -> tuple[int, Any]:
-    """The request's body size and its JSON (request_body.py's strict parse). A large body is parsed in the
-    tokenizer pool: an 8 MB one takes the interpreter a few hundred ms, which on the event loop would stall
-    every other client, /health included."""
-    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    if len(raw) <= INLINE_PARSE_BYTES:
-        return len(raw), parse_json(raw)
+async def parse_body(request: web.Request, model: ServedModel, work: Callable[[Any], T]) -> T:
+    """`work` applied to the request's JSON body (request_body.py's strict parse), once check_model has
+    passed. A small body is parsed on the event loop; a large one (or one with its own chat template) in
+    the tokenizer pool, where the body is also dropped: an 8 MB body is millions of objects, and parsing
+    or freeing them on the loop would stall every other client, /health included."""
     pool = request.app[STATE].tokenizer_pool
-    return len(raw), await asyncio.get_running_loop().run_in_executor(pool, parse_json, raw)
+    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
+    if len(raw) > INLINE_PARSE_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(pool, _parsed, raw, model, work)
+    body = parse_json(raw)
+    check_model(body, model)
+    if not needs_thread(body):
+        return work(body)
+    return await asyncio.get_running_loop().run_in_executor(pool, work, body)
+
+
+def _parsed(raw: bytes, model: ServedModel, work: Callable[[Any], T]) -> T:
+    body: Any = None
+    try:
+        body = parse_json(raw)
+        check_model(body, model)
+        return work(body)
+    except ApiError as e:
+        error = e.with_traceback(None)  # its frames would keep the body alive until the loop drops it
+    body = None
+    raise error
 
 
 def check_answer_size(req: GenerationRequest, cap: int) -> None:
@@ -108,15 +126,9 @@ async def _serve(
     state = request.app[STATE]
     if state.draining:
         raise unavailable("the server is shutting down")
-    size, body = await read_json(request)
     model = await state.models.get()
-    check_model(body, model)
     max_seqs = state.config.max_seqs_per_request
-    if size <= INLINE_PARSE_BYTES and not needs_thread(body):
-        req = parse(body, model, max_seqs)
-    else:
-        loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(state.tokenizer_pool, parse, body, model, max_seqs)
+    req = await parse_body(request, model, lambda body: parse(body, model, max_seqs))
     if not req.stream:
         check_answer_size(req, state.config.max_response_tokens)
     response_id = id_prefix + request_id(request)  # X-Request-Id, given or made up (api/request_id.py)

@@ -162,6 +162,7 @@ class ConnectionGuard:
             return
         if conn.phase == "closing" or (not conn.trusted and self.num_connections >= self.soft_cap):
             response.force_close()
+            response.headers["Connection"] = "close"  # the headers are made before this hook runs
 
     # -- internals ------------------------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ their number by its context. Unlike vLLM, which checks the API key on /v1 paths 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ from aiohttp import web
 from api.chat import render_chat_request
 from api.errors import invalid
 from api.fields import Fields, is_int
-from api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread, read_json
+from api.handlers import dumps, parse_body
 from api.model import ServedModel
 from api.protocol import check_fields
 from api.state import STATE
@@ -111,14 +110,9 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def _answer(request: web.Request, work: Work) -> web.Response:
     state = request.app[STATE]
-    size, body = await read_json(request)
     model = await state.models.get()
-    check_model(body, model)
-    if size <= INLINE_PARSE_BYTES and not needs_thread(body):
-        answer = work(body, model, state.config)
-    else:  # a long text or conversation, or a request's own template: off the event loop, as in handlers.py
-        loop = asyncio.get_running_loop()
-        answer = await loop.run_in_executor(state.tokenizer_pool, work, body, model, state.config)
+    # a long text or conversation, or a request's own template: off the event loop (handlers.py)
+    answer = await parse_body(request, model, lambda body: work(body, model, state.config))
     return web.Response(text=dumps(answer), content_type="application/json")
 
 
