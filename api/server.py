@@ -114,7 +114,9 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.draining:
         return _json({"status": "shutting down", "reason": "the server is shutting down"}, 503)
-    if not state.client.connected:  # known from the socket's own events: no round trip to wait out
+    if state.client.connected:
+        state.scheduler_reached = True
+    elif state.scheduler_reached:  # it was up and its connection closed: no round trip to wait out
         return _json({"status": "unavailable", "reason": "the scheduler is not reachable"}, 503)
     try:
         info = await state.client.info(timeout=INFO_TIMEOUT_S)

@@ -26,6 +26,9 @@ class ApiState:
     # More than one thread, so that one huge body does not queue every other large request behind it; a fast
     # tokenizer releases the GIL while it encodes, and the loop itself already shares it with these threads.
     tokenizer_pool: ThreadPoolExecutor = field(init=False)
+    # /health has seen the scheduler's connection up: while it is down from then on, /health answers 503 at
+    # once (before, a round trip waits for the first connection)
+    scheduler_reached: bool = False
     draining: bool = False  # SIGTERM came: generation requests get 503, /health says "shutting down"
     in_flight: set[Generation] = field(default_factory=set)  # submitted and not yet answered in full
 
