@@ -6,7 +6,7 @@ server.py         the aiohttp app: routes, error/access-log middleware, the API 
 handlers.py       /v1/completions and /v1/chat/completions: one JSON body or server-sent events; a stream
                   whose client stops reading is aborted (max_buffered_tokens, stream_write_timeout_s), a
                   non-stream answer is capped (max_response_tokens); large bodies parsed in the tokenizer pool
-request_body.py   the body as strict JSON (msgspec first): no NaN/Infinity, no lone surrogates, no RecursionError
+request_body.py   the body as strict JSON (msgspec first): no NaN/Infinity or lone surrogates, bounded depth
 limits.py         what one HTTP client may hold: header, body and keep-alive deadlines, the connection cap
                   with its reserve for /health and authenticated clients (a protocol in front of aiohttp's)
 protocol.py       request bodies -> prompts (token ids) and SamplingParams; what is refused and why

@@ -137,10 +137,15 @@ class ConnectionGuard:
         conn = self._remove(transport) if transport is not None else None
         if conn is None:  # already closed or displaced
             return None
-        conn.trusted, conn.request, conn.phase = True, request, "body"
-        conn.deadline = asyncio.get_running_loop().time() + self.config.body_timeout_s
-        self._trusted[conn.transport] = conn
+        conn.trusted, conn.request = True, request
         self.in_progress += 1
+        if request.content.is_eof():  # a GET, or a body that came with its headers: busy at once
+            conn.phase, conn.deadline = "busy", None
+            self._busy[conn.transport] = conn
+        else:
+            conn.phase = "body"
+            conn.deadline = asyncio.get_running_loop().time() + self.config.body_timeout_s
+            self._trusted[conn.transport] = conn
         return conn
 
     def request_ended(self, conn: Connection) -> None:

@@ -223,3 +223,29 @@ def test_a_connection_that_sends_nothing_is_closed_at_the_header_timeout(quick: 
     closed = _closed_within(sock, 5)
     sock.close()
     assert closed is not None and closed < 1.5, closed
+
+
+def test_past_the_soft_cap_of_requests_only_health_and_metrics_are_served(tiny_model_dir: Path) -> None:
+    """Guards the reserve: with every connection but the reserve holding a request in progress, a new
+    generation request gets 503 at once while /health still answers (before, nothing was kept for it)."""
+    config = ApiConfig(max_connections=8, connection_reserve=4)
+    api = ApiServer(str(tiny_model_dir), config, step_delay=0.1)
+    streams = []
+    try:
+        assert wait_until(lambda: api.get("/health").status == 200, timeout=30)
+        body = json.dumps({"prompt": "hi", "max_tokens": 100, "stream": True}).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        streams = [_open(api.port, head + body) for _ in range(4)]  # 4 = the soft cap: 8 - 4
+        guard = api._runner.app[GUARD]
+        assert wait_until(lambda: guard.in_progress == 4)
+        refused = api.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert refused.status == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        assert api.get("/health").status == 200
+        for sock in streams:
+            sock.close()
+        assert wait_until(lambda: guard.in_progress == 0, timeout=10)
+        assert api.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status == 200
+    finally:
+        for sock in streams:
+            sock.close()
+        api.close()
