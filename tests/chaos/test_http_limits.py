@@ -249,3 +249,20 @@ def test_past_the_soft_cap_of_requests_only_health_and_metrics_are_served(tiny_m
         for sock in streams:
             sock.close()
         api.close()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"header_timeout_s": 0},
+        {"body_timeout_s": -1},
+        {"keepalive_timeout_s": 0},
+        {"max_connections": 10, "connection_reserve": 10},
+        {"connection_reserve": -1},
+        {"tokenizer_threads": 0},
+        {"max_response_tokens": 0},
+    ],
+)
+def test_limits_out_of_range_are_refused_at_start(fields: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        ApiConfig(**fields)  # type: ignore[arg-type]
