@@ -131,3 +131,22 @@ def test_a_non_stream_answer_is_bounded_like_a_stream(server: ApiServer) -> None
     assert events and all("error" not in e for e in events)
     fits = server.post("/v1/completions", {**too_big, "logprobs": 3})  # 4 x 50 x 4 = 800
     assert fits.status == 200 and len(fits.json()["choices"]) == 4
+
+
+def test_large_prompts_tokenize_side_by_side_in_the_pool(server: ApiServer) -> None:
+    """The pool runs several tokenizations at once (a fast tokenizer is shared by its threads): eight
+    prompts over the inline size, sent together, all get the same tokens as one sent alone."""
+    # 15,600 characters (the tiny model takes 16,384) in a 28 KB body (escaped): handled in the pool
+    prompt = "h\u00e9llo w\u00f6rld " * 1300
+    alone = server.post("/tokenize", {"prompt": prompt})
+    assert alone.status == 200, alone.text
+    replies: list[object] = []
+    senders = [
+        threading.Thread(target=lambda: replies.append(server.post("/tokenize", {"prompt": prompt})))
+        for _ in range(8)
+    ]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(60)
+    assert [(r.status, r.json()["tokens"]) for r in replies] == [(200, alone.json()["tokens"])] * 8  # type: ignore[attr-defined]
