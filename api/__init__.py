@@ -1,6 +1,6 @@
 """The HTTP front end: OpenAI-compatible endpoints in front of the scheduler, over the ZeroMQ client.
 
-__main__.py       `python -m api`: ApiConfig, logging, uvloop, the server until SIGTERM, then the drain
+__main__.py       `python -m pagedserve.api`: ApiConfig, logging, uvloop, the server until SIGTERM, then the drain
 server.py         the aiohttp app: routes, error/access-log middleware, the API key, /health, /v1/models,
                   /metrics, drain() (SIGTERM: 503 for new requests, shutdown_timeout_s for the rest)
 handlers.py       /v1/completions and /v1/chat/completions: one JSON body or server-sent events; a stream

@@ -1,4 +1,4 @@
-"""`python -m api`: the HTTP front end, on uvloop, in front of the scheduler named by ApiConfig.
+"""`python -m pagedserve.api`: the HTTP front end, on uvloop, in front of the scheduler named by ApiConfig.
 
 SIGTERM (or SIGINT) drains: new generation requests get 503 and /health says "shutting down", requests in
 flight have shutdown_timeout_s to finish, the rest end with an error event and [DONE] (streams) or a 503;
@@ -13,12 +13,12 @@ import signal
 import structlog
 import uvloop
 
-from api.limits import start_server
-from api.server import create_app, drain
-from api.state import STATE
-from common.config import ApiConfig, parse_config
-from common.log import configure_logging
-from common.security import ClusterKeyError
+from pagedserve.api.limits import start_server
+from pagedserve.api.server import create_app, drain
+from pagedserve.api.state import STATE
+from pagedserve.common.config import ApiConfig, parse_config
+from pagedserve.common.log import configure_logging
+from pagedserve.common.security import ClusterKeyError
 
 
 async def serve(config: ApiConfig) -> None:

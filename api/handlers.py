@@ -10,20 +10,20 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from api.chat_output import ParsedChatFormat
-from api.errors import ApiError, error_body, invalid, unavailable
-from api.generation import Generation
-from api.model import ServedModel
-from api.openai_format import CompletionFormat, ResponseFormat
-from api.protocol import GenerationRequest, parse_chat, parse_completion
-from api.request_body import parse_json
-from api.request_id import request_id
-from api.scoring import PromptEcho
-from api.state import RECORD, STATE
-from client import ClientClosed, RequestRejected
-from common.config import ApiConfig
-from common.log import get_logger
-from common.messages import ErrorKind
+from pagedserve.api.chat_output import ParsedChatFormat
+from pagedserve.api.errors import ApiError, error_body, invalid, unavailable
+from pagedserve.api.generation import Generation
+from pagedserve.api.model import ServedModel
+from pagedserve.api.openai_format import CompletionFormat, ResponseFormat
+from pagedserve.api.protocol import GenerationRequest, parse_chat, parse_completion
+from pagedserve.api.request_body import parse_json
+from pagedserve.api.request_id import request_id
+from pagedserve.api.scoring import PromptEcho
+from pagedserve.api.state import RECORD, STATE
+from pagedserve.client import ClientClosed, RequestRejected
+from pagedserve.common.config import ApiConfig
+from pagedserve.common.log import get_logger
+from pagedserve.common.messages import ErrorKind
 
 log = get_logger(component="api.handlers")
 T = TypeVar("T")

@@ -36,9 +36,9 @@ from typing import cast
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from api.errors import ApiError, unavailable
-from common.config import ApiConfig
-from common.log import get_logger
+from pagedserve.api.errors import ApiError, unavailable
+from pagedserve.common.config import ApiConfig
+from pagedserve.common.log import get_logger
 
 log = get_logger(component="api.limits")
 PRESSURE_HEADER_TIMEOUT_S = 1.0  # past the soft cap: a real client sends its headers in milliseconds

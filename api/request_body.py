@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from api.errors import invalid
+from pagedserve.api.errors import invalid
 
 _DECODER = msgspec.json.Decoder()
 

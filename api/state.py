@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from api.generation import Generation
-from api.model import ModelState
-from client import AsyncEngineClient
-from common.config import ApiConfig
+from pagedserve.api.generation import Generation
+from pagedserve.api.model import ModelState
+from pagedserve.client import AsyncEngineClient
+from pagedserve.common.config import ApiConfig
 
 
 @dataclass

@@ -16,15 +16,15 @@ from typing import Any
 
 from aiohttp import web
 
-from api.chat import render_chat_request
-from api.errors import invalid
-from api.fields import Fields, is_int
-from api.handlers import dumps, parse_body
-from api.model import ServedModel
-from api.protocol import check_fields
-from api.state import STATE
-from api.tools import parse_tools
-from common.config import ApiConfig
+from pagedserve.api.chat import render_chat_request
+from pagedserve.api.errors import invalid
+from pagedserve.api.fields import Fields, is_int
+from pagedserve.api.handlers import dumps, parse_body
+from pagedserve.api.model import ServedModel
+from pagedserve.api.protocol import check_fields
+from pagedserve.api.state import STATE
+from pagedserve.api.tools import parse_tools
+from pagedserve.common.config import ApiConfig
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = frozenset(

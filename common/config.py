@@ -22,7 +22,7 @@ from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-from common.speculative import parse_speculative_config
+from pagedserve.common.speculative import parse_speculative_config
 
 ENV_PREFIX = "PAGEDSERVE_"
 DEFAULT_SCHEDULER_ADDRESS = "tcp://127.0.0.1:5570"  # clients (api, ZeroMQ users) <-> scheduler
@@ -430,7 +430,7 @@ def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
         raise SystemExit(f"bad setting: {e}") from e
     if "revision" not in {f.name for f in fields(config_cls)}:
         return config
-    from common.model_source import ModelSourceError, resolve_config
+    from pagedserve.common.model_source import ModelSourceError, resolve_config
 
     try:
         return resolve_config(config)

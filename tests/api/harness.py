@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from common.config import ApiConfig
+from pagedserve.common.config import ApiConfig
 from tests.api.fake_scheduler import FakeScheduler
 
 T = TypeVar("T")
@@ -62,8 +62,8 @@ class ApiServer:
         return await FakeScheduler(model_root=model_dir, **options).start()
 
     async def _start_app(self, sock: socket.socket) -> web.AppRunner:
-        from api.limits import start_server  # imported here so client tests need no api
-        from api.server import create_app
+        from pagedserve.api.limits import start_server  # imported here so client tests need no api
+        from pagedserve.api.server import create_app
 
         return await start_server(create_app(self.config), self.config, sock)
 

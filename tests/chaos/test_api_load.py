@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from api.state import STATE
-from common.config import ApiConfig
+from pagedserve.api.state import STATE
+from pagedserve.common.config import ApiConfig
 from scripts._servers import ROOT, free_port
 from tests.api.fake_scheduler import FakeScheduler
 from tests.api.harness import ApiServer, BackgroundLoop, wait_until
@@ -41,12 +41,12 @@ def _float_body(size: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def api_process(tiny_model_dir: Path) -> Iterator[int]:
-    """`python -m api` (uvloop, as deployed) in front of a fake scheduler; yields its port. In a process
+    """`python -m pagedserve.api` (uvloop, as deployed) in front of a fake scheduler; yields its port. In a process
     of its own, so that the test's clients share no interpreter lock with it."""
     background = BackgroundLoop()
     fake = background.run(FakeScheduler(model_root=str(tiny_model_dir)).start())
     port = free_port()
-    argv = [sys.executable, "-m", "api", "--port", str(port), "--scheduler-address", fake.address]
+    argv = [sys.executable, "-m", "pagedserve.api", "--port", str(port), "--scheduler-address", fake.address]
     proc = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         assert wait_until(lambda: _status(port, "/health") == 200, timeout=60)

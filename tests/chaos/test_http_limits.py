@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from api.limits import GUARD
-from common.config import ApiConfig
+from pagedserve.api.limits import GUARD
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer, wait_until
 
 KEY = "sk-limits-test"
