@@ -4,9 +4,12 @@ __main__.py       `python -m pagedserve.api`: ApiConfig, logging, uvloop, the se
 server.py         the aiohttp app: routes, error/access-log middleware, the API key, /health, /v1/models,
                   /metrics, drain() (SIGTERM: 503 for new requests, shutdown_timeout_s for the rest)
 handlers.py       /v1/completions and /v1/chat/completions: one JSON body or server-sent events; a stream
-                  whose client stops reading is aborted (max_buffered_tokens, stream_write_timeout_s)
-request_body.py   the body as strict JSON: no NaN/Infinity, no lone surrogates, no RecursionError
+                  whose client stops reading is aborted (max_buffered_tokens, stream_write_timeout_s), a
+                  non-stream answer is capped (max_response_tokens); large bodies parsed in the tokenizer pool
+request_body.py   the body as strict JSON (msgspec first): no NaN/Infinity or lone surrogates, bounded depth
 request_fields.py  fields a body may have: unknown ones ignored (X-Ignored-Fields) or, strict, refused
+limits.py         what one HTTP client may hold: header, body and keep-alive deadlines, the connection cap
+                  with its reserve for /health and authenticated clients (a protocol in front of aiohttp's)
 protocol.py       request bodies -> prompts (token ids) and SamplingParams; what is refused and why
 chat.py           chat messages (tool results, tool calls, reasoning), tools and documents -> the prompt
 chat_template.py  --chat-template, a request's own template (sandboxed child process), chat_template_kwargs
@@ -24,7 +27,7 @@ scoring.py        what a response shows of its prompt: echo, prompt_logprobs, re
                   and the text options (include_stop_str_in_output, skip_special_tokens, ...)
 model.py          the tokenizer, loaded from --model at start; the served model's name and limits, learnt
                   from the scheduler once a worker is ready (503 while it serves another checkpoint)
-state.py          what handlers share: config, client, model, counters, tokenizer thread, requests in flight
+state.py          what handlers share: config, client, model, counters, tokenizer pool, requests in flight
 errors.py         ApiError and OpenAI's error body (the 401s word for word)
 auth.py           API keys (--api-key, --api-key-file, reloaded) and their tenants: each tenant's prefix-cache
                   salt; wrong keys throttled per client address (429)

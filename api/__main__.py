@@ -12,9 +12,9 @@ import signal
 
 import structlog
 import uvloop
-from aiohttp import web
 
 from pagedserve.api.auth import KeyFileError
+from pagedserve.api.limits import start_server
 from pagedserve.api.server import create_app, drain
 from pagedserve.api.state import STATE
 from pagedserve.common.config import ApiConfig, parse_config
@@ -27,11 +27,7 @@ async def serve(config: ApiConfig) -> None:
     # Module loggers are made before logging is configured; this puts the process on their lines too.
     structlog.contextvars.bind_contextvars(process="api")
     app = create_app(config)
-    # handler_cancellation: a client that hangs up cancels its handler, which aborts its requests.
-    # shutdown_timeout: drain() has already waited; what still runs after it is cancelled soon.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    runner = await start_server(app, config)  # with the connection deadlines and cap (api/limits.py)
     log.info("api_listening", host=config.host, port=config.port, scheduler=config.scheduler_address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -6,7 +6,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -35,11 +35,12 @@ from pagedserve.common.log import get_logger
 from pagedserve.common.messages import ErrorKind
 
 log = get_logger(component="api.handlers")
+T = TypeVar("T")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
 # Bodies up to this size are parsed (and tokenized) on the event loop, in well under a millisecond or
-# two; larger ones in the tokenizer thread, so that they neither block the loop nor queue small requests
+# two; larger ones in the tokenizer pool, so that they neither block the loop nor queue small requests
 # behind them.
 INLINE_PARSE_BYTES = 16 * 1024
 STALLED_GRACE_S = 1.0  # how long a stalled stream's error event and [DONE] may take before we hang up
@@ -63,6 +64,61 @@ def check_model(body: Any, model: ServedModel) -> None:
         raise invalid("'model' must be a string", "model")
     if name != model.name:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+# A body's fields screened (request_fields.py): the body to parse, and the response headers that say what was ignored
+Screen = Callable[[Any], tuple[Any, dict[str, str]]]
+
+
+async def parse_body(
+    request: web.Request, model: ServedModel, work: Callable[[Any], T], screen: Screen
+) -> tuple[T, dict[str, str]]:
+    """`work` applied to the request's JSON body (request_body.py's strict parse) once `screen` has taken
+    out its unknown fields and check_model has passed, with `screen`'s headers. A small body is parsed on the
+    event loop; a large one (or one with its own chat template) in the tokenizer pool, where the body is
+    also dropped: an 8 MB body is millions of objects, and parsing or freeing them on the loop would stall
+    every other client, /health included."""
+    pool = request.app[STATE].tokenizer_pool
+    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
+    if len(raw) > INLINE_PARSE_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(pool, _parsed, raw, model, work, screen)
+    body, headers = screen(parse_json(raw))
+    check_model(body, model)
+    if not needs_thread(body):
+        return work(body), headers
+    return await asyncio.get_running_loop().run_in_executor(pool, work, body), headers
+
+
+def _parsed(
+    raw: bytes, model: ServedModel, work: Callable[[Any], T], screen: Screen
+) -> tuple[T, dict[str, str]]:
+    body: Any = None
+    try:
+        body, headers = screen(parse_json(raw))
+        check_model(body, model)
+        return work(body), headers
+    except ApiError as e:
+        error = e.with_traceback(None)  # its frames would keep the body alive until the loop drops it
+    body = None
+    raise error
+
+
+def check_answer_size(req: GenerationRequest, cap: int) -> None:
+    """Refuses a non-stream request whose answer could hold more than `cap` tokens (each sampled token with
+    its top logprobs, and the prompt's tokens with prompt_logprobs): a stream is bounded by what its
+    client leaves unread (max_buffered_tokens), a body is held whole until it is sent."""
+    total = 0
+    for prompt, params in zip(req.prompts, req.params, strict=True):
+        total += params.n * params.max_tokens * (1 + (params.logprobs or 0))
+        if params.prompt_logprobs is not None:
+            total += len(prompt) * (1 + params.prompt_logprobs)
+    if total > cap:
+        raise invalid(
+            f"the answer could hold {total} tokens (n x max_tokens x (1 + logprobs), with the prompt's "
+            f"logprobs, summed over prompts), more than the {cap} a non-stream answer may hold: ask for a "
+            "stream, fewer tokens or fewer logprobs",
+            "max_tokens",
+        )
 
 
 def needs_thread(body: Any) -> bool:
@@ -89,16 +145,16 @@ async def _serve(
     state = request.app[STATE]
     if state.draining:
         raise unavailable("the server is shutting down")
-    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    body, headers = accept_fields(request, parse_json(raw), fields | IGNORED_FIELDS)
     model = await state.models.get()
-    check_model(body, model)
     max_seqs = state.config.max_seqs_per_request
-    if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
-        req = parse(body, model, max_seqs)
-    else:
-        loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(state.tokenizer_pool, parse, body, model, max_seqs)
+    req, headers = await parse_body(
+        request,
+        model,
+        lambda body: parse(body, model, max_seqs),
+        lambda body: accept_fields(request, body, fields | IGNORED_FIELDS),
+    )
+    if not req.stream:
+        check_answer_size(req, state.config.max_response_tokens)
     response_id = id_prefix + request_id(request)  # X-Request-Id, given or made up (api/request_id.py)
     record = request[RECORD]
     record.update(

@@ -21,6 +21,7 @@ from pagedserve.api.cors import add_cors
 from pagedserve.api.dashboard import add_dashboard, is_dashboard_path
 from pagedserve.api.errors import ApiError, error_body, unauthorized
 from pagedserve.api.handlers import chat_completions, completions, dumps
+from pagedserve.api.limits import install as install_limits
 from pagedserve.api.model import INFO_TIMEOUT_S, ModelState
 from pagedserve.api.request_id import check_request_id, echo_request_id
 from pagedserve.api.state import RECORD, STATE, ApiState
@@ -114,6 +115,10 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.draining:
         return _json({"status": "shutting down", "reason": "the server is shutting down"}, 503)
+    if state.client.connected:
+        state.scheduler_reached = True
+    elif state.scheduler_reached:  # it was up and its connection closed: no round trip to wait out
+        return _json({"status": "unavailable", "reason": "the scheduler is not reachable"}, 503)
     try:
         info = await state.client.info(timeout=INFO_TIMEOUT_S)
     except TimeoutError:
@@ -207,6 +212,7 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     add_cors(app, config)  # preflights answered before the API key; origin headers on every response
     app[STATE] = ApiState(config, client, ModelState(config, client))
     app[AUTH] = Auth(config)  # reads --api-key-file: KeyFileError when it is unusable
+    install_limits(app, config, frozenset(OPEN_PATHS))  # connection deadlines and cap (api/limits.py)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

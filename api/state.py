@@ -24,13 +24,20 @@ class ApiState:
     models: ModelState
     started: int = field(default_factory=lambda: int(time.time()))
     requests_total: Counter[tuple[str, int]] = field(default_factory=Counter)  # (route, status) -> count
-    # Parsing, tokenizing and chat templates of big bodies, off the event loop. One thread, as in vLLM: a
-    # fast tokenizer releases the GIL while it encodes, and one thread never shares it between two encodes.
-    tokenizer_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="api-tokenizer")
-    )
+    # Parsing, tokenizing and chat templates of big bodies, off the event loop (ApiConfig.tokenizer_threads).
+    # More than one thread, so that one huge body does not queue every other large request behind it; a fast
+    # tokenizer releases the GIL while it encodes, and the loop itself already shares it with these threads.
+    tokenizer_pool: ThreadPoolExecutor = field(init=False)
+    # /health has seen the scheduler's connection up: while it is down from then on, /health answers 503 at
+    # once (before, a round trip waits for the first connection)
+    scheduler_reached: bool = False
     draining: bool = False  # SIGTERM came: generation requests get 503, /health says "shutting down"
     in_flight: set[Generation] = field(default_factory=set)  # submitted and not yet answered in full
+
+    def __post_init__(self) -> None:
+        self.tokenizer_pool = ThreadPoolExecutor(
+            self.config.tokenizer_threads, thread_name_prefix="api-tokenizer"
+        )
 
     def metrics_text(self) -> str:
         """The api's own counters in Prometheus text format."""

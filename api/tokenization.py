@@ -11,7 +11,6 @@ their number by its context. Unlike vLLM, which checks the API key on /v1 paths 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -20,10 +19,9 @@ from aiohttp import web
 from pagedserve.api.chat import render_chat_request
 from pagedserve.api.errors import invalid
 from pagedserve.api.fields import Fields, is_int
-from pagedserve.api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread
+from pagedserve.api.handlers import dumps, parse_body
 from pagedserve.api.model import ServedModel
 from pagedserve.api.protocol import IGNORED_FIELDS, check_fields
-from pagedserve.api.request_body import parse_json
 from pagedserve.api.request_fields import REFUSED_FIELDS, accept_fields
 from pagedserve.api.state import STATE
 from pagedserve.api.tools import parse_tools
@@ -133,15 +131,14 @@ def _accept_fields(request: web.Request, work: Work, body: Any) -> tuple[Any, di
 
 async def _answer(request: web.Request, work: Work) -> web.Response:
     state = request.app[STATE]
-    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    body, headers = _accept_fields(request, work, parse_json(raw))
     model = await state.models.get()
-    check_model(body, model)
-    if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
-        answer = work(body, model, state.config)
-    else:  # a long text or conversation, or a request's own template: off the event loop, as in handlers.py
-        loop = asyncio.get_running_loop()
-        answer = await loop.run_in_executor(state.tokenizer_pool, work, body, model, state.config)
+    # a long text or conversation, or a request's own template: off the event loop (handlers.py)
+    answer, headers = await parse_body(
+        request,
+        model,
+        lambda body: work(body, model, state.config),
+        lambda body: _accept_fields(request, work, body),
+    )
     return web.Response(text=dumps(answer), content_type="application/json", headers=headers)
 
 

@@ -119,6 +119,24 @@ class ApiConfig:
     # Wrong API keys one client address (an IPv6 /64) may send per minute; past them, 429 with Retry-After
     # for any key it sends until the allowance refills; 0: no limit
     auth_failures_per_minute: int = 30
+    # Threads that parse large bodies and tokenize or render long prompts, off the event loop
+    tokenizer_threads: int = 4
+    # A connection must send a request's headers within this long of opening (or of the first byte of its next
+    # request); else it is closed
+    header_timeout_s: float = 10.0
+    # A request's body must arrive in full within this long of its headers; else 408 and the connection closed
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this long
+    # Open HTTP connections, at most (and under the file-descriptor limit): at the cap a new connection
+    # displaces the longest-waiting one that holds no request, unauthenticated ones first (api/limits.py)
+    max_connections: int = 4096
+    # Kept for /health, /metrics and authenticated clients: past max_connections minus this, new connections
+    # have 1 s to send their headers, unauthenticated ones are closed after their answer, and once this many
+    # connections below the cap hold requests, other routes answer 503
+    connection_reserve: int = 64
+    # Tokens a non-stream answer may hold (n x max_tokens x (1 + logprobs) summed over prompts, and the
+    # prompts' with prompt_logprobs); a request that could exceed it gets 400 (a stream is not held whole)
+    max_response_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -131,6 +149,14 @@ class ApiConfig:
             raise ValueError(f"default_max_tokens must be at least 0, got {self.default_max_tokens}")
         if not 0 <= self.auth_failures_per_minute <= 1 << 20:
             raise ValueError("auth_failures_per_minute must be in [0, 2**20]")
+        if not 1 <= self.tokenizer_threads <= 64:
+            raise ValueError("tokenizer_threads must be in [1, 64]")
+        if min(self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s) <= 0:
+            raise ValueError("header_timeout_s, body_timeout_s and keepalive_timeout_s must be positive")
+        if not 0 <= self.connection_reserve < self.max_connections:
+            raise ValueError("connection_reserve must be in [0, max_connections)")
+        if self.max_response_tokens < 1:
+            raise ValueError("max_response_tokens must be at least 1")
 
 
 @dataclass(frozen=True)

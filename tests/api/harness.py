@@ -62,12 +62,10 @@ class ApiServer:
         return await FakeScheduler(model_root=model_dir, **options).start()
 
     async def _start_app(self, sock: socket.socket) -> web.AppRunner:
-        from pagedserve.api.server import create_app  # imported here so client tests need no api
+        from pagedserve.api.limits import start_server  # imported here so client tests need no api
+        from pagedserve.api.server import create_app
 
-        runner = web.AppRunner(create_app(self.config), handler_cancellation=True)
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        return runner
+        return await start_server(create_app(self.config), self.config, sock)
 
     def close(self) -> None:
         self.background.run(self._runner.cleanup())
