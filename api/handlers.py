@@ -66,7 +66,7 @@ def check_model(body: Any, model: ServedModel) -> None:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
-# A body's fields screened (request_fields.py): the body to parse, and the response headers that say what was ignored
+# A body's fields screened (request_fields.py): the body to parse, and headers saying what was ignored
 Screen = Callable[[Any], tuple[Any, dict[str, str]]]
 
 

@@ -41,8 +41,8 @@ def _float_body(size: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def api_process(tiny_model_dir: Path) -> Iterator[int]:
-    """`python -m pagedserve.api` (uvloop, as deployed) in front of a fake scheduler; yields its port. In a process
-    of its own, so that the test's clients share no interpreter lock with it."""
+    """`python -m pagedserve.api` (uvloop, as deployed) in front of a fake scheduler; yields its port. In a
+    process of its own, so that the test's clients share no interpreter lock with it."""
     background = BackgroundLoop()
     fake = background.run(FakeScheduler(model_root=str(tiny_model_dir)).start())
     port = free_port()
