@@ -240,7 +240,7 @@ def test_signing_out_revokes_the_session_and_ends_its_event_stream(keyed: ApiSer
 def test_removing_a_key_from_the_key_file_ends_its_sessions(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("api.auth.RELOAD_CHECK_S", 0.0)  # the file is checked at every request
+    monkeypatch.setattr("pagedserve.api.auth.RELOAD_CHECK_S", 0.0)  # the file is checked at every request
     key_file = tmp_path / "keys"
     key_file.write_text(KEY_FILE)
     api_server = ApiServer(str(tiny_model_dir), ApiConfig(api_key_file=str(key_file)))
