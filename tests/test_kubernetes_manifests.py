@@ -291,3 +291,10 @@ def test_the_dockerfile_installs_what_the_manifests_run() -> None:
     assert "pip install -c constraints.txt ." in text
     ignored = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text().split()
     assert {f"!{name}" for name in needed | set(FOLDERS)} <= set(ignored)
+
+
+def test_the_router_image_installs_the_router_ci_tests() -> None:
+    pin = next(line.split()[0] for line in (ROOT / "requirements-dev.txt").read_text().splitlines()
+               if line.startswith("vllm-router=="))  # fmt: skip
+    text = (ROOT / "deploy" / "router.Dockerfile").read_text()
+    assert f"pip install {pin}" in text and 'ENTRYPOINT ["vllm-router"]' in text
