@@ -5,14 +5,17 @@ The replica's --tensor-parallel-size ranks are split evenly over the N hosts: ho
 (L = tensor_parallel_size / N), which take its GPUs 0 .. L-1 (worker/parallel.py: rank modulo the host's GPU
 count). Host 0 also runs the api and the scheduler; the other hosts run only their worker ranks. Every rank
 meets the others at HOST:PORT (torch.distributed's TCP rendezvous, hosted by rank 0 on host 0: NCCL on GPUs,
-gloo on the CPU), and rank 0 alone talks to the scheduler, on host 0 itself.
+gloo on the CPU).
 
-The other hosts' ranks need the scheduler only to fail fast: they follow rank 0 over the process group, yet
-every worker process is configured with the scheduler's worker address, and it is derived here from HOST so
-that one flag describes the cluster: the scheduler binds HOST's address (resolved on host 0) at the port of
---worker-address, and every worker connects to HOST there. A --worker-address given explicitly is used as it
-is (a wildcard host, 0.0.0.0 or *, is bound on host 0 and connected to at HOST). The socket is CURVE-locked
-with the cluster key, which every host must hold: copy the file and point --cluster-key-file at the copy.
+Only rank 0 talks to the scheduler (over ZeroMQ, CURVE-locked with the cluster key); the other ranks follow
+rank 0 over the process group and never open a socket of their own. The scheduler's worker address is
+derived from HOST, so that one flag describes the cluster: host 0's scheduler binds HOST's address (resolved
+on host 0) at --worker-address's port, and rank 0 connects there. A --worker-address given explicitly is
+used as it is; one with a wildcard host (0.0.0.0, *) is bound on every interface and reached at HOST. Every
+host's processes carry the same derived settings.
+
+Across hosts the GPUs cannot map each other's memory, so --tp-all-reduce auto becomes nccl (worker/
+tp_all_reduce.py's one-shot kernels need every rank on one host), and the one-shot modes are refused.
 """
 
 from __future__ import annotations
@@ -102,6 +105,10 @@ def node_settings(node: NodeConfig, values: dict[str, Any]) -> tuple[dict[str, A
     derived = dict(values, dist_init_method=f"tcp://{_url_host(host)}:{port}")
     if node.nnodes == 1:
         return derived, {}
+    all_reduce = values.get("tp_all_reduce", "auto")
+    if all_reduce not in ("auto", "nccl"):
+        raise ValueError(f"tp_all_reduce {all_reduce} needs every rank on one host; with nnodes > 1: nccl")
+    derived["tp_all_reduce"] = "nccl"
     given = values["worker_address"]
     worker_port = urlsplit(given).port or urlsplit(DEFAULT_WORKER_ADDRESS).port
     if given == DEFAULT_WORKER_ADDRESS:  # derived: host 0 binds HOST's own address, everyone connects there

@@ -213,8 +213,8 @@ def test_the_router_is_pointed_at_every_replica_and_its_kv_events() -> None:
 
 def test_probes_secrets_and_services_fit_the_server(setup: tuple[str, list[dict[str, Any]]]) -> None:
     """/health is 503 while the model loads: readiness waits on it, a startup probe keeps liveness off a
-    loading pod; the cluster key reaches the server as a 0600 file copied from its Secret; the api keys are
-    the Secret's file; the Services select the server pods by their http port."""
+    loading pod; the cluster key reaches the server as a 0600 file copied from its Secret (and only the pods
+    that talk to the scheduler hold it); the api keys are the Secret's file."""
     name, docs = setup
     for pod, container in containers(docs, "pagedserve"):
         if not container.get("args"):  # the init container: install -m 0600 SECRET_FILE KEY_FILE
@@ -222,6 +222,11 @@ def test_probes_secrets_and_services_fit_the_server(setup: tuple[str, list[dict[
             continue
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        if "startupProbe" not in container:  # a multi-node worker pod: no api, and no key (no scheduler)
+            assert name == "multinode" and "initContainers" not in pod
+            assert not any("secret" in v for v in volumes.values())
+            assert not {"--api-key-file", "--cluster-key-file"} & set(container["args"])
+            continue
         [init] = pod["initContainers"]
         source, target = init["command"][3:]
         init_mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
@@ -234,9 +239,6 @@ def test_probes_secrets_and_services_fit_the_server(setup: tuple[str, list[dict[
         if "--api-key-file" in container["args"]:
             api_keys = Path(flag(container["args"], "--api-key-file"))
             assert volumes[mounts[str(api_keys.parent)]]["secret"]["secretName"] == "pagedserve-api-keys"
-        if "startupProbe" not in container:  # a multi-node worker pod: no api to probe
-            assert name == "multinode" and "--api-key-file" not in container["args"]
-            continue
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
         startup = container["startupProbe"]

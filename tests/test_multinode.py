@@ -37,6 +37,7 @@ def test_host_0_runs_the_api_the_scheduler_and_the_first_ranks(tiny_model_dir: P
     assert children[1].env == {"PAGEDSERVE_WORKER_ADDRESS": "tcp://127.0.0.1:5571"}
     assert env["PAGEDSERVE_WORKER_ADDRESS"] == "tcp://localhost:5571"
     assert "PAGEDSERVE_NNODES" not in env and "PAGEDSERVE_DIST_INIT_ADDR" not in env  # the launcher's own
+    assert env["PAGEDSERVE_TP_ALL_REDUCE"] == "nccl"  # auto's one-shot kernels need every rank on one host
 
 
 def test_another_host_runs_only_its_ranks_connecting_to_host_0(tiny_model_dir: Path) -> None:
@@ -88,6 +89,19 @@ def test_one_host_with_a_dist_init_addr_meets_there(tiny_model_dir: Path) -> Non
             "must be a multiple of",
         ),
         (["--nnodes", "2", "--dist-init-addr", "h"], "dist_init_addr must be HOST:PORT, got 'h'"),
+        (
+            [
+                "--nnodes",
+                "2",
+                "--dist-init-addr",
+                "h:1",
+                "--tensor-parallel-size",
+                "2",
+                "--tp-all-reduce",
+                "fused",
+            ],
+            "tp_all_reduce fused needs every rank on one host",
+        ),
         (["--nnodes", "2", "--dist-init-addr", "h:port"], "dist_init_addr must be HOST:PORT"),
         (
             ["--nnodes", "2", "--tensor-parallel-size", "2", "--dist-init-addr", "nowhere.invalid:1"],

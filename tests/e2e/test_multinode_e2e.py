@@ -1,13 +1,12 @@
-"""One replica over two "hosts" on this machine: two `pagedserve serve` invocations in separate process
-groups, host 0 (api, scheduler, rank 0) and host 1 (rank 1 alone), TP=2 split 1 + 1, meeting over gloo at
---dist-init-addr and each holding its own copy of the cluster key, as two machines would. What it does not
-run: NCCL between GPUs of different hosts (no second GPU host here)."""
+"""One replica over two "hosts" on this machine: two `pagedserve serve` invocations in separate sessions,
+host 0 (api, scheduler, rank 0) and host 1 (rank 1 alone), TP=2 split 1 + 1, meeting over gloo at
+--dist-init-addr. Host 1 is given no cluster key (a path that cannot exist): only rank 0 talks to the
+scheduler. What it does not run: NCCL between GPUs of different hosts (no second GPU host here)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -80,11 +79,8 @@ def _serving(node: Node) -> dict:
 @pytest.fixture
 def two_hosts(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[Node, Node, str, str, Path]]:
     key0 = tmp_path / "host0" / "cluster_key"
-    load_cluster_key(key0)  # made on host 0, then copied to host 1 (mode 0600), as an operator would
-    key1 = tmp_path / "host1" / "cluster_key"
-    key1.parent.mkdir()
-    shutil.copy(key0, key1)
-    key1.chmod(0o600)
+    load_cluster_key(key0)
+    no_key = "/proc/no-such-dir/cluster_key"  # host 1's ranks follow rank 0 and never read a key
     port, scheduler = free_port(), f"tcp://127.0.0.1:{free_port()}"
     common = [
         str(tiny_model_dir), *SETTINGS, "--tensor-parallel-size", "2", "--nnodes", "2",
@@ -95,7 +91,7 @@ def two_hosts(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[Node, Node
          "--scheduler-address", scheduler],
         tmp_path / "host0.log",
     )  # fmt: skip
-    host1 = Node([*common, "--node-rank", "1", "--cluster-key-file", str(key1)], tmp_path / "host1.log")
+    host1 = Node([*common, "--node-rank", "1", "--cluster-key-file", no_key], tmp_path / "host1.log")
     try:
         yield host0, host1, f"http://127.0.0.1:{port}", scheduler, key0
     finally:
