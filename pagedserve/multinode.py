@@ -38,8 +38,8 @@ class NodeConfig:
     nnodes: int = 1
     # This host's index: 0 runs the api, the scheduler and ranks 0..; R > 0 runs only its own worker ranks
     node_rank: int = 0
-    # HOST:PORT where the ranks of every host meet (on host 0); HOST is also where the other hosts find the
-    # scheduler (at --worker-address's port); required with nnodes > 1. Sets --dist-init-method
+    # HOST:PORT of host 0, where the ranks of every host meet (sets --dist-init-method); the scheduler's
+    # worker address is derived from HOST at --worker-address's port. Required with nnodes > 1
     dist_init_addr: str = ""
 
     def __post_init__(self) -> None:
@@ -111,7 +111,7 @@ def node_settings(node: NodeConfig, values: dict[str, Any]) -> tuple[dict[str, A
     derived["tp_all_reduce"] = "nccl"
     given = values["worker_address"]
     worker_port = urlsplit(given).port or urlsplit(DEFAULT_WORKER_ADDRESS).port
-    if given == DEFAULT_WORKER_ADDRESS:  # derived: host 0 binds HOST's own address, everyone connects there
+    if given == DEFAULT_WORKER_ADDRESS:  # derived: host 0 binds HOST's own address, rank 0 connects there
         bind = f"tcp://{_url_host(_resolve(host))}:{worker_port}" if node.runs_frontend else ""
         connect = f"tcp://{_url_host(host)}:{worker_port}"
     elif urlsplit(given).hostname in _WILDCARD_HOSTS:  # bound on every interface, reached at HOST
