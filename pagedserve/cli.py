@@ -28,6 +28,7 @@ from pagedserve.common.config import (
 )
 from pagedserve.common.model_source import ModelSourceError, resolve_model
 from pagedserve.launcher import Child, Launcher
+from pagedserve.multinode import NodeConfig, node_settings
 
 PROCESSES: tuple[tuple[str, type], ...] = (
     ("api", ApiConfig),
@@ -37,6 +38,8 @@ PROCESSES: tuple[tuple[str, type], ...] = (
 # Fields `serve` sets itself: MODEL is the positional argument, and every worker rank gets its own rank
 NOT_FLAGS = ("model", "rank")
 ENV_PREFIX = "PAGEDSERVE_"
+# Settings of the launcher itself, not of a process: flags of `serve` that reach no process as a variable
+LAUNCHER_CONFIGS: tuple[tuple[str, type], ...] = (("multi-node", NodeConfig),)
 
 
 def owners() -> dict[str, list[str]]:
@@ -83,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         group = serve.add_argument_group(f"{name} flags")
         add_config_args(group, cls, skip=added, notes=notes)
         added |= {f.name for f in fields(cls)}
+    for name, cls in LAUNCHER_CONFIGS:
+        add_config_args(serve.add_argument_group(f"{name} flags"), cls, skip=added)
     return parser
 
 
@@ -111,7 +116,17 @@ def serve_children(
     if source.repo_id and not values["served_model_name"]:
         values["served_model_name"] = source.repo_id
     num_ranks = values["tensor_parallel_size"]
-    if num_ranks > 1 and values["dist_init_method"] == WorkerConfig.dist_init_method:
+    try:  # several hosts: the rendezvous and the scheduler's address derived from --dist-init-addr
+        node = NodeConfig(**{f.name: getattr(args, f.name) for f in fields(NodeConfig)})
+        ranks = node.local_ranks(num_ranks)
+        values, scheduler_own = node_settings(node, values)
+    except ValueError as e:
+        parser.error(f"bad setting: {e}")
+    if (
+        num_ranks > 1
+        and not node.dist_init_addr
+        and values["dist_init_method"] == WorkerConfig.dist_init_method
+    ):
         values["dist_init_method"] = f"tcp://127.0.0.1:{_free_port()}"  # not a fixed port another group holds
     for _, cls in PROCESSES:  # the processes would refuse these values: say so now, once
         try:
@@ -119,9 +134,12 @@ def serve_children(
         except ValueError as e:
             parser.error(f"bad setting: {e}")
     env = {ENV_PREFIX + k.upper(): _env_value(v) for k, v in values.items() if v is not None}
-    children = [Child("api", "pagedserve.api"), Child("scheduler", "pagedserve.scheduler")]
-    for rank in range(num_ranks):  # ranks other than 0 are stopped by rank 0, then signalled (launcher.py)
-        name, after = (f"worker{rank}", "worker") if rank else ("worker", "")
+    children = []
+    if node.runs_frontend:  # host 0 of several: the api and the scheduler; the other hosts, ranks alone
+        scheduler_env = {ENV_PREFIX + k.upper(): _env_value(v) for k, v in scheduler_own.items()}
+        children = [Child("api", "pagedserve.api"), Child("scheduler", "pagedserve.scheduler", scheduler_env)]
+    for rank in ranks:  # ranks other than 0 are stopped by rank 0, then signalled (launcher.py)
+        name, after = (f"worker{rank}", "worker" if node.runs_frontend else "") if rank else ("worker", "")
         children.append(Child(name, "pagedserve.worker", {ENV_PREFIX + "RANK": str(rank)}, after=after))
     return children, env
 
@@ -147,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     return launcher.run(
         model=env[ENV_PREFIX + "MODEL"],
         model_name=env.get(ENV_PREFIX + "SERVED_MODEL_NAME", "") or os.path.basename(args.model.rstrip("/")),
-        url=f"http://{args.host}:{args.port}",
+        url=f"http://{args.host}:{args.port}" if args.node_rank == 0 else "",
+        **({"nnodes": str(args.nnodes), "node_rank": str(args.node_rank)} if args.nnodes > 1 else {}),
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cli import NOT_FLAGS, PROCESSES, build_parser, main, owners, serve_children
+from pagedserve.cli import LAUNCHER_CONFIGS, NOT_FLAGS, PROCESSES, build_parser, main, owners, serve_children
 from pagedserve.common.config import (
     ApiConfig,
     SchedulerConfig,
@@ -65,6 +65,7 @@ def test_every_flag_appears_once() -> None:
     flags = [s for a in serve._actions for s in a.option_strings if s.startswith("--")]
     assert len(flags) == len(set(flags))
     expected = {n for n in owners() if n not in NOT_FLAGS}
+    expected |= {f.name for _, cls in LAUNCHER_CONFIGS for f in fields(cls)}  # --nnodes, ...: the launcher's
     named = {f.removeprefix("--").removeprefix("no-").replace("-", "_") for f in flags} - {"help"}
     assert named == expected
 
