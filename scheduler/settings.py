@@ -49,6 +49,9 @@ class SchedulerSettings:
     speculative_probe_steps: int = _CONFIG.speculative_probe_steps
     # the worker's model slides every layer over at least this many tokens (0: some layer reads everything)
     sliding_window: int = 0
+    # KV tiers below the pool (docs/kv_tiers.md): the worker's host memory and disk slots (0: none)
+    num_host_tier_blocks: int = 0
+    num_disk_tier_blocks: int = 0
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, ready: WorkerReady) -> SchedulerSettings:
@@ -75,6 +78,8 @@ class SchedulerSettings:
             vocab_size=ready.vocab_size,
             eos_token_ids=tuple(ready.eos_token_ids),
             num_cpu_blocks=ready.num_cpu_blocks,
+            num_host_tier_blocks=ready.num_host_tier_blocks,
+            num_disk_tier_blocks=ready.num_disk_tier_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,
