@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pagedserve.common.messages import KVSnapshot
 from pagedserve.scheduler.block_manager import BlockManager, KVUsage
+from pagedserve.scheduler.kv_tiers import tiers_of
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.queues import RunQueue, SwappedQueue
 from pagedserve.scheduler.request import Request, SeqStatus, SequenceTable
@@ -71,7 +72,8 @@ class Inspection:
             "pagedserve_kv_slots_allocated": (usage.slots_allocated, "KV slots in blocks held"),
             "pagedserve_kv_slots_used": (usage.slots_used, "KV slots holding a token"),
         }
-        return self._metrics.render(gauges)
+        tiers = tiers_of(self._block_manager)  # host memory and disk below the pool (kv_tiers)
+        return self._metrics.render(gauges) + (tiers.metrics_text() if tiers is not None else "")
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the queues, the sequences and the block manager disagree."""

@@ -1,11 +1,11 @@
 """KV tiers through the real scheduler core and model runner (tests/engine_loop.py), against transformers.
 
-Sixteen conversations of 4 to 6 turns, in rounds of four at a time, cycled: when a conversation comes back,
-fifteen others have passed through a GPU pool of 32 blocks (128 tokens), which has long forgotten it. Each turn's prompt
-is the conversation so far (every earlier prompt and transformers' greedy answer to it, then the next user
-message), so every answer must equal transformers' own. With the host tier the returning turns find their
-whole history below the GPU; with only the disk tier (its host memory just a staging area) they find it on
-disk; with the disk files corrupted they find nothing wrong, only misses.
+Sixteen conversations of 4 to 6 turns, eight at a time, cycled: when a conversation comes back, fifteen
+others have passed through a GPU pool of 64 blocks (256 tokens), which has long forgotten it. Each turn's
+prompt is the conversation so far (every earlier prompt and transformers' greedy answer to it, then the
+next user message), so every answer must equal transformers' own. With the host tier the returning turns
+find their whole history below the GPU; with only the disk tier (its host memory just a staging area) they
+find it on disk; with the disk files damaged they find nothing wrong, only misses.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests.test_engine_correctness import transformers_generate
 BS = 4
 MAX_TOKENS = 4
 NUM_CONVERSATIONS = 16
-GROUP = 4  # conversations that run at once
+GROUP = 8  # conversations that run at once
 
 
 def _turns(c: int) -> int:
@@ -57,7 +57,7 @@ def _run(model_dir: Path, conversations, **tiers) -> tuple[EngineRun, list[tuple
     """Every turn through one scheduler and runner, `GROUP` conversations at a time, turn by turn."""
     runner = ModelRunner(
         WorkerConfig(
-            model=str(model_dir), device="cpu", dtype="float32", block_size=BS, num_kv_blocks=32,
+            model=str(model_dir), device="cpu", dtype="float32", block_size=BS, num_kv_blocks=64,
             max_model_len=256, swap_space=0, **tiers,
         )
     )  # fmt: skip
@@ -71,7 +71,7 @@ def _run(model_dir: Path, conversations, **tiers) -> tuple[EngineRun, list[tuple
         pipelined=True,
         arrive=lambda run, i: i % GROUP != 0 or idle(run, i),
         max_num_seqs=GROUP,
-        max_num_batched_tokens=128,
+        max_num_batched_tokens=256,
         num_host_tier_blocks=runner.kv.num_host_tier_blocks,
         num_disk_tier_blocks=runner.kv.num_disk_tier_blocks,
     )

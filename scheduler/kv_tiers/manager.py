@@ -193,6 +193,52 @@ class TierManager:
         self.counters.disk_hits += 1
         return True
 
+    def metrics(self) -> dict[str, tuple[float, str, str]]:
+        """Prometheus samples of the tiers: name -> (value, type, help)."""
+        c = self.counters
+        out = {
+            "pagedserve_kv_host_tier_blocks": (
+                self.host.num_cached,
+                "gauge",
+                "KV blocks held in host memory",
+            ),
+            "pagedserve_kv_host_tier_capacity_blocks": (
+                self.host.num_slots,
+                "gauge",
+                "Host tier size, blocks",
+            ),
+            "pagedserve_kv_host_tier_hits_total": (
+                c.host_hits,
+                "counter",
+                "Blocks loaded back from host memory",
+            ),
+            "pagedserve_kv_host_tier_stores_total": (
+                c.offloads,
+                "counter",
+                "GPU blocks offloaded to host memory",
+            ),
+            "pagedserve_kv_tier_dropped_total": (c.dropped, "counter", "Evicted blocks no tier could take"),
+        }
+        if self.disk is not None:
+            out |= {
+                "pagedserve_kv_disk_tier_blocks": (self.disk.num_cached, "gauge", "KV blocks held on disk"),
+                "pagedserve_kv_disk_tier_capacity_blocks": (self.disk.num_slots, "gauge", "Disk tier size"),
+                "pagedserve_kv_disk_tier_hits_total": (c.disk_hits, "counter", "Blocks read back from disk"),
+                "pagedserve_kv_disk_tier_stores_total": (c.disk_writes, "counter", "Blocks written to disk"),
+                "pagedserve_kv_disk_tier_read_failures_total": (
+                    c.disk_read_failures,
+                    "counter",
+                    "Disk reads refused (missing, corrupt, truncated or foreign file): misses",
+                ),
+            }
+        return out
+
+    def metrics_text(self) -> str:
+        lines = []
+        for name, (value, kind, help_text) in self.metrics().items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return "\n".join(lines) + "\n"
+
     def check_invariants(self) -> None:
         """Raises AssertionError when a tier's bookkeeping is inconsistent."""
         self.host.check_invariants()
