@@ -371,6 +371,12 @@ class KVSnapshot(msgspec.Struct, array_like=True):
     swap_ins_total: Count
     prompt_tokens_total: Count
     generated_tokens_total: Count
+    # the KV tiers below the pool (docs/kv_tiers.md); 0 without them
+    num_host_tier_blocks: NumBlocks = 0  # host memory's slots
+    host_tier_blocks_used: NumBlocks = 0  # holding an evicted prefix block
+    host_tier_hits_total: Count = 0  # blocks loaded back from host memory
+    num_disk_tier_blocks: NumBlocks = 0
+    disk_tier_blocks_used: NumBlocks = 0
 
 
 Message = (

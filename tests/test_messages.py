@@ -65,7 +65,22 @@ EXAMPLES = [
     WorkerReady(
         512, 16, 2048, 4096, [2], "/m", "x", worker_id="9f2c", max_num_seqs=256, max_num_batched_tokens=4096
     ),
+    WorkerReady(512, 16, 2048, 4096, [2], "/m", "x", num_host_tier_blocks=4096, num_disk_tier_blocks=65536),
     Heartbeat("9f2c"),
+    StepPlan(  # the KV tiers' copies (docs/kv_tiers.md)
+        step_id=8,
+        freed_seq_ids=[],
+        new_seqs=[],
+        new_block_ids=[],
+        scheduled_seq_ids=[],
+        num_scheduled_tokens=[],
+        sampling_seq_ids=[],
+        disk_writes=[(3, 70)],
+        tier_offloads=[(12, 3), (13, 4)],
+        disk_reads=[(71, 5)],
+        tier_loads=[(6, 14)],
+    ),
+    StepOutput(8, [], [], [], failed_disk_reads=[5]),
     StepPlan(
         step_id=7,
         freed_seq_ids=[1, 4],
@@ -123,6 +138,11 @@ EXAMPLES = [
         0,
         10,
         3,
+    ),  # fmt: skip
+    KVSnapshot(
+        6, 1.79e9, 64, 16, 1, [0, 2, 64], [], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        num_host_tier_blocks=4096, host_tier_blocks_used=100, host_tier_hits_total=40,
+        num_disk_tier_blocks=65536, disk_tier_blocks_used=1000,
     ),  # fmt: skip
 ]
 
