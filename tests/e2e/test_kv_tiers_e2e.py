@@ -51,7 +51,8 @@ def test_returning_conversations_hit_the_host_tier(server, tiny_model_dir):
                 }
                 r = http.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
-                answer = [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+                named = r.json()["choices"][0]["logprobs"]["tokens"]
+                answer = [int(t.removeprefix("token_id:")) for t in named]
                 cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                 (expected,) = transformers_generate(model, [prompt], MAX_TOKENS)
                 assert answer == expected, f"conversation {c}, turn {turn}"
