@@ -35,10 +35,24 @@ def _turns(c: int) -> int:
     return 4 + c % 3
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are too small to split: on a loaded machine two threads per op only wait for
+    each other (10x slower here). Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def conversations(tiny_model_dir) -> dict[tuple[int, int], tuple[list[int], list[int]]]:
+    return make_conversations(tiny_model_dir)
+
+
+def make_conversations(model_dir: Path) -> dict[tuple[int, int], tuple[list[int], list[int]]]:
     """(conversation, turn) -> (its prompt, transformers' greedy answer)."""
-    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = random.Random(3)
     vocab = model.config.vocab_size
     history = {c: [rng.randrange(vocab) for _ in range(6 + c % 5)] for c in range(NUM_CONVERSATIONS)}
@@ -53,11 +67,14 @@ def conversations(tiny_model_dir) -> dict[tuple[int, int], tuple[list[int], list
     return out
 
 
-def _run(model_dir: Path, conversations, **tiers) -> tuple[EngineRun, list[tuple[int, int]]]:
-    """Every turn through one scheduler and runner, `GROUP` conversations at a time, turn by turn."""
+def run_conversations(
+    model_dir: Path, conversations, device: str = "cpu", **tiers
+) -> tuple[EngineRun, list[tuple[int, int]]]:
+    """Every turn through one scheduler and runner, `GROUP` conversations at a time, turn by turn; each
+    answer checked against transformers'."""
     runner = ModelRunner(
         WorkerConfig(
-            model=str(model_dir), device="cpu", dtype="float32", block_size=BS, num_kv_blocks=64,
+            model=str(model_dir), device=device, dtype="float32", block_size=BS, num_kv_blocks=64,
             max_model_len=256, swap_space=0, **tiers,
         )
     )  # fmt: skip
@@ -95,7 +112,7 @@ def _history_blocks(conversations, key: tuple[int, int]) -> int:
 
 @pytest.fixture(scope="module")
 def tiers_off(tiny_model_dir, conversations):
-    return _run(tiny_model_dir, conversations, kv_offload_gb=0)
+    return run_conversations(tiny_model_dir, conversations, kv_offload_gb=0)
 
 
 def test_without_tiers_the_pool_forgets_the_conversations(tiers_off, conversations):
@@ -107,7 +124,7 @@ def test_without_tiers_the_pool_forgets_the_conversations(tiers_off, conversatio
 
 
 def test_host_tier_brings_every_history_back(tiny_model_dir, conversations, tiers_off):
-    run, order = _run(tiny_model_dir, conversations, kv_offload_gb=0.05)
+    run, order = run_conversations(tiny_model_dir, conversations, kv_offload_gb=0.05)
     tiers = tiers_of(run.scheduler.block_manager)
     assert tiers is not None and tiers.disk is None
     assert tiers.counters.host_hits > 0 and tiers.counters.offloads > 0
@@ -121,7 +138,7 @@ def test_host_tier_brings_every_history_back(tiny_model_dir, conversations, tier
 def test_disk_tier_alone_brings_histories_back_through_a_staging_host_tier(
     tiny_model_dir, conversations, tmp_path
 ):
-    run, order = _run(
+    run, order = run_conversations(
         tiny_model_dir, conversations, kv_offload_gb=0, kv_disk_dir=str(tmp_path), kv_disk_gb=0.05
     )
     tiers = tiers_of(run.scheduler.block_manager)
@@ -158,7 +175,9 @@ def test_corrupt_disk_files_are_misses_never_used(tiny_model_dir, conversations,
         return ok
 
     monkeypatch.setattr(disk_module.DiskTier, "write", write_and_damage)
-    run, _ = _run(tiny_model_dir, conversations, kv_offload_gb=0, kv_disk_dir=str(tmp_path), kv_disk_gb=0.05)
+    run, _ = run_conversations(
+        tiny_model_dir, conversations, kv_offload_gb=0, kv_disk_dir=str(tmp_path), kv_disk_gb=0.05
+    )
     tiers = tiers_of(run.scheduler.block_manager)
     assert damaged and tiers.counters.disk_read_failures > 0
     assert tiers.counters.disk_read_failures == tiers.counters.disk_hits  # not one was used
