@@ -33,7 +33,16 @@ def server(tiny_model_dir, tmp_path_factory):
     srv.stop()
 
 
-def test_returning_conversations_hit_the_host_tier(server, tiny_model_dir):
+@pytest.fixture
+def one_thread():
+    """transformers' reference on the tiny model: one thread (two only wait for each other when loaded)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_returning_conversations_hit_the_host_tier(server, tiny_model_dir, one_thread):
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     rng = random.Random(5)
     history = {c: [rng.randrange(model.config.vocab_size) for _ in range(40)] for c in range(8)}
