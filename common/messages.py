@@ -183,6 +183,7 @@ class WorkerReady(msgspec.Struct, array_like=True):
     # KV tiers below the pool for evicted prefix blocks (docs/kv_tiers.md): host memory slots, disk slots
     num_host_tier_blocks: NumBlocks = 0
     num_disk_tier_blocks: NumBlocks = 0
+    tier_block_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0  # one block's bytes in a tier (for metrics)
 
 
 class Heartbeat(msgspec.Struct, array_like=True):

@@ -86,6 +86,7 @@ class Scheduler:
             settings.block_size,
             settings.num_host_tier_blocks,
             settings.num_disk_tier_blocks,
+            settings.tier_block_bytes,
             num_cpu_blocks=settings.num_cpu_blocks if self._preemption.uses_cpu_pool else 0,
             enable_prefix_caching=settings.enable_prefix_caching and not settings.reserved,
             sliding_window=settings.freeing_window,

@@ -52,6 +52,7 @@ class SchedulerSettings:
     # KV tiers below the pool (docs/kv_tiers.md): the worker's host memory and disk slots (0: none)
     num_host_tier_blocks: int = 0
     num_disk_tier_blocks: int = 0
+    tier_block_bytes: int = 0  # one block's bytes there (metrics)
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, ready: WorkerReady) -> SchedulerSettings:
@@ -80,6 +81,7 @@ class SchedulerSettings:
             num_cpu_blocks=ready.num_cpu_blocks,
             num_host_tier_blocks=ready.num_host_tier_blocks,
             num_disk_tier_blocks=ready.num_disk_tier_blocks,
+            tier_block_bytes=ready.tier_block_bytes,
             enable_prefix_caching=config.enable_prefix_caching,
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,

@@ -91,6 +91,7 @@ def run_conversations(
         max_num_batched_tokens=256,
         num_host_tier_blocks=runner.kv.num_host_tier_blocks,
         num_disk_tier_blocks=runner.kv.num_disk_tier_blocks,
+        tier_block_bytes=runner.kv.tier_block_bytes,
     )
     for i, key in enumerate(order):
         assert run.tokens[(i, 0)] == conversations[key][1], f"conversation {key[0]}, turn {key[1]}"
@@ -128,6 +129,8 @@ def test_host_tier_brings_every_history_back(tiny_model_dir, conversations, tier
     tiers = tiers_of(run.scheduler.block_manager)
     assert tiers is not None and tiers.disk is None
     assert tiers.counters.host_hits > 0 and tiers.counters.offloads > 0
+    bytes_held = tiers.metrics()["pagedserve_kv_host_tier_bytes"][0]
+    assert bytes_held == tiers.host.num_cached * 2 * 4 * BS * 2 * 32 * 4  # K, V x layers x tokens x heads x D
     for i, key in enumerate(order):
         if key[1] > 0:
             assert _cached(run, i) >= _history_blocks(conversations, key), f"turn {key} missed its history"

@@ -65,7 +65,18 @@ EXAMPLES = [
     WorkerReady(
         512, 16, 2048, 4096, [2], "/m", "x", worker_id="9f2c", max_num_seqs=256, max_num_batched_tokens=4096
     ),
-    WorkerReady(512, 16, 2048, 4096, [2], "/m", "x", num_host_tier_blocks=4096, num_disk_tier_blocks=65536),
+    WorkerReady(
+        512,
+        16,
+        2048,
+        4096,
+        [2],
+        "/m",
+        "x",
+        num_host_tier_blocks=4096,
+        num_disk_tier_blocks=65536,
+        tier_block_bytes=1 << 21,
+    ),
     Heartbeat("9f2c"),
     StepPlan(  # the KV tiers' copies (docs/kv_tiers.md)
         step_id=8,

@@ -16,6 +16,7 @@ holds what.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Protocol
 
@@ -239,6 +240,13 @@ class KVPools:
     @property
     def num_host_tier_blocks(self) -> int:
         return self.tiers.num_host_blocks if self.tiers is not None else 0
+
+    @property
+    def tier_block_bytes(self) -> int:
+        """One block's bytes in the host and disk tiers (0 without tiers)."""
+        if self.tiers is None:
+            return 0
+        return math.prod(self.cpu_pool.shape[1:]) * self.cpu_pool.element_size()  # (the same layout)
 
     @property
     def num_disk_tier_blocks(self) -> int:

@@ -70,11 +70,12 @@ def build_block_manager(
     block_size: int,
     num_host_blocks: int = 0,
     num_disk_blocks: int = 0,
+    tier_block_bytes: int = 0,
     **kwargs: object,
 ) -> BlockManager:
     """A tiered block manager when there is a host tier and the prefix cache can use it (no sliding
     window), else the plain one."""
     if num_host_blocks > 0 and kwargs.get("enable_prefix_caching", True) and not kwargs.get("sliding_window"):
-        tiers = TierManager(num_host_blocks, num_disk_blocks)
+        tiers = TierManager(num_host_blocks, num_disk_blocks, tier_block_bytes)
         return TieredBlockManager(tiers, num_blocks, block_size, **kwargs)
     return BlockManager(num_blocks, block_size, **kwargs)  # type: ignore[arg-type]

@@ -56,12 +56,13 @@ class TierCounters:
 class TierManager:
     """Owns the host and disk tiers' slots; the block manager owns the GPU pool and calls in."""
 
-    def __init__(self, num_host_blocks: int, num_disk_blocks: int = 0) -> None:
+    def __init__(self, num_host_blocks: int, num_disk_blocks: int = 0, block_bytes: int = 0) -> None:
         if num_host_blocks < 1:
             raise ValueError("the host tier needs at least one block (the disk tier is read through it)")
         self.host = TierPool(num_host_blocks, "CPU")
         self.disk = TierPool(num_disk_blocks, "DISK") if num_disk_blocks > 0 else None
         self.counters = TierCounters()
+        self.block_bytes = block_bytes  # one block's bytes (0: not announced), for the metrics
         self._transfers = Transfers()
         self._waited: set[int] = set()  # seq ids that waited for disk reads once (they wait no more)
         # step id -> the disk reads its plan carries: (host slot, hash, disk slot)
@@ -217,11 +218,21 @@ class TierManager:
                 "counter",
                 "GPU blocks offloaded to host memory",
             ),
+            "pagedserve_kv_host_tier_bytes": (
+                self.host.num_cached * self.block_bytes,
+                "gauge",
+                "Bytes of KV held in host memory",
+            ),
             "pagedserve_kv_tier_dropped_total": (c.dropped, "counter", "Evicted blocks no tier could take"),
         }
         if self.disk is not None:
             out |= {
                 "pagedserve_kv_disk_tier_blocks": (self.disk.num_cached, "gauge", "KV blocks held on disk"),
+                "pagedserve_kv_disk_tier_bytes": (
+                    self.disk.num_cached * self.block_bytes,
+                    "gauge",
+                    "Bytes of KV held on disk",
+                ),
                 "pagedserve_kv_disk_tier_capacity_blocks": (self.disk.num_slots, "gauge", "Disk tier size"),
                 "pagedserve_kv_disk_tier_hits_total": (c.disk_hits, "counter", "Blocks read back from disk"),
                 "pagedserve_kv_disk_tier_stores_total": (c.disk_writes, "counter", "Blocks written to disk"),

@@ -71,3 +71,6 @@ def test_returning_conversations_hit_the_host_tier(server, tiny_model_dir, one_t
     assert server.metric("pagedserve_kv_host_tier_hits_total") > 0
     assert server.metric("pagedserve_kv_host_tier_stores_total") > 0
     assert server.metric("pagedserve_kv_host_tier_capacity_blocks") > 0
+    # a block: K and V x 4 layers x 16 tokens x 2 heads x 32 x 4 bytes
+    blocks = server.metric("pagedserve_kv_host_tier_blocks")
+    assert blocks > 0 and server.metric("pagedserve_kv_host_tier_bytes") == blocks * 2 * 4 * BS * 2 * 32 * 4
