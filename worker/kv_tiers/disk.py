@@ -73,7 +73,8 @@ class DiskTier:
             problem = "not written"
         else:
             try:
-                data = self.path(slot).read_bytes()
+                with open(self.path(slot), "rb") as f:
+                    data = f.read(_HEADER.size + self.block_bytes + 1)  # a longer file is refused unread
             except OSError as e:
                 problem = f"unreadable: {e}"
         if problem is None:
