@@ -121,7 +121,7 @@ def _slot_bytes(host: torch.Tensor, slot: int) -> torch.Tensor:
 
 def num_host_tier_blocks(cfg: WorkerConfig, block_bytes: int, max_blocks_per_seq: int) -> int:
     """Blocks of the host tier: `kv_offload_gb` GiB of them (-1: a fraction of the available memory); with
-    a disk tier and no host tier, one max-length sequence's worth, which the disk is read through."""
+    a disk tier at least one max-length sequence's worth, since the disk is read through it."""
     if cfg.kv_offload_gb < 0:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = min(available * AUTO_HOST_FRACTION, AUTO_HOST_MAX_GIB * (1 << 30))
