@@ -251,6 +251,11 @@ class WorkerConfig:
     num_kv_blocks: int = 0  # fix the pool size; 0: size it from memory
     kv_cache_memory_gib: float = 0.0  # on cpu, memory for the KV pool; 0: a quarter of what is available
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks; 0: no swapping
+    # KV tiers for evicted prefix-cache blocks (docs/kv_tiers.md): GiB of host memory (pinned on cuda); -1: a
+    # tenth of the available memory, at most 64 GiB; 0: off (with a disk tier: one sequence's worth to stage)
+    kv_offload_gb: float = -1.0
+    kv_disk_dir: str = ""  # a directory for the disk tier below host memory (its *.kvblock files); "": off
+    kv_disk_gb: float = 16.0  # GiB of block files in kv_disk_dir, at most
     # torch (the reference) or triton; auto: triton on cuda, torch on cpu
     attention_backend: AttentionBackendName = "auto"
     max_model_len: int = 0  # longest prompt + output; 0: the model's max_position_embeddings
@@ -307,6 +312,8 @@ class WorkerConfig:
                 f"grammar_threads must be within [0, {MAX_GRAMMAR_THREADS}], got {self.grammar_threads}"
             )
         parse_speculative_config(self.speculative_config)  # a bad config fails at start, naming the key
+        if self.kv_offload_gb < -1 or self.kv_disk_gb < 0:
+            raise ValueError("kv_offload_gb must be -1 (auto) or at least 0, and kv_disk_gb at least 0")
 
     @property
     def resolved_device(self) -> str:

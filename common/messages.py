@@ -180,6 +180,10 @@ class WorkerReady(msgspec.Struct, array_like=True):
     # speculative decoding (--speculative-config): the most draft tokens per sequence and step (0: off)
     num_speculative_tokens: DraftCount = 0
     sliding_window: Count = 0  # every layer slides over this many tokens or more: blocks behind go (0: none)
+    # KV tiers below the pool for evicted prefix blocks (docs/kv_tiers.md): host memory slots, disk slots
+    num_host_tier_blocks: NumBlocks = 0
+    num_disk_tier_blocks: NumBlocks = 0
+    tier_block_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0  # one block's bytes in a tier (for metrics)
 
 
 class Heartbeat(msgspec.Struct, array_like=True):
@@ -220,7 +224,9 @@ class StepPlan(msgspec.Struct, array_like=True):
     The worker applies a plan in this order:
       0. create each of `clones` as a copy of its parent's state (beam search), then append
          `appended_tokens` (tokens the scheduler chose for beams);
-      1. drop `freed_seq_ids` (finished, aborted, or preempted by recompute);
+      1. drop `freed_seq_ids` (finished, aborted, or preempted by recompute); move the KV tiers' blocks
+         (docs/kv_tiers.md): `disk_writes` host slot -> file, `tier_offloads` GPU -> host slot,
+         `disk_reads` file -> host slot, `tier_loads` host slot -> GPU, in this order;
       2. copy `swap_out` blocks GPU -> CPU pool, then `swap_in` blocks CPU -> GPU, and give each sequence in
          `new_block_tables` that table (a swapped-in sequence's blocks are new);
       3. add `new_seqs`, append `new_block_ids`;
@@ -254,6 +260,11 @@ class StepPlan(msgspec.Struct, array_like=True):
     # speculative decoding (docs/speculative.md): (seq_id, k) for sequences of sampling_seq_ids that compute
     # their one known token and up to k draft tokens the worker proposes, in slots the plan's blocks hold
     draft_slots: Annotated[list[tuple[SeqId, DraftCount]], Meta(max_length=MAX_PLAN_ITEMS)] = []
+    # KV tiers (step 1): evicted prefix blocks down to host memory and disk, and back for a prefix hit
+    disk_writes: BlockPairs = msgspec.field(default_factory=list)  # (host slot, disk slot)
+    tier_offloads: BlockPairs = msgspec.field(default_factory=list)  # (gpu block, host slot)
+    disk_reads: BlockPairs = msgspec.field(default_factory=list)  # (disk slot, host slot)
+    tier_loads: BlockPairs = msgspec.field(default_factory=list)  # (host slot, gpu block)
 
     @property
     def is_noop(self) -> bool:
@@ -284,6 +295,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     # (1 + its accepted drafts), and how many drafts it verified; both empty when no sequence speculated
     num_tokens: RunLengths = msgspec.field(default_factory=list)
     num_drafts: DraftCounts = msgspec.field(default_factory=list)
+    # host slots of the plan's disk_reads whose file was missing, corrupt, truncated or foreign (not used)
+    failed_disk_reads: BlockIds = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, array_like=True):
@@ -362,6 +375,12 @@ class KVSnapshot(msgspec.Struct, array_like=True):
     swap_ins_total: Count
     prompt_tokens_total: Count
     generated_tokens_total: Count
+    # the KV tiers below the pool (docs/kv_tiers.md); 0 without them
+    num_host_tier_blocks: NumBlocks = 0  # host memory's slots
+    host_tier_blocks_used: NumBlocks = 0  # holding an evicted prefix block
+    host_tier_hits_total: Count = 0  # blocks loaded back from host memory
+    num_disk_tier_blocks: NumBlocks = 0
+    disk_tier_blocks_used: NumBlocks = 0
 
 
 Message = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pagedserve.common.exposition import render
 from pagedserve.common.messages import KVSnapshot
 from pagedserve.scheduler.block_manager import BlockManager, KVUsage
+from pagedserve.scheduler.kv_tiers import tiers_of
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.queues import RunQueue, SwappedQueue
 from pagedserve.scheduler.request import Request, SeqStatus, SequenceTable
@@ -81,7 +82,9 @@ class Inspection:
             model_name=self._settings.model_name,
             engine=self._settings.data_parallel_rank,
         )
-        return render(self._metrics.families(gauges) + vllm)
+        tiers = tiers_of(self._block_manager)  # host memory and disk below the pool (kv_tiers)
+        tier_families = tiers.families() if tiers is not None else []
+        return render(self._metrics.families(gauges) + vllm + tier_families)
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the queues, the sequences and the block manager disagree."""

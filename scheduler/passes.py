@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.kv_tiers import TieredBlockManager
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.prompt_logprobs import cacheable_prefix
 from pagedserve.scheduler.queues import RunQueue, SwappedQueue
@@ -169,7 +170,12 @@ class Admission:
                 break
             hits = bm.find_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
             hits = cacheable_prefix(seq.request, hits, settings.block_size)  # prompt logprobs need the rest
-            num_computed_tokens = len(hits) * settings.block_size
+            loaded: list[bytes] | None = []  # hashes of the blocks after the hits that host memory holds
+            if isinstance(bm, TieredBlockManager) and seq.request.params.prompt_logprobs is None:
+                loaded = bm.find_tier_prefix(seq.seq_id, seq.token_ids, len(hits), seq.request.cache_salt)
+                if loaded is None:
+                    break  # its prefix is on its way from disk to host memory: it waits (in queue order)
+            num_computed_tokens = (len(hits) + len(loaded)) * settings.block_size
             num_tokens = min(len(seq.token_ids) - num_computed_tokens, budget)
             reserve = settings.reserve_tokens(seq)
             needed = bm.num_blocks_to_admit(hits, max(num_computed_tokens + num_tokens, reserve))
@@ -177,7 +183,11 @@ class Admission:
             if needed > bm.num_free_blocks - watermark:
                 break  # in queue order: nobody overtakes the head of the queue
             self._waiting.pop(seq)
-            bm.allocate_prefix(seq.seq_id, hits)
+            if loaded:
+                assert isinstance(bm, TieredBlockManager)
+                bm.allocate_prefix(seq.seq_id, hits, loaded)
+            else:
+                bm.allocate_prefix(seq.seq_id, hits)
             allocation = bm.allocate_slots(seq.seq_id, num_computed_tokens, num_tokens, reserve)
             assert allocation is not None and not allocation.copies
             seq.num_computed_tokens = num_computed_tokens

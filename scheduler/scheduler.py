@@ -38,11 +38,12 @@ from pagedserve.common.messages import (
     SubmitRequest,
     TokenLogprobs,
 )
-from pagedserve.scheduler.block_manager import BlockManager, KVUsage
+from pagedserve.scheduler.block_manager import KVUsage
 from pagedserve.scheduler.faults import CONSTRAINT_FAILED, RequestFaults
 from pagedserve.scheduler.inspection import Inspection
 from pagedserve.scheduler.intake import queue_request
 from pagedserve.scheduler.kv_events.recorder import NO_KV_EVENTS, KVEventRecorder
+from pagedserve.scheduler.kv_tiers import build_block_manager, tiers_of
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.output_check import check_step_output
 from pagedserve.scheduler.passes import Admission, RunningPass
@@ -83,9 +84,12 @@ class Scheduler:
         self._preemption = PreemptionPolicy.from_settings(settings)
         # what the block manager tells of its prefix cache, for KV-aware routers (scheduler/kv_events)
         self.kv_events = KVEventRecorder(settings.block_size) if settings.kv_events else None
-        self.block_manager = BlockManager(
+        self.block_manager = build_block_manager(  # with KV tiers below it when the worker has them
             settings.num_kv_blocks,
             settings.block_size,
+            settings.num_host_tier_blocks,
+            settings.num_disk_tier_blocks,
+            settings.tier_block_bytes,
             num_cpu_blocks=settings.num_cpu_blocks if self._preemption.uses_cpu_pool else 0,
             enable_prefix_caching=settings.enable_prefix_caching and not settings.reserved,
             sliding_window=settings.freeing_window,
@@ -378,6 +382,8 @@ class Scheduler:
         skipped; a request whose handling fails is ended with an error (take_errors), the others go on."""
         now = self._clock()
         self._sampling.pop(step.step_id, None)
+        if (tiers := tiers_of(self.block_manager)) is not None:  # its disk reads landed, or failed
+            tiers.confirm(step.step_id, step.failed_disk_reads)
         decode_only = step.step_id in self._decode_only_steps
         self._decode_only_steps.discard(step.step_id)
         self.metrics.observe_step(step.gpu_time_s, step.gpu_idle_before_s, decode_only)

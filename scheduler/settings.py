@@ -53,6 +53,10 @@ class SchedulerSettings:
     kv_events: bool = False  # the block manager records KV-cache events (scheduler/kv_events)
     model_name: str = ""  # the served model's name: the model_name label of vLLM's metrics
     data_parallel_rank: int = 0  # the engine label of vLLM's metrics
+    # KV tiers below the pool (docs/kv_tiers.md): the worker's host memory and disk slots (0: none)
+    num_host_tier_blocks: int = 0
+    num_disk_tier_blocks: int = 0
+    tier_block_bytes: int = 0  # one block's bytes there (metrics)
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, ready: WorkerReady) -> SchedulerSettings:
@@ -79,6 +83,9 @@ class SchedulerSettings:
             vocab_size=ready.vocab_size,
             eos_token_ids=tuple(ready.eos_token_ids),
             num_cpu_blocks=ready.num_cpu_blocks,
+            num_host_tier_blocks=ready.num_host_tier_blocks,
+            num_disk_tier_blocks=ready.num_disk_tier_blocks,
+            tier_block_bytes=ready.tier_block_bytes,
             enable_prefix_caching=config.enable_prefix_caching,
             preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy,

@@ -27,6 +27,7 @@ from pagedserve.common.messages import (
     KVSnapshot,
 )
 from pagedserve.scheduler.block_manager import BlockManager, KVUsage
+from pagedserve.scheduler.kv_tiers import tiers_of
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.request import Request, SeqStatus, Sequence
 
@@ -193,7 +194,26 @@ def build_snapshot(
         swap_ins_total=metrics.swap_ins_total,
         prompt_tokens_total=metrics.prompt_tokens_total,
         generated_tokens_total=metrics.generated_tokens_total,
+        **_tier_counts(bm),
     )
+
+
+def _tier_counts(bm: BlockManager) -> dict[str, int]:
+    """The KV tiers' fields of the snapshot (none without tiers: their defaults, 0)."""
+    tiers = tiers_of(bm)
+    if tiers is None:
+        return {}
+    counts = {
+        "num_host_tier_blocks": tiers.host.num_slots,
+        "host_tier_blocks_used": tiers.host.num_cached,
+        "host_tier_hits_total": tiers.counters.host_hits,
+    }
+    if tiers.disk is not None:
+        counts |= {
+            "num_disk_tier_blocks": tiers.disk.num_slots,
+            "disk_tier_blocks_used": tiers.disk.num_cached,
+        }
+    return counts
 
 
 MAX_SHARE = 0.01  # of the scheduler's time that snapshots may take, at most

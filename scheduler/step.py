@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from pagedserve.common.messages import Fork, NewSequence, StepPlan
 from pagedserve.scheduler.block_manager import Allocation, BlockManager
+from pagedserve.scheduler.kv_tiers import Transfers, tiers_of
 from pagedserve.scheduler.queues import RunQueue
 from pagedserve.scheduler.request import Sequence
 from pagedserve.scheduler.settings import SchedulerSettings
+
+_NO_TRANSFERS = Transfers()  # without tiers; only read
 
 
 class Step:
@@ -101,6 +104,8 @@ class Step:
         clones: list[tuple[int, int]],
         appended_tokens: list[tuple[int, int]],
     ) -> StepPlan:
+        tiers = tiers_of(self._block_manager)
+        transfers = tiers.take_transfers(step_id) if tiers is not None else _NO_TRANSFERS
         return StepPlan(
             step_id=step_id,
             freed_seq_ids=freed_seq_ids,
@@ -117,4 +122,8 @@ class Step:
             clones=clones,
             appended_tokens=appended_tokens,
             draft_slots=self.draft_slots,
+            disk_writes=transfers.disk_writes,
+            tier_offloads=transfers.offloads,
+            disk_reads=transfers.disk_reads,
+            tier_loads=transfers.loads,
         )

@@ -133,6 +133,13 @@ def _bad_plans() -> list[tuple[str, StepPlan, str]]:
         ("swap_in from no CPU block", plan(swap_in=[(NUM_CPU_BLOCKS, 3)]), "outside the pools"),
         ("swap_in writes twice", plan(swap_in=[(0, 3), (1, 3)]), "writes a block twice"),
         ("copy off pool", plan(block_copies=[(0, NUM_BLOCKS)]), "outside the pools"),
+        # KV tiers (the runner has a host tier, by default, and no disk tier)
+        ("offload off pool", plan(tier_offloads=[(NUM_BLOCKS, 0)]), "outside the pools"),
+        ("offload writes twice", plan(tier_offloads=[(0, 1), (2, 1)]), "tier_offloads writes a block twice"),
+        ("load writes twice", plan(tier_loads=[(0, 3), (1, 3)]), "tier_loads writes a block twice"),
+        ("load off pool", plan(tier_loads=[(0, NUM_BLOCKS)]), "outside the pools"),
+        ("disk read, no disk tier", plan(disk_reads=[(0, 0)]), "disk_reads pair (0, 0) is outside"),
+        ("disk write, no disk tier", plan(disk_writes=[(0, 0)]), "disk_writes pair (0, 0) is outside"),
         ("copy reads its write", plan(block_copies=[(3, 4), (4, 5)]), "also reads"),
         ("scheduled unknown", plan(100, {99: 1}), "scheduled sequence 99 is unknown"),
         ("scheduled freed", plan(100, {11: 1}, freed_seq_ids=[11]), "scheduled sequence 11 is unknown"),

@@ -16,11 +16,14 @@ holds what.
 
 from __future__ import annotations
 
+import math
 import os
+from typing import Protocol
 
 import torch
 
 from pagedserve.common.config import WorkerConfig
+from pagedserve.common.messages import StepPlan
 from pagedserve.common.wire_types import MAX_NUM_BLOCKS
 from pagedserve.kernels.reference import byte_view, head_major
 from pagedserve.worker.model_config import ModelConfig
@@ -162,8 +165,20 @@ def swap_in_blocks(cpu_pool: torch.Tensor, device_pool: torch.Tensor, pairs: lis
     device_pool.movedim(_BLOCK_DIM, 0)[dst] = staging
 
 
+class TierMover(Protocol):
+    """The KV tiers below the device pool (worker/kv_tiers/): they move the blocks a plan names."""
+
+    num_host_blocks: int
+    num_disk_blocks: int
+
+    def apply(self, plan: StepPlan, device_pool: torch.Tensor) -> None: ...
+
+    def take_failed(self, step_id: int) -> list[int]: ...
+
+
 class KVPools:
-    """The device KV pool and the CPU swap pool of one worker, and the block copies between them."""
+    """The device KV pool and the CPU swap pool of one worker, and the block copies between them; the
+    tiers below (`tiers`, worker/kv_tiers/) when the worker has them."""
 
     def __init__(
         self,
@@ -189,6 +204,7 @@ class KVPools:
             pin_memory=device.type == "cuda" and num_cpu_blocks > 0,
         )  # [num_cpu_blocks, L, 2, Hkv, block_size, D]: block-major
         self.layers: list[KVCache] = [(head_major(k), head_major(v)) for k, v in self.device_pool]
+        self.tiers: TierMover | None = None  # set by worker/kv_tiers attach_kv_tiers
 
     @property
     def num_blocks(self) -> int:
@@ -220,3 +236,28 @@ class KVPools:
         """(CPU block, device block): copies each CPU block into its device block."""
         if pairs:
             swap_in_blocks(self.cpu_pool, self.device_pool, pairs)
+
+    @property
+    def num_host_tier_blocks(self) -> int:
+        return self.tiers.num_host_blocks if self.tiers is not None else 0
+
+    @property
+    def tier_block_bytes(self) -> int:
+        """One block's bytes in the host and disk tiers (0 without tiers)."""
+        if self.tiers is None:
+            return 0
+        return math.prod(self.cpu_pool.shape[1:]) * self.cpu_pool.element_size()  # (the same layout)
+
+    @property
+    def num_disk_tier_blocks(self) -> int:
+        return self.tiers.num_disk_blocks if self.tiers is not None else 0
+
+    def move_tiers(self, plan: StepPlan) -> None:
+        """The plan's KV tier copies (StepPlan step 1)."""
+        if self.tiers is None:
+            raise RuntimeError("a plan moves KV tier blocks, but this worker has no tiers")
+        self.tiers.apply(plan, self.device_pool)
+
+    def failed_disk_reads(self, step_id: int) -> list[int]:
+        """The host slots of step `step_id`'s disk reads that failed (for its StepOutput)."""
+        return self.tiers.take_failed(step_id) if self.tiers is not None else []

@@ -33,6 +33,7 @@ from .cuda_graphs import DecodeGraphs, MixedGraphs
 from .dummy_weights import init_dummy_weights
 from .inputs import HostInputs, host_inputs
 from .kv_cache import KVPools, cuda_kv_budget, determine_num_cpu_blocks, determine_num_kv_blocks
+from .kv_tiers import attach_kv_tiers
 from .launch_trace import LaunchTrace
 from .loader import load_model_config, load_weights
 from .logits_processors import LogitsProcessors
@@ -117,6 +118,7 @@ class ModelRunner:
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             )
         )
+        attach_kv_tiers(self, cfg)  # host memory and disk below the pool, when configured (worker/kv_tiers/)
         self.structured = StructuredOutputs(
             cfg.model, self.vocab_size, self.eos_token_ids, self.device, cfg.grammar_threads or None
         )
@@ -442,6 +444,7 @@ class ModelRunner:
         masked = masked_seq_ids(step.seq_ids, step.copy.masked_rows, step.spec) if step.copy else []
         # their constraint failed, or their rows had no token left to draw (worker/masked_rows.py)
         out.failed_seq_ids = list(dict.fromkeys(self.structured.take_failed(step.step_id) + masked))
+        out.failed_disk_reads = self.kv.failed_disk_reads(step.step_id)
         if accepted is not None and step.spec is not None:
             step.spec.apply(step.samplers, accepted[1], accepted[2], out, self.tables)
         return out

@@ -33,6 +33,8 @@ class PlanLimits:
     block_size: int
     max_model_len: int
     max_blocks_per_seq: int  # the width of the runner's block table array
+    num_host_tier_blocks: int = 0  # KV tiers (worker/kv_tiers/): host memory slots
+    num_disk_tier_blocks: int = 0  # disk slots
 
 
 class SeqView(Protocol):
@@ -136,8 +138,10 @@ def _check_changes(plan: StepPlan, walk: _Walk, limits: PlanLimits) -> str | Non
             return f"freed sequence {seq_id} is unknown"
         walk.changed[seq_id] = None
 
-    problem = _pairs("swap_out", plan.swap_out, limits.num_kv_blocks, limits.num_cpu_blocks) or _pairs(
-        "swap_in", plan.swap_in, limits.num_cpu_blocks, limits.num_kv_blocks
+    problem = (
+        _tier_pairs(plan, limits)
+        or _pairs("swap_out", plan.swap_out, limits.num_kv_blocks, limits.num_cpu_blocks)
+        or _pairs("swap_in", plan.swap_in, limits.num_cpu_blocks, limits.num_kv_blocks)
     )
     if problem:
         return problem
@@ -262,6 +266,17 @@ def _pairs(name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) 
     if len({dst for _, dst in pairs}) != len(pairs):
         return f"{name} writes a block twice"
     return None
+
+
+def _tier_pairs(plan: StepPlan, limits: PlanLimits) -> str | None:
+    """The KV tiers' copies inside their pools (none where the worker has no tiers)."""
+    host, disk, device = limits.num_host_tier_blocks, limits.num_disk_tier_blocks, limits.num_kv_blocks
+    return (
+        _pairs("disk_writes", plan.disk_writes, host, disk)
+        or _pairs("tier_offloads", plan.tier_offloads, device, host)
+        or _pairs("disk_reads", plan.disk_reads, disk, host)
+        or _pairs("tier_loads", plan.tier_loads, host, device)
+    )
 
 
 def _blocks(seq_id: int, block_ids: list[int], table_len: int, limits: PlanLimits) -> str | None:

@@ -122,6 +122,8 @@ class BlockMover(Protocol):
 
     def copy(self, pairs: list[tuple[int, int]]) -> None: ...
 
+    def move_tiers(self, plan: StepPlan) -> None: ...
+
 
 class Sequences:
     """Every live sequence of the worker by seq id, and the block table array that holds their tables.
@@ -166,6 +168,8 @@ class Sequences:
             seqs[seq_id].token_ids.append(token)
         for seq_id in plan.freed_seq_ids:
             tables.free(seqs.pop(seq_id).row)
+        if plan.disk_writes or plan.tier_offloads or plan.disk_reads or plan.tier_loads:
+            kv.move_tiers(plan)  # before anything writes a block they read (docs/kv_tiers.md)
         kv.swap_out(plan.swap_out)
         kv.swap_in(plan.swap_in)
         for seq_id, table in plan.new_block_tables:

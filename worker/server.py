@@ -226,6 +226,9 @@ def serve(cfg: WorkerConfig) -> int:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         num_speculative_tokens=runner.num_speculative_tokens,
         sliding_window=freeing_window(runner.model_config, runner.spec),
+        num_host_tier_blocks=runner.kv.num_host_tier_blocks,
+        num_disk_tier_blocks=runner.kv.num_disk_tier_blocks,
+        tier_block_bytes=runner.kv.tier_block_bytes,
     )
     heartbeat = HeartbeatThread(cfg.worker_address, ready.worker_id, cfg.heartbeat_interval_s, key).start()
     log.info(

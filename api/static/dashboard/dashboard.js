@@ -114,7 +114,13 @@ function drawMap(snapshot) {
     `<span>${swatch(COLORS.cached)}cached, reusable ${snapshot.blocks_cached}</span>` +
     `<span>${swatch("linear-gradient(90deg,#e74c3c,#f1c40f,#2ecc71,#3498db)")}in use (one hue per request) ${snapshot.blocks_used - snapshot.blocks_shared}</span>` +
     `<span>${swatch(COLORS.shared)}shared (ref count &gt; 1) ${snapshot.blocks_shared}</span>` +
-    `<span>swapped out to CPU: ${snapshot.cpu_blocks_used} of ${snapshot.num_cpu_blocks} blocks</span>`;
+    `<span>swapped out to CPU: ${snapshot.cpu_blocks_used} of ${snapshot.num_cpu_blocks} blocks</span>` +
+    (snapshot.num_host_tier_blocks
+      ? `<span id="host-tier">host tier: ${snapshot.host_tier_blocks_used} of ${snapshot.num_host_tier_blocks} blocks, ${snapshot.host_tier_hits_total} loaded back</span>`
+      : "") +
+    (snapshot.num_disk_tier_blocks
+      ? `<span id="disk-tier">disk tier: ${snapshot.disk_tier_blocks_used} of ${snapshot.num_disk_tier_blocks} blocks</span>`
+      : "");
 }
 
 // ---------------------------------------------------------------------------------------------------------
