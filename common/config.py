@@ -127,7 +127,7 @@ class ApiConfig:
     # A request's body must arrive in full within this long of its headers; else 408 and the connection closed
     body_timeout_s: float = 60.0
     keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this long
-    # Open HTTP connections, at most (and under the file-descriptor limit): at the cap a new connection
+    # Open HTTP connections, at most (and under the limit on open files): at the cap a new connection
     # displaces the longest-waiting one that holds no request, unauthenticated ones first (api/limits.py)
     max_connections: int = 4096
     # Kept for /health, /metrics and authenticated clients: past max_connections minus this, new connections
