@@ -2,12 +2,14 @@
 
 SIGTERM (or SIGINT) drains: new generation requests get 503 and /health says "shutting down", requests in
 flight have shutdown_timeout_s to finish, the rest end with an error event and [DONE] (streams) or a 503;
-then the process exits with status 0.
+then the process exits with status 0. A setting that cannot work (a port in use, a malformed address) ends
+it with one line and exit status 2, which its supervisor does not restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import signal
 
 import structlog
@@ -18,6 +20,7 @@ from api.server import create_app, drain
 from api.state import STATE
 from common.config import ApiConfig, parse_config
 from common.log import configure_logging
+from common.preflight import CONFIG_ERROR, ConfigError, check_connect_address, exit_config_error
 from common.security import ClusterKeyError
 
 
@@ -30,7 +33,12 @@ async def serve(config: ApiConfig) -> None:
     # shutdown_timeout: drain() has already waited; what still runs after it is cancelled soon.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+    except OSError as e:  # taken by another server, or not an address of this host: a configuration error
+        await runner.cleanup()
+        flag = "--port" if e.errno == errno.EADDRINUSE else "--host"
+        raise ConfigError(flag, f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
     log.info("api_listening", host=config.host, port=config.port, scheduler=config.scheduler_address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -46,10 +54,13 @@ async def serve(config: ApiConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(ApiConfig, argv, description="pagedserve's OpenAI-compatible HTTP server")
     try:
+        check_connect_address(config.scheduler_address, "--scheduler-address")
         uvloop.run(serve(config))
-    except ClusterKeyError as e:  # a configuration error: exit code 2, which the supervisor does not retry
+    except ConfigError as e:  # exit code 2, which the supervisor does not retry
+        exit_config_error("api", e)
+    except ClusterKeyError as e:  # a configuration error too
         configure_logging("api", config.log_level).error("cluster_key_unusable", error=str(e))
-        raise SystemExit(2) from None
+        raise SystemExit(CONFIG_ERROR) from None
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+from common.preflight import CONFIG_ERROR, flag_named_in
 from common.speculative import parse_speculative_config
 
 ENV_PREFIX = "PAGEDSERVE_"
@@ -98,6 +99,8 @@ class ApiConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if not 1 <= self.port <= 65535:  # the OS would take it modulo 65536: 99999 listened on 34463
+            raise ValueError(f"port must be a TCP port (1-65535), got {self.port}")
 
 
 @dataclass(frozen=True)
@@ -396,12 +399,15 @@ def add_config_args(
 def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
     """The config of `args`' values for `config_cls`'s fields; a config with a `revision` field has its
     `model` resolved to a local directory (common/model_source.py: a Hugging Face repo id, from the cache or
-    the Hub). Exits with one line when a value is bad (status 1) or the model cannot be found (status 2, a
-    configuration error the supervisor does not restart)."""
+    the Hub). Exits with one line naming the flag when a value is bad or the model cannot be found (status 2,
+    a configuration error the supervisor does not restart)."""
+    names = [f.name for f in fields(config_cls)]
     try:
-        config = config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
+        config = config_cls(**{name: getattr(args, name) for name in names})
     except ValueError as e:
-        raise SystemExit(f"bad setting: {e}") from e
+        flag = flag_named_in(str(e), names)
+        print(f"error: {flag + ': ' if flag else ''}bad setting: {e}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR) from None
     if "revision" not in {f.name for f in fields(config_cls)}:
         return config
     from common.model_source import ModelSourceError, resolve_config
@@ -409,8 +415,8 @@ def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
     try:
         return resolve_config(config)
     except ModelSourceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        print(f"error: --model: {e}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR) from None
 
 
 def parse_config(config_cls: type[C], argv: list[str] | None = None, description: str = "") -> C:

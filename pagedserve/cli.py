@@ -22,7 +22,8 @@ from typing import Any
 import pagedserve  # noqa: F401  (first: it puts the server's packages on sys.path in an installed copy)
 from common.config import ApiConfig, SchedulerConfig, WorkerConfig, add_config_args, field_descriptions
 from common.model_source import ModelSourceError, resolve_model
-from pagedserve.launcher import Child, Launcher
+from common.preflight import ConfigError, check_port, flag_named_in
+from pagedserve.launcher import Child, Launcher, preflight
 
 PROCESSES: tuple[tuple[str, type], ...] = (
     ("api", ApiConfig),
@@ -109,10 +110,16 @@ def serve_children(
     if num_ranks > 1 and values["dist_init_method"] == WorkerConfig.dist_init_method:
         values["dist_init_method"] = f"tcp://127.0.0.1:{_free_port()}"  # not a fixed port another group holds
     for _, cls in PROCESSES:  # the processes would refuse these values: say so now, once
+        names = [f.name for f in fields(cls) if f.name in values]
         try:
-            cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+            cls(**{name: values[name] for name in names})
         except ValueError as e:
-            parser.error(f"bad setting: {e}")
+            flag = flag_named_in(str(e), names)
+            parser.error(f"{flag + ': ' if flag else ''}bad setting: {e}")
+    try:
+        check_port(values["host"], values["port"])
+    except ConfigError as e:
+        parser.error(str(e))
     env = {ENV_PREFIX + k.upper(): _env_value(v) for k, v in values.items() if v is not None}
     children = [Child("api", "api"), Child("scheduler", "scheduler")]
     for rank in range(num_ranks):  # ranks other than 0 are stopped by rank 0, then signalled (launcher.py)
@@ -133,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "serve":  # pragma: no cover  (argparse allows only the commands above)
         parser.error(f"unknown command {args.command!r}")
     children, env = serve_children(args, args.command_parser)
+    # the worker's own checks (the model's limits and family, the device: torch's), in a process of their
+    # own so that this one, which stays up as long as the server, never holds torch
+    why = preflight("worker.preflight", env | {ENV_PREFIX + "RANK": "0"})
+    if why:
+        args.command_parser.error(why)
     launcher = Launcher(
         children,
         env,

@@ -58,6 +58,22 @@ def child_env(base: dict[str, str], settings: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def preflight(module: str, settings: dict[str, str], timeout_s: float = 600.0) -> str:
+    """Runs `python -m MODULE` (a process's checks alone: worker.preflight) with the processes' `settings`;
+    returns "" when it passes, else its last line (one line, without the process's prefix)."""
+    done = subprocess.run(
+        [sys.executable, "-m", module],
+        env=child_env(dict(os.environ), settings),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if done.returncode == 0:
+        return ""
+    lines = done.stderr.strip().splitlines() or [f"{module} exited with status {done.returncode}"]
+    return lines[-1].split("error: ", 1)[-1]
+
+
 class Launcher:
     """Starts `children` with `settings` (PAGEDSERVE_* variables) and stops them together."""
 

@@ -14,6 +14,7 @@ import uvloop
 
 from common.config import SchedulerConfig, parse_config
 from common.log import configure_logging
+from common.preflight import CONFIG_ERROR, ConfigError, check_bind_address, exit_config_error
 from common.security import ClusterKeyError
 from scheduler.server import SchedulerServer
 
@@ -42,13 +43,18 @@ async def _main(config: SchedulerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(SchedulerConfig, argv, description="pagedserve scheduler")
+    try:  # an address taken by another server: one line and status 2, not a restart loop
+        check_bind_address(config.scheduler_address, "--scheduler-address")
+        check_bind_address(config.worker_address, "--worker-address")
+    except ConfigError as e:
+        exit_config_error("scheduler", e)
     log = configure_logging("scheduler", config.log_level)
     log.info("scheduler_starting", **{k: getattr(config, k) for k in config.__dataclass_fields__})
     try:
         uvloop.run(_main(config))
     except ClusterKeyError as e:
         log.error("cluster_key_unusable", error=str(e))
-        raise SystemExit(2) from None
+        raise SystemExit(CONFIG_ERROR) from None
     log.info("scheduler_stopped")
 
 
