@@ -58,6 +58,9 @@ class ApiConfig:
     host: str = "127.0.0.1"  # address the HTTP server binds
     port: int = 8000  # port the HTTP server listens on
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # where the scheduler takes client connections
+    # The server instance this api belongs to (pagedserve serve sets it): a scheduler that reports another is
+    # refused (503 "misconfigured"); empty: any scheduler
+    instance_id: str = ""
     # Checkpoint directory (or Hugging Face repo id) the tokenizer loads from at start (the worker's --model,
     # which honcho's PAGEDSERVE_MODEL gives both); empty: the one the first ready worker announces
     model: str = ""
@@ -109,6 +112,9 @@ class SchedulerConfig:
 
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # bound; clients connect here
     worker_address: str = DEFAULT_WORKER_ADDRESS  # bound; workers connect here
+    # The server instance it belongs to (pagedserve serve sets it), told to clients so that an api of
+    # another instance refuses it; empty: none
+    instance_id: str = ""
     # sequences running in one step, at most (and at most what the worker announces it was sized for);
     # 0: what the worker announces (by default it follows its KV pool: worker/batch_limits.py)
     max_num_seqs: int = 0

@@ -7,22 +7,30 @@ grouped by the process that owns it; a flag that several processes share (`--max
 reaches the processes as their PAGEDSERVE_* variable, so each process takes exactly the fields its config
 has, as under honcho. Values are checked here, before anything starts: a bad one is one line and exit
 status 2. MODEL (a directory or a Hugging Face repo id, common/model_source.py) is resolved once here, so a
-missing model is one line too, and a download happens once, not in every process.
+missing model is one line too, and a download happens once, not in every process; the worker's own checks
+(worker/preflight.py) run here too, in a process of their own.
+
+Each `serve` is an instance of its own: its processes meet at ipc:// paths in a private directory made for
+it (under $XDG_RUNTIME_DIR, else the temporary directory; removed at exit) unless --scheduler-address or
+--worker-address say otherwise, and they share the instance's id (that directory's name), which the api
+checks in the scheduler's answers: two servers on one host never cross.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from dataclasses import fields
 from typing import Any
 
 import pagedserve  # noqa: F401  (first: it puts the server's packages on sys.path in an installed copy)
 from common.config import ApiConfig, SchedulerConfig, WorkerConfig, add_config_args, field_descriptions
 from common.model_source import ModelSourceError, resolve_model
-from common.preflight import ConfigError, check_port, flag_named_in
+from common.preflight import ConfigError, check_bind_address, check_port, flag_named_in
 from pagedserve.launcher import Child, Launcher, preflight
 
 PROCESSES: tuple[tuple[str, type], ...] = (
@@ -30,9 +38,14 @@ PROCESSES: tuple[tuple[str, type], ...] = (
     ("scheduler", SchedulerConfig),
     ("worker", WorkerConfig),
 )
-# Fields `serve` sets itself: MODEL is the positional argument, and every worker rank gets its own rank
-NOT_FLAGS = ("model", "rank")
+# Fields `serve` sets itself: MODEL is the positional argument, every worker rank gets its own rank, and
+# every process the instance's id
+NOT_FLAGS = ("model", "rank", "instance_id")
 ENV_PREFIX = "PAGEDSERVE_"
+# The processes' ZeroMQ addresses: unless given (flag or PAGEDSERVE_*), ipc:// paths in a directory of this
+# instance's own, so that any number of servers run side by side on a host
+INTERNAL_ADDRESSES = {"scheduler_address": "scheduler.sock", "worker_address": "worker.sock"}
+PER_INSTANCE = "pagedserve serve: unless given, an ipc:// path of its own instance"
 
 
 def owners() -> dict[str, list[str]]:
@@ -74,11 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shared = {name: procs for name, procs in owners().items() if len(procs) > 1}
     notes = {name: "used by " + ", ".join(procs) for name, procs in shared.items()}
+    notes |= {name: f"{notes[name]}; {PER_INSTANCE}" for name in INTERNAL_ADDRESSES}
     added: set[str] = set(NOT_FLAGS)
     for name, cls in PROCESSES:
         group = serve.add_argument_group(f"{name} flags")
         add_config_args(group, cls, skip=added, notes=notes)
         added |= {f.name for f in fields(cls)}
+    # None: not given, chosen per instance (serve_children)
+    serve.set_defaults(**{n: None for n in INTERNAL_ADDRESSES if ENV_PREFIX + n.upper() not in os.environ})
     return parser
 
 
@@ -93,15 +109,21 @@ def _free_port() -> int:
 
 
 def serve_children(
-    args: argparse.Namespace, parser: argparse.ArgumentParser
+    args: argparse.Namespace, parser: argparse.ArgumentParser, runtime_dir: str
 ) -> tuple[list[Child], dict[str, str]]:
-    """The processes to start for `args` and the PAGEDSERVE_* settings they share; exits through
-    `parser.error` (one line, status 2) on a value a config refuses or a model that cannot be found."""
+    """The processes to start for `args` and the PAGEDSERVE_* settings they share, their internal addresses
+    in `runtime_dir` (this instance's own, its name the instance's id) unless given; exits through
+    `parser.error` (one line, status 2) on a value a config refuses, a port or an address that cannot be
+    listened on, or a model that cannot be found."""
     try:
         source = resolve_model(args.model, args.revision, weights=args.load_format != "dummy")
     except ModelSourceError as e:
-        parser.error(str(e))
+        parser.error(f"--model: {e}")
     values = {name: getattr(args, name) for name in owners() if name not in NOT_FLAGS}
+    values["instance_id"] = os.path.basename(runtime_dir)
+    given = [name for name in INTERNAL_ADDRESSES if values[name] is not None]
+    for name, file in INTERNAL_ADDRESSES.items():
+        values[name] = values[name] or f"ipc://{os.path.join(runtime_dir, file)}"
     # the processes load the directory (absolute: wherever they run), with no Hub access of their own
     values |= {"model": os.path.abspath(source.path), "revision": ""}
     if source.repo_id and not values["served_model_name"]:
@@ -118,6 +140,8 @@ def serve_children(
             parser.error(f"{flag + ': ' if flag else ''}bad setting: {e}")
     try:
         check_port(values["host"], values["port"])
+        for name in given:
+            check_bind_address(values[name], "--" + name.replace("_", "-"))
     except ConfigError as e:
         parser.error(str(e))
     env = {ENV_PREFIX + k.upper(): _env_value(v) for k, v in values.items() if v is not None}
@@ -139,23 +163,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command != "serve":  # pragma: no cover  (argparse allows only the commands above)
         parser.error(f"unknown command {args.command!r}")
-    children, env = serve_children(args, args.command_parser)
-    # the worker's own checks (the model's limits and family, the device: torch's), in a process of their
-    # own so that this one, which stays up as long as the server, never holds torch
-    why = preflight("worker.preflight", env | {ENV_PREFIX + "RANK": "0"})
-    if why:
-        args.command_parser.error(why)
-    launcher = Launcher(
-        children,
-        env,
-        stop_timeout_s=max(args.shutdown_timeout_s, 0.0),
-        log_level=args.log_level,
-    )
-    return launcher.run(
-        model=env[ENV_PREFIX + "MODEL"],
-        model_name=env.get(ENV_PREFIX + "SERVED_MODEL_NAME", "") or os.path.basename(args.model.rstrip("/")),
-        url=f"http://{args.host}:{args.port}",
-    )
+    # this instance's sockets: private to its user (mkdtemp: 0700), removed at exit
+    runtime_dir = tempfile.mkdtemp(prefix="pagedserve-", dir=os.environ.get("XDG_RUNTIME_DIR") or None)
+    try:
+        children, env = serve_children(args, args.command_parser, runtime_dir)
+        # the worker's own checks (the model's limits and family, the device: torch's), in a process of
+        # their own so that this one, which stays up as long as the server, never holds torch
+        why = preflight("worker.preflight", env | {ENV_PREFIX + "RANK": "0"})
+        if why:
+            args.command_parser.error(why)
+        launcher = Launcher(
+            children,
+            env,
+            stop_timeout_s=max(args.shutdown_timeout_s, 0.0),
+            log_level=args.log_level,
+        )
+        return launcher.run(
+            model=env[ENV_PREFIX + "MODEL"],
+            model_name=env.get(ENV_PREFIX + "SERVED_MODEL_NAME", "")
+            or os.path.basename(args.model.rstrip("/")),
+            url=f"http://{args.host}:{args.port}",
+            instance=env[ENV_PREFIX + "INSTANCE_ID"],
+            scheduler_address=env[ENV_PREFIX + "SCHEDULER_ADDRESS"],
+        )
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

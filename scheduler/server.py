@@ -236,7 +236,7 @@ class SchedulerServer:
     def _info(self, query_id: int) -> InfoReply:
         ready = self.ready_msg
         if self.core is None or ready is None:
-            return InfoReply(query_id, False, "", "", 0, 0, 0, 0, "")
+            return InfoReply(query_id, False, "", "", 0, 0, 0, 0, "", instance_id=self.config.instance_id)
         settings = self.core.settings
         return InfoReply(
             query_id=query_id,
@@ -249,6 +249,7 @@ class SchedulerServer:
             num_kv_blocks=settings.num_kv_blocks,
             metrics_text=self.core.metrics_text(),
             scheduling_policy=settings.scheduling_policy,
+            instance_id=self.config.instance_id,
         )
 
     def _send_errors(self) -> None:

@@ -25,6 +25,7 @@ from common.config import (
     parse_config,
 )
 from pagedserve.cli import NOT_FLAGS, PROCESSES, build_parser, main, owners, serve_children
+from scripts._servers import free_port
 from scripts.make_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,10 +85,30 @@ def test_fields_that_processes_share_have_one_default() -> None:
         assert len(defaults) == 1, (name, defaults)
 
 
+RUNTIME_DIR = "/run/user/1/pagedserve-x1"  # an instance's directory (serve_children only names paths in it)
+
+
 def parse(argv: list[str]) -> tuple[list, dict[str, str]]:
     parser = build_parser()
     args = parser.parse_args(["serve", *argv])
-    return serve_children(args, args.command_parser)
+    return serve_children(args, args.command_parser, RUNTIME_DIR)
+
+
+def test_internal_addresses_are_the_instances_own_unless_given(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `serve`s on one host took the same ZeroMQ ports 5570/5571: the second's api joined the first's
+    scheduler while its own scheduler crash-looped on "Address already in use"."""
+    _, env = parse([str(tiny_model_dir)])
+    assert env["PAGEDSERVE_SCHEDULER_ADDRESS"] == f"ipc://{RUNTIME_DIR}/scheduler.sock"
+    assert env["PAGEDSERVE_WORKER_ADDRESS"] == f"ipc://{RUNTIME_DIR}/worker.sock"
+    assert env["PAGEDSERVE_INSTANCE_ID"] == "pagedserve-x1"  # the api and the scheduler check it
+    given = f"tcp://127.0.0.1:{free_port()}"
+    _, env = parse([str(tiny_model_dir), "--scheduler-address", given])
+    assert env["PAGEDSERVE_SCHEDULER_ADDRESS"] == given  # a flag wins
+    assert env["PAGEDSERVE_WORKER_ADDRESS"] == f"ipc://{RUNTIME_DIR}/worker.sock"
+    monkeypatch.setenv("PAGEDSERVE_WORKER_ADDRESS", given)  # so does a variable
+    assert parse([str(tiny_model_dir)])[1]["PAGEDSERVE_WORKER_ADDRESS"] == given
 
 
 def test_values_reach_every_process_whose_config_has_them(tiny_model_dir: Path) -> None:
