@@ -2,8 +2,9 @@
 
 SIGTERM (or SIGINT) drains: new generation requests get 503 and /health says "shutting down", requests in
 flight have shutdown_timeout_s to finish, the rest end with an error event and [DONE] (streams) or a 503;
-then the process exits with status 0. A setting that cannot work (a port in use, a malformed address) ends
-it with one line and exit status 2, which its supervisor does not restart.
+then the process exits with status 0. A second SIGINT (Ctrl-C) during the drain exits at once. A setting
+that cannot work (a port in use, a malformed address) ends it with one line and exit status 2, which its
+supervisor does not restart.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from aiohttp import web
 from api.server import create_app, drain
 from api.state import STATE
 from common.config import ApiConfig, parse_config
+from common.interrupts import Interrupts
 from common.log import configure_logging
 from common.preflight import CONFIG_ERROR, ConfigError, check_connect_address, exit_config_error
 from common.security import ClusterKeyError
@@ -41,9 +43,15 @@ async def serve(config: ApiConfig) -> None:
         raise ConfigError(flag, f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
     log.info("api_listening", host=config.host, port=config.port, scheduler=config.scheduler_address)
     stop = asyncio.Event()
+    interrupts = Interrupts("api")
     loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        interrupts.note(signum)  # a second Ctrl-C exits at once, mid-drain
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     await stop.wait()
     log.info("api_draining", in_flight=len(app[STATE].in_flight), timeout_s=config.shutdown_timeout_s)
     ended = await drain(app, config.shutdown_timeout_s)

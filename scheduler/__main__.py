@@ -1,8 +1,9 @@
 """`python -m scheduler`: the scheduler process (CPU only; never imports torch).
 
 SIGTERM or SIGINT drains it (no new requests; those in flight finish for `--shutdown-timeout-s`, then end
-with an error; the worker is told to stop) and it exits with 0. Further signals change nothing: under a
-supervisor and honcho the same stop can arrive twice (the supervisor forwards it, honcho signals the group).
+with an error; the worker is told to stop) and it exits with 0. Further signals change nothing (under a
+supervisor and honcho the same stop can arrive twice: the supervisor forwards it, honcho signals the
+group), but a second SIGINT, a second Ctrl-C, which exits at once (common/interrupts.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import uvloop
 
 from common.config import SchedulerConfig, parse_config
+from common.interrupts import Interrupts
 from common.log import configure_logging
 from common.preflight import CONFIG_ERROR, ConfigError, check_bind_address, exit_config_error
 from common.security import ClusterKeyError
@@ -28,13 +30,16 @@ async def _main(config: SchedulerConfig) -> None:
         await server.drain(config.shutdown_timeout_s)
         server_task.cancel()
 
-    def on_signal() -> None:
+    interrupts = Interrupts("scheduler")
+
+    def on_signal(signum: int) -> None:
+        interrupts.note(signum)  # a second Ctrl-C exits at once, mid-drain
         if not stopping:
             stopping.append(asyncio.create_task(drain_then_stop()))
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await server_task
     except asyncio.CancelledError:

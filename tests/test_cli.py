@@ -4,6 +4,7 @@ processes together. (tests/e2e/test_pagedserve_serve.py runs the installed comma
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+import psutil
 import pytest
 
 from common.config import (
@@ -208,18 +210,20 @@ with open(os.environ["FAKE_DIR"] + "/" + name + "." + os.environ.get("PAGEDSERVE
     f.write(os.environ.get("PAGEDSERVE_MAX_NUM_SEQS", ""))
 if name == os.environ.get("FAKE_FAIL"):
     sys.exit(2)
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-signal.signal(signal.SIGINT, lambda *a: sys.exit(0))
+stop = signal.SIG_IGN if os.environ.get("FAKE_STUCK") else lambda *a: sys.exit(0)  # a drain that never ends
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
 while True:
     time.sleep(0.05)
 """
 
 RUN = """
-import sys
+import os, sys
 from pagedserve.launcher import Child, Launcher
 rank1 = {"PAGEDSERVE_RANK": "1"}
 children = [Child("api", "fake_api"), Child("worker", "fake_worker"), Child("worker1", "fake_worker", rank1)]
-sys.exit(Launcher(children, {"PAGEDSERVE_MAX_NUM_SEQS": "5"}, stop_timeout_s=0.0).run())
+stop_timeout_s = float(os.environ["FAKE_STOP_S"])
+sys.exit(Launcher(children, {"PAGEDSERVE_MAX_NUM_SEQS": "5"}, stop_timeout_s=stop_timeout_s).run())
 """
 
 
@@ -227,20 +231,25 @@ sys.exit(Launcher(children, {"PAGEDSERVE_MAX_NUM_SEQS": "5"}, stop_timeout_s=0.0
 def start_launcher(tmp_path: Path) -> Iterator[Callable[[str], subprocess.Popen[str]]]:
     """Starts a launcher of stand-ins in a process; kills what is left of it at the end."""
     started: list[subprocess.Popen[str]] = []
-    yield lambda fail="": started.append(_start_launcher(tmp_path, fail)) or started[-1]
+    yield lambda fail="", **env: started.append(_start_launcher(tmp_path, fail, env)) or started[-1]
     for proc in started:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def _start_launcher(tmp_path: Path, fail: str = "") -> subprocess.Popen[str]:
+def _start_launcher(
+    tmp_path: Path, fail: str = "", extra: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     fakes = tmp_path / "fakes"
     for name in ("api", "worker"):
         (fakes / f"fake_{name}").mkdir(parents=True)
         (fakes / f"fake_{name}" / "__init__.py").write_text("")
         (fakes / f"fake_{name}" / "__main__.py").write_text(textwrap.dedent(FAKE.format(name=name)))
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{fakes}", FAKE_DIR=str(tmp_path), FAKE_FAIL=fail)
+    env = dict(
+        os.environ, PYTHONPATH=f"{ROOT}:{fakes}", FAKE_DIR=str(tmp_path), FAKE_FAIL=fail, FAKE_STOP_S="0"
+    )
+    env |= extra or {}
     return subprocess.Popen(
         [sys.executable, "-c", RUN], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
     )
@@ -276,3 +285,32 @@ def test_a_usage_error_in_one_process_stops_the_others_with_its_status(
     log = launcher.stderr.read()  # type: ignore[union-attr]
     assert '"event": "not_restarted"' in log and '"event": "process_exited"' in log
     assert '"event": "stopped"' in log
+
+
+def test_a_second_ctrl_c_during_the_drain_kills_every_process_at_once(
+    tmp_path: Path, start_launcher: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Processes that would drain for an hour: the first Ctrl-C waits on them, the second ends them all."""
+    launcher = start_launcher(FAKE_STUCK="1", FAKE_STOP_S="3600")
+    started = [tmp_path / "api.0", tmp_path / "worker.0", tmp_path / "worker.1"]
+    wait_for(lambda: all(p.exists() for p in started))
+    launcher.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert launcher.poll() is None  # draining
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(60) == 130  # the shell's status for Ctrl-C
+    log = launcher.stderr.read()  # type: ignore[union-attr]
+    assert '"event": "forced_exit"' in log
+    pids = [
+        json.loads(line[line.index("{") :])["supervisors"] for line in log.splitlines() if '"serving"' in line
+    ]
+    groups = set(pids[0].values())  # each supervisor leads its session: it and its process
+    wait_for(lambda: not [p for p in psutil.process_iter(["status"]) if _group(p) in groups], timeout=10)
+
+
+def _group(process: psutil.Process) -> int | None:
+    """The process group of a live process (not a zombie waiting for its reaper); None otherwise."""
+    try:
+        return None if process.info["status"] == psutil.STATUS_ZOMBIE else os.getpgid(process.pid)
+    except (ProcessLookupError, psutil.Error):
+        return None
