@@ -14,6 +14,7 @@ import signal
 import sys
 
 FORCED_EXIT = 128 + signal.SIGINT  # the shell's status for a process ended by Ctrl-C
+FIRST_NOTICE = "interrupted: stopping once requests in flight end (Ctrl-C again to exit now)"
 
 
 class Interrupts:
@@ -27,6 +28,8 @@ class Interrupts:
         if signum != signal.SIGINT:
             return
         self.count += 1
+        if self.count == 1:  # for the person at the terminal, who may not want to wait for the drain
+            print(f"{self.process}: {FIRST_NOTICE}", file=sys.stderr, flush=True)
         if self.count >= 2:
             # os._exit: no drain, no cleanup that could itself wait (an event loop's, a thread's join)
             print(f"{self.process}: interrupted twice: exiting now", file=sys.stderr, flush=True)

@@ -210,7 +210,9 @@ with open(os.environ["FAKE_DIR"] + "/" + name + "." + os.environ.get("PAGEDSERVE
     f.write(os.environ.get("PAGEDSERVE_MAX_NUM_SEQS", ""))
 if name == os.environ.get("FAKE_FAIL"):
     sys.exit(2)
-stop = signal.SIG_IGN if os.environ.get("FAKE_STUCK") else lambda *a: sys.exit(0)  # a drain that never ends
+def never_ends(*_):  # a drain that never ends: it notes that it began
+    open(os.environ["FAKE_DIR"] + "/" + name + ".stopping", "w").close()
+stop = never_ends if os.environ.get("FAKE_STUCK") else lambda *a: sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
 while True:
@@ -295,7 +297,7 @@ def test_a_second_ctrl_c_during_the_drain_kills_every_process_at_once(
     started = [tmp_path / "api.0", tmp_path / "worker.0", tmp_path / "worker.1"]
     wait_for(lambda: all(p.exists() for p in started))
     launcher.send_signal(signal.SIGINT)
-    time.sleep(1.0)
+    wait_for(lambda: (tmp_path / "api.stopping").exists())  # the first, passed on
     assert launcher.poll() is None  # draining
     launcher.send_signal(signal.SIGINT)
     assert launcher.wait(60) == 130  # the shell's status for Ctrl-C
