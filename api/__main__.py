@@ -20,7 +20,7 @@ from aiohttp import web
 from api.server import create_app, drain
 from api.state import STATE
 from common.config import ApiConfig, parse_config
-from common.interrupts import Interrupts
+from common.interrupts import Interrupts, ignore_further_stops
 from common.log import configure_logging
 from common.preflight import CONFIG_ERROR, ConfigError, check_connect_address, exit_config_error
 from common.security import ClusterKeyError
@@ -53,6 +53,8 @@ async def serve(config: ApiConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     await stop.wait()
+    loop.remove_signal_handler(signal.SIGTERM)
+    ignore_further_stops()
     log.info("api_draining", in_flight=len(app[STATE].in_flight), timeout_s=config.shutdown_timeout_s)
     ended = await drain(app, config.shutdown_timeout_s)
     log.info("api_stopping", ended_in_flight=ended)

@@ -34,3 +34,11 @@ class Interrupts:
             # os._exit: no drain, no cleanup that could itself wait (an event loop's, a thread's join)
             print(f"{self.process}: interrupted twice: exiting now", file=sys.stderr, flush=True)
             os._exit(FORCED_EXIT)
+
+
+def ignore_further_stops() -> None:
+    """For a process that is stopping: a later SIGTERM changes nothing. Under honcho one arrives whenever
+    another process exits first (honcho then signals every group), and one arriving while Python shuts
+    down would kill the process, its status 0 turned into -15: Python puts back the default action of
+    each signal it handles as it exits, but leaves an ignored one ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -14,7 +14,7 @@ import signal
 import uvloop
 
 from common.config import SchedulerConfig, parse_config
-from common.interrupts import Interrupts
+from common.interrupts import Interrupts, ignore_further_stops
 from common.log import configure_logging
 from common.preflight import CONFIG_ERROR, ConfigError, check_bind_address, exit_config_error
 from common.security import ClusterKeyError
@@ -36,6 +36,8 @@ async def _main(config: SchedulerConfig) -> None:
         interrupts.note(signum)  # a second Ctrl-C exits at once, mid-drain
         if not stopping:
             stopping.append(asyncio.create_task(drain_then_stop()))
+            loop.remove_signal_handler(signal.SIGTERM)
+            ignore_further_stops()
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,6 +12,7 @@ import os
 import sys
 
 from common.config import WorkerConfig, parse_config
+from common.interrupts import ignore_further_stops
 from common.preflight import ConfigError, exit_config_error
 from worker.parallel import honcho_rank
 from worker.preflight import check_worker_config
@@ -28,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         check_worker_config(cfg)
     except ConfigError as e:
         exit_config_error("worker", e)
-    return serve(cfg)
+    code = serve(cfg)
+    ignore_further_stops()  # it is exiting (stopped, or told to by the scheduler): see common/interrupts.py
+    return code
 
 
 if __name__ == "__main__":
