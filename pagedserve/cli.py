@@ -1,5 +1,6 @@
 """`pagedserve serve MODEL [flags]` (or `python -m pagedserve serve ...`): the api, the scheduler and the
-worker rank(s) in one command, under the supervision `scripts/start` gives them (pagedserve/launcher.py).
+worker rank(s) in one command, each supervised (pagedserve/launcher.py); `scripts/start` runs it from a
+checkout.
 
 Its flags are the processes' own (common/config.py: ApiConfig, SchedulerConfig, WorkerConfig), each once,
 grouped by the process that owns it; a flag that several processes share (`--max-num-seqs`,

@@ -1,4 +1,4 @@
-"""Runs the server's processes as `scripts/start` does under honcho, without honcho: each under its own
+"""Runs the server's processes as `honcho start` does on the Procfile, without honcho: each under its own
 `python -m common.supervisor NAME` (restarts with backoff; exit status 2, a usage or configuration error, is
 not restarted), and the launcher stops them all when one supervisor exits, as honcho does.
 
