@@ -79,6 +79,18 @@ def test_scripts_start_help_lists_the_servers_flags() -> None:
     assert "honcho" not in done.stdout.lower()
 
 
+def test_scripts_start_stops_a_bad_setting_with_one_line_and_status_2(tiny_model_dir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "start"), "--port", "99999"], capture_output=True, text=True, timeout=WAIT_S,
+        env=env | {"PAGEDSERVE_MODEL": str(tiny_model_dir)},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "pagedserve serve: error: --port: bad setting: port must be a TCP port (1-65535), got 99999"
+    )
+
+
 def test_scripts_start_serves_on_its_port_and_a_second_ctrl_c_ends_the_drain(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
