@@ -30,6 +30,7 @@ from typing import Any
 
 import pagedserve  # noqa: F401  (first: it puts the server's packages on sys.path in an installed copy)
 from common.config import ApiConfig, SchedulerConfig, WorkerConfig, add_config_args, field_descriptions
+from common.interrupts import FORCED_EXIT
 from common.model_source import ModelSourceError, resolve_model
 from common.preflight import ConfigError, check_bind_address, check_port, flag_named_in
 from pagedserve.launcher import Child, Launcher, preflight
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             instance=env[ENV_PREFIX + "INSTANCE_ID"],
             scheduler_address=env[ENV_PREFIX + "SCHEDULER_ADDRESS"],
         )
+    except KeyboardInterrupt:  # Ctrl-C during the checks, before the launcher handles signals
+        return FORCED_EXIT
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
 

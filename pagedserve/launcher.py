@@ -71,8 +71,10 @@ def preflight(module: str, settings: dict[str, str], timeout_s: float = 600.0) -
     )
     if done.returncode == 0:
         return ""
-    lines = done.stderr.strip().splitlines() or [f"{module} exited with status {done.returncode}"]
-    return lines[-1].split("error: ", 1)[-1]
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    if done.returncode == 2:  # a configuration error: its one line says which flag
+        return last.split("error: ", 1)[-1]
+    return f"{module} failed (exit status {done.returncode}): {last}"  # it could not even run its checks
 
 
 class Launcher:
