@@ -166,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "serve":  # pragma: no cover  (argparse allows only the commands above)
         parser.error(f"unknown command {args.command!r}")
     # this instance's sockets: private to its user (mkdtemp: 0700), removed at exit
-    runtime_dir = tempfile.mkdtemp(prefix="pagedserve-", dir=os.environ.get("XDG_RUNTIME_DIR") or None)
+    runtime_root = os.environ.get("XDG_RUNTIME_DIR", "")
+    runtime_dir = tempfile.mkdtemp(
+        prefix="pagedserve-", dir=runtime_root if os.path.isdir(runtime_root) else None
+    )
     try:
         children, env = serve_children(args, args.command_parser, runtime_dir)
         # the worker's own checks (the model's limits and family, the device: torch's), in a process of
