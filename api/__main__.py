@@ -1,4 +1,4 @@
-"""`python -m api`: the HTTP front end, on uvloop, in front of the scheduler named by ApiConfig.
+"""`python -m pagedserve.api`: the HTTP front end, on uvloop, in front of the scheduler named by ApiConfig.
 
 SIGTERM (or SIGINT) drains: new generation requests get 503 and /health says "shutting down", requests in
 flight have shutdown_timeout_s to finish, the rest end with an error event and [DONE] (streams) or a 503;
@@ -17,13 +17,13 @@ import structlog
 import uvloop
 from aiohttp import web
 
-from api.server import create_app, drain
-from api.state import STATE
-from common.config import ApiConfig, parse_config
-from common.interrupts import Interrupts, ignore_further_stops
-from common.log import configure_logging
-from common.preflight import CONFIG_ERROR, ConfigError, check_connect_address, exit_config_error
-from common.security import ClusterKeyError
+from pagedserve.api.server import create_app, drain
+from pagedserve.api.state import STATE
+from pagedserve.common.config import ApiConfig, parse_config
+from pagedserve.common.interrupts import Interrupts, ignore_further_stops
+from pagedserve.common.log import configure_logging
+from pagedserve.common.preflight import CONFIG_ERROR, ConfigError, check_connect_address, exit_config_error
+from pagedserve.common.security import ClusterKeyError
 
 
 async def serve(config: ApiConfig) -> None:

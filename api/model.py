@@ -14,13 +14,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from api.errors import ApiError, unavailable
-from api.generation_config import GenerationDefaults, load_generation_defaults
-from client import AsyncEngineClient
-from client.detokenizer import TokenStrings
-from common.config import ApiConfig
-from common.log import get_logger
-from common.messages import InfoReply
+from pagedserve.api.errors import ApiError, unavailable
+from pagedserve.api.generation_config import GenerationDefaults, load_generation_defaults
+from pagedserve.client import AsyncEngineClient
+from pagedserve.client.detokenizer import TokenStrings
+from pagedserve.common.config import ApiConfig
+from pagedserve.common.log import get_logger
+from pagedserve.common.messages import InfoReply
 
 log = get_logger(component="api.model")
 INFO_TIMEOUT_S = 1.0  # a scheduler slower than this to answer counts as unavailable

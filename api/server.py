@@ -17,18 +17,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from api.dashboard import add_dashboard, is_dashboard_path
-from api.errors import ApiError, error_body, unauthorized
-from api.handlers import chat_completions, completions, dumps
-from api.model import INFO_TIMEOUT_S, ModelState
-from api.request_id import check_request_id, echo_request_id
-from api.state import RECORD, STATE, ApiState
-from api.tokenization import add_routes as add_tokenization_routes
-from api.version import version
-from client import AsyncEngineClient, RequestRejected
-from common.config import ApiConfig
-from common.log import get_logger
-from common.messages import ErrorKind
+from pagedserve.api.dashboard import add_dashboard, is_dashboard_path
+from pagedserve.api.errors import ApiError, error_body, unauthorized
+from pagedserve.api.handlers import chat_completions, completions, dumps
+from pagedserve.api.model import INFO_TIMEOUT_S, ModelState
+from pagedserve.api.request_id import check_request_id, echo_request_id
+from pagedserve.api.state import RECORD, STATE, ApiState
+from pagedserve.api.tokenization import add_routes as add_tokenization_routes
+from pagedserve.api.version import version
+from pagedserve.client import AsyncEngineClient, RequestRejected
+from pagedserve.common.config import ApiConfig
+from pagedserve.common.log import get_logger
+from pagedserve.common.messages import ErrorKind
 
 log = get_logger(component="api")
 GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions"}

@@ -22,8 +22,8 @@ from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-from common.preflight import CONFIG_ERROR, flag_named_in
-from common.speculative import parse_speculative_config
+from pagedserve.common.preflight import CONFIG_ERROR, flag_named_in
+from pagedserve.common.speculative import parse_speculative_config
 
 ENV_PREFIX = "PAGEDSERVE_"
 DEFAULT_SCHEDULER_ADDRESS = "tcp://127.0.0.1:5570"  # clients (api, ZeroMQ users) <-> scheduler
@@ -416,7 +416,7 @@ def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
         raise SystemExit(CONFIG_ERROR) from None
     if "revision" not in {f.name for f in fields(config_cls)}:
         return config
-    from common.model_source import ModelSourceError, resolve_config
+    from pagedserve.common.model_source import ModelSourceError, resolve_config
 
     try:
         return resolve_config(config)

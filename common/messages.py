@@ -23,9 +23,9 @@ from typing import Annotated, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from common.sampling_params import SamplingParams
-from common.speculative import DraftCount, DraftCounts, RunLengths
-from common.wire_types import (  # MsgType and FinishReason are re-exported too (they were defined here)
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.speculative import DraftCount, DraftCounts, RunLengths
+from pagedserve.common.wire_types import (  # MsgType and FinishReason are re-exported too (they were defined here)
     MAX_INT32,
     MAX_NUM_BLOCKS,
     MAX_PLAN_ITEMS,
@@ -57,7 +57,7 @@ from common.wire_types import (  # MsgType and FinishReason are re-exported too 
     TokenId,
     TokenIds,
 )
-from common.wire_types import ErrorKind as ErrorKind  # re-exported: clients import it from here
+from pagedserve.common.wire_types import ErrorKind as ErrorKind  # re-exported: clients import it from here
 
 # ---------------------------------------------------------------------------------------------------------
 # client <-> scheduler

@@ -1,4 +1,4 @@
-"""`python -m common.supervisor NAME [ARGS...]`: runs `python -m NAME ARGS` and restarts it when it exits.
+"""`python -m pagedserve.common.supervisor NAME [ARGS...]`: runs `python -m NAME ARGS` and restarts it when it exits.
 
 Each entry of the Procfile runs under one, because honcho stops every process as soon as one exits: with a
 supervisor in between, a process that dies (killed, crashed, told to stop by a scheduler that declared it
@@ -24,8 +24,8 @@ import sys
 import time
 from types import FrameType
 
-from common.interrupts import FORCED_EXIT
-from common.log import configure_logging
+from pagedserve.common.interrupts import FORCED_EXIT
+from pagedserve.common.log import configure_logging
 
 MIN_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 15.0
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0].startswith("-"):
         print(
-            "usage: python -m common.supervisor NAME [ARGS...]  (runs python -m NAME ARGS)", file=sys.stderr
+            "usage: python -m pagedserve.common.supervisor NAME [ARGS...]  (runs python -m NAME ARGS)",
+            file=sys.stderr,
         )
         return USAGE_ERROR
     return Supervisor([sys.executable, "-m", *args], args[0]).run()

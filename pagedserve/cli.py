@@ -29,10 +29,16 @@ from dataclasses import fields
 from typing import Any
 
 import pagedserve  # noqa: F401  (first: it puts the server's packages on sys.path in an installed copy)
-from common.config import ApiConfig, SchedulerConfig, WorkerConfig, add_config_args, field_descriptions
-from common.interrupts import FORCED_EXIT
-from common.model_source import ModelSourceError, resolve_model
-from common.preflight import ConfigError, check_bind_address, check_port, flag_named_in
+from pagedserve.common.config import (
+    ApiConfig,
+    SchedulerConfig,
+    WorkerConfig,
+    add_config_args,
+    field_descriptions,
+)
+from pagedserve.common.interrupts import FORCED_EXIT
+from pagedserve.common.model_source import ModelSourceError, resolve_model
+from pagedserve.common.preflight import ConfigError, check_bind_address, check_port, flag_named_in
 from pagedserve.launcher import Child, Launcher, preflight
 
 PROCESSES: tuple[tuple[str, type], ...] = (

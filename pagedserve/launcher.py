@@ -1,5 +1,5 @@
 """Runs the server's processes as `honcho start` does on the Procfile, without honcho: each under its own
-`python -m common.supervisor NAME` (restarts with backoff; exit status 2, a usage or configuration error, is
+`python -m pagedserve.common.supervisor NAME` (restarts with backoff; exit status 2, a usage or configuration error, is
 not restarted), and the launcher stops them all when one supervisor exits, as honcho does.
 
 SIGTERM or SIGINT (Ctrl-C) to the launcher goes to every supervisor once, which passes it on: the api and
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import pagedserve
-from common.interrupts import FORCED_EXIT
-from common.log import configure_logging
+from pagedserve.common.interrupts import FORCED_EXIT
+from pagedserve.common.log import configure_logging
 
 GRACE_S = 15.0  # beyond the drain: the worker's own grace and a process's exit
 POLL_S = 0.1
@@ -101,7 +101,7 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         for child in self.children:
             self.procs[child.name] = subprocess.Popen(
-                [sys.executable, "-m", "common.supervisor", child.module],
+                [sys.executable, "-m", "pagedserve.common.supervisor", child.module],
                 env=self.env | child.env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,

@@ -1,4 +1,4 @@
-"""`python -m scheduler`: the scheduler process (CPU only; never imports torch).
+"""`python -m pagedserve.scheduler`: the scheduler process (CPU only; never imports torch).
 
 SIGTERM or SIGINT drains it (no new requests; those in flight finish for `--shutdown-timeout-s`, then end
 with an error; the worker is told to stop) and it exits with 0. Further signals change nothing (under a
@@ -13,12 +13,12 @@ import signal
 
 import uvloop
 
-from common.config import SchedulerConfig, parse_config
-from common.interrupts import Interrupts, ignore_further_stops
-from common.log import configure_logging
-from common.preflight import CONFIG_ERROR, ConfigError, check_bind_address, exit_config_error
-from common.security import ClusterKeyError
-from scheduler.server import SchedulerServer
+from pagedserve.common.config import SchedulerConfig, parse_config
+from pagedserve.common.interrupts import Interrupts, ignore_further_stops
+from pagedserve.common.log import configure_logging
+from pagedserve.common.preflight import CONFIG_ERROR, ConfigError, check_bind_address, exit_config_error
+from pagedserve.common.security import ClusterKeyError
+from pagedserve.scheduler.server import SchedulerServer
 
 
 async def _main(config: SchedulerConfig) -> None:

@@ -36,8 +36,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from common.config import SchedulerConfig
-from common.messages import (
+from pagedserve.common.config import SchedulerConfig
+from pagedserve.common.messages import (
     AbortRequest,
     CodecError,
     ErrorKind,
@@ -54,13 +54,13 @@ from common.messages import (
     decode,
     encode,
 )
-from common.security import ClusterKey, authenticate, load_cluster_key, secure_server
-from scheduler.clients import ClientSender, submitted_request_id
-from scheduler.kv_views import KVViews
-from scheduler.liveness import PeerConnections, WorkerWatch, source_fd, watch_disconnects
-from scheduler.request import Output
-from scheduler.scheduler import Scheduler
-from scheduler.settings import SchedulerSettings
+from pagedserve.common.security import ClusterKey, authenticate, load_cluster_key, secure_server
+from pagedserve.scheduler.clients import ClientSender, submitted_request_id
+from pagedserve.scheduler.kv_views import KVViews
+from pagedserve.scheduler.liveness import PeerConnections, WorkerWatch, source_fd, watch_disconnects
+from pagedserve.scheduler.request import Output
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.settings import SchedulerSettings
 
 log = structlog.get_logger(process="scheduler")
 

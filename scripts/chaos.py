@@ -32,7 +32,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client import EngineClient  # noqa: E402
+from pagedserve.client import EngineClient  # noqa: E402
 from scripts._servers import ROOT, WAIT_S, Honcho  # noqa: E402
 
 LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
@@ -275,8 +275,8 @@ def measure_wire_storm(stack: Stack, examples: int = 10_000, seed: int = 0) -> d
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hypothesis_seed
 
-    from common.config import default_cluster_key_file
-    from common.security import load_cluster_key, secure_client
+    from pagedserve.common.config import default_cluster_key_file
+    from pagedserve.common.security import load_cluster_key, secure_client
     from scripts.fuzz_wire import KINDS
 
     key = load_cluster_key(stack.env.get("PAGEDSERVE_CLUSTER_KEY_FILE", default_cluster_key_file()))

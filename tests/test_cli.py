@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from common.config import (
+from pagedserve.cli import NOT_FLAGS, PROCESSES, build_parser, main, owners, serve_children
+from pagedserve.common.config import (
     ApiConfig,
     SchedulerConfig,
     WorkerConfig,
@@ -26,7 +27,6 @@ from common.config import (
     field_descriptions,
     parse_config,
 )
-from pagedserve.cli import NOT_FLAGS, PROCESSES, build_parser, main, owners, serve_children
 from scripts._servers import free_port
 from scripts.make_model import make_model
 
@@ -202,7 +202,7 @@ def test_an_environment_variable_is_a_default_and_a_flag_wins(
     assert env["PAGEDSERVE_NUM_KV_BLOCKS"] == "33" and env["PAGEDSERVE_PORT"] == "9003"
 
 
-# The launcher, with stand-in processes (`python -m common.supervisor fake_api` runs `python -m fake_api`)
+# The launcher, with stand-in processes (`python -m pagedserve.common.supervisor fake_api` runs `python -m fake_api`)
 FAKE = """
 import os, signal, sys, time
 name = {name!r}

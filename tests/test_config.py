@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from common.config import (
+from pagedserve.common.config import (
     SchedulerConfig,
     WorkerConfig,
     add_config_args,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import WorkerConfig, parse_config
-from common.preflight import ConfigError, check_bind_address, check_port, flag_named_in
+from pagedserve.common.config import WorkerConfig, parse_config
+from pagedserve.common.preflight import ConfigError, check_bind_address, check_port, flag_named_in
 from scripts._servers import ROOT
 
 SERVE_TIMEOUT_S = 300.0  # a bound, not an expectation: a run that starts the server instead times out
@@ -102,7 +102,7 @@ def test_each_process_stops_a_bad_setting_with_one_line_and_status_2(
 
 
 def test_worker_checks_name_the_flag(tiny_model_dir: Path, gpt2_dir: Path) -> None:
-    from worker.preflight import check_worker_config
+    from pagedserve.worker.preflight import check_worker_config
 
     model = str(tiny_model_dir)
     assert check_worker_config(WorkerConfig(model=model, device="cpu", tensor_parallel_size=2)).num_heads == 4

@@ -9,7 +9,7 @@ import msgpack
 import msgspec
 import pytest
 
-from common.messages import (
+from pagedserve.common.messages import (
     MESSAGE_CLASSES,
     AbortRequest,
     CodecError,
@@ -35,7 +35,7 @@ from common.messages import (
     decode,
     encode,
 )
-from common.wire_types import MAX_NUM_BLOCKS
+from pagedserve.common.wire_types import MAX_NUM_BLOCKS
 
 PARAMS = SamplingParams(
     n=3, max_tokens=17, temperature=0.7, top_p=0.9, top_k=40, seed=2**63 + 5, stop_token_ids=(7, 9),

@@ -1,4 +1,4 @@
-"""`python -m worker [flags]`: a worker process; flags and PAGEDSERVE_* variables mirror WorkerConfig.
+"""`python -m pagedserve.worker [flags]`: a worker process; flags and PAGEDSERVE_* variables mirror WorkerConfig.
 
 Tensor parallelism runs one such process per rank, all with the same `--tensor-parallel-size` and
 `--dist-init-method`, each with its own `--rank` (or PAGEDSERVE_RANK). Under honcho with several workers
@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import sys
 
-from common.config import WorkerConfig, parse_config
-from common.interrupts import ignore_further_stops
-from common.preflight import ConfigError, exit_config_error
-from worker.parallel import honcho_rank
-from worker.preflight import check_worker_config
-from worker.server import serve
+from pagedserve.common.config import WorkerConfig, parse_config
+from pagedserve.common.interrupts import ignore_further_stops
+from pagedserve.common.preflight import ConfigError, exit_config_error
+from pagedserve.worker.parallel import honcho_rank
+from pagedserve.worker.preflight import check_worker_config
+from pagedserve.worker.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:

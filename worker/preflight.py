@@ -3,7 +3,7 @@ is registered, the tensor-parallel size divides the model's heads, --max-model-l
 scheduler's address is one. A failure is a ConfigError naming the flag (common/preflight.py): the worker
 exits 2 with one line, which its supervisor does not restart.
 
-`python -m worker.preflight [flags]` runs the checks alone (the config from flags and PAGEDSERVE_*, as the
+`python -m pagedserve.worker.preflight [flags]` runs the checks alone (the config from flags and PAGEDSERVE_*, as the
 worker reads it): `pagedserve serve` runs it before it starts any process.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 import sys
 
-from common.config import WorkerConfig, parse_config
-from common.preflight import ConfigError, check_connect_address, exit_config_error
-from worker.model_config import ModelConfig, resolve_max_model_len
+from pagedserve.common.config import WorkerConfig, parse_config
+from pagedserve.common.preflight import ConfigError, check_connect_address, exit_config_error
+from pagedserve.worker.model_config import ModelConfig, resolve_max_model_len
 
 _DEVICE = re.compile(r"(auto|cpu|cuda)(:(\d+))?")
 
@@ -37,9 +37,9 @@ def check_device(device: str) -> None:
 
 def check_worker_config(cfg: WorkerConfig) -> ModelConfig:
     """The checkpoint's ModelConfig, once `cfg` is known to work with it; raises ConfigError otherwise."""
-    from worker.loader import load_model_config  # torch and every family: after the cheap checks
-    from worker.models.registry import UnsupportedModelError
-    from worker.parallel import shard_model_config
+    from pagedserve.worker.loader import load_model_config  # torch and every family: after the cheap checks
+    from pagedserve.worker.models.registry import UnsupportedModelError
+    from pagedserve.worker.parallel import shard_model_config
 
     check_connect_address(cfg.worker_address, "--worker-address")
     check_device(cfg.device)

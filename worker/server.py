@@ -29,21 +29,21 @@ import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from common.config import WorkerConfig
-from common.interrupts import Interrupts
-from common.log import configure_logging
-from common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode, encode
-from common.model_source import ModelSourceError, resolve_config
-from common.monitor import open_monitor
-from common.security import ClusterKey, ClusterKeyError, load_cluster_key, secure_client
-from worker.heartbeat import HeartbeatThread
-from worker.kv_window import freeing_window
-from worker.loader import load_model_config
-from worker.model_runner import ModelRunner
-from worker.parallel import ParallelContext, init_parallel
-from worker.step_trace import StepTrace
-from worker.step_waiter import StepWaiter
-from worker.steps import verifies_drafts
+from pagedserve.common.config import WorkerConfig
+from pagedserve.common.interrupts import Interrupts
+from pagedserve.common.log import configure_logging
+from pagedserve.common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode, encode
+from pagedserve.common.model_source import ModelSourceError, resolve_config
+from pagedserve.common.monitor import open_monitor
+from pagedserve.common.security import ClusterKey, ClusterKeyError, load_cluster_key, secure_client
+from pagedserve.worker.heartbeat import HeartbeatThread
+from pagedserve.worker.kv_window import freeing_window
+from pagedserve.worker.loader import load_model_config
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.parallel import ParallelContext, init_parallel
+from pagedserve.worker.step_trace import StepTrace
+from pagedserve.worker.step_waiter import StepWaiter
+from pagedserve.worker.steps import verifies_drafts
 
 POLL_MS = 100  # how often the receive loop looks at the stop flag
 STEP_POLL_MS = 5  # while a step runs: the longest the loop sleeps (a plan, or the step's end, wakes it)

@@ -35,7 +35,7 @@ def _supervise(tmp_path: Path, code: int) -> subprocess.Popen:
     (tmp_path / "flaky.py").write_text(FLAKY)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
     return subprocess.Popen(
-        [sys.executable, "-m", "common.supervisor", "flaky", str(code)], cwd=ROOT, env=env
+        [sys.executable, "-m", "pagedserve.common.supervisor", "flaky", str(code)], cwd=ROOT, env=env
     )
 
 
@@ -91,7 +91,9 @@ def test_a_second_sigint_kills_a_draining_process_and_exits_at_once(tmp_path):
     """A second Ctrl-C did not force the exit: the supervisor waited on the drain (issue 36, item 7)."""
     (tmp_path / "stuck.py").write_text(STUCK)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
-    supervisor = subprocess.Popen([sys.executable, "-m", "common.supervisor", "stuck"], cwd=ROOT, env=env)
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.common.supervisor", "stuck"], cwd=ROOT, env=env
+    )
     got = tmp_path / "got"
     try:
         deadline = time.monotonic() + 60

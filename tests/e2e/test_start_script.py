@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from common.interrupts import FIRST_NOTICE
+from pagedserve.common.interrupts import FIRST_NOTICE
 from scripts._servers import ROOT, free_port
 from tests.e2e.processes import start_server
 
