@@ -330,5 +330,9 @@ async def start_server(
         lingering_time=BODY_TIMEOUT_GRACE_S,  # an unread body after the answer is drained this long at most
     )
     await runner.setup()
-    await GuardedSite(runner, config.host, config.port, sock).start()
+    try:
+        await GuardedSite(runner, config.host, config.port, sock).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     return runner

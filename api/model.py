@@ -83,6 +83,7 @@ class ModelState:
         self._tokenizer_error = ""  # why the configured checkpoint's tokenizer did not load (logged once)
         self._model: ServedModel | None = None
         self._mismatch = ""  # why the ready worker cannot be served with our tokenizer; "" when it can
+        self._foreign = ""  # why the scheduler that answers is not this api's (another instance's), or ""
         self._tokenizer_lock = asyncio.Lock()
         self._model_lock = asyncio.Lock()
 
@@ -183,11 +184,30 @@ class ModelState:
         self.check(info)
         return await self.get()
 
+    def foreign_scheduler(self, info: InfoReply) -> str:
+        """Why the scheduler that sent `info` is not this api's: it belongs to another server instance
+        (both instance ids known, and different), as when a second server on the host took the first one's
+        address. "" when it is this api's (or either side names no instance)."""
+        ours, theirs = self._config.instance_id, info.instance_id
+        message = ""
+        if ours and theirs and ours != theirs:
+            message = (
+                f"the scheduler at {self._config.scheduler_address} belongs to another pagedserve instance "
+                f"({theirs}; this api's is {ours}): give the api its own scheduler's --scheduler-address"
+            )
+            if message != self._foreign:  # logged once, not at every probe
+                log.error("scheduler_of_another_instance", scheduler_instance=theirs, api_instance=ours)
+        self._foreign = message
+        return message
+
     async def _info(self) -> InfoReply:
         try:
-            return await self._client.info(timeout=INFO_TIMEOUT_S)
+            info = await self._client.info(timeout=INFO_TIMEOUT_S)
         except TimeoutError:
             raise unavailable("the scheduler does not answer") from None
+        if self.foreign_scheduler(info):
+            raise unavailable(self._foreign)
+        return info
 
     async def _load(self) -> ServedModel:
         tokenizer = await self.tokenizer()  # first: with ApiConfig.model, it does not wait for a worker

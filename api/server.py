@@ -110,8 +110,8 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
 
 async def health(request: web.Request) -> web.Response:
     """200 once the scheduler is ready (and the tokenizer loaded); 503 before, when it does not answer, or
-    when the api's --model cannot serve the worker ("misconfigured": no tokenizer there, or the worker
-    serves another checkpoint)."""
+    when the api's --model cannot serve the worker ("misconfigured": no tokenizer there, the worker serves
+    another checkpoint, or the scheduler is another server instance's)."""
     state = request.app[STATE]
     if state.draining:
         return _json({"status": "shutting down", "reason": "the server is shutting down"}, 503)
@@ -123,6 +123,9 @@ async def health(request: web.Request) -> web.Response:
         info = await state.client.info(timeout=INFO_TIMEOUT_S)
     except TimeoutError:
         return _json({"status": "unavailable", "reason": "the scheduler does not answer"}, 503)
+    foreign = state.models.foreign_scheduler(info)
+    if foreign:
+        return _json({"status": "misconfigured", "reason": foreign}, 503)
     if not info.ready:
         return _json({"status": "starting", "reason": "no worker is ready yet"}, 503)
     state.models.check(info)

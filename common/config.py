@@ -24,6 +24,7 @@ from functools import cache
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from pagedserve.common.kv_events_config import parse_kv_events_config
+from pagedserve.common.preflight import CONFIG_ERROR, flag_named_in
 from pagedserve.common.speculative import parse_speculative_config
 
 ENV_PREFIX = "PAGEDSERVE_"
@@ -62,6 +63,9 @@ class ApiConfig:
     host: str = "127.0.0.1"  # address the HTTP server binds
     port: int = 8000  # port the HTTP server listens on
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # where the scheduler takes client connections
+    # The server instance this api belongs to (pagedserve serve sets it): a scheduler that reports another is
+    # refused (503 "misconfigured"); empty: any scheduler
+    instance_id: str = ""
     # Checkpoint directory (or Hugging Face repo id) the tokenizer loads from at start (the worker's --model,
     # which honcho's PAGEDSERVE_MODEL gives both); empty: the one the first ready worker announces
     model: str = ""
@@ -140,6 +144,8 @@ class ApiConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if not 1 <= self.port <= 65535:  # the OS would take it modulo 65536: 99999 listened on 34463
+            raise ValueError(f"port must be a TCP port (1-65535), got {self.port}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             json_string_list(name, getattr(self, name))
         # Credentials with any origin would let every site act with the user's cookies
@@ -165,6 +171,9 @@ class SchedulerConfig:
 
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # bound; clients connect here
     worker_address: str = DEFAULT_WORKER_ADDRESS  # bound; workers connect here
+    # The server instance it belongs to (pagedserve serve sets it), told to clients so that an api of
+    # another instance refuses it; empty: none
+    instance_id: str = ""
     # sequences running in one step, at most (and at most what the worker announces it was sized for);
     # 0: what the worker announces (by default it follows its KV pool: worker/batch_limits.py)
     max_num_seqs: int = 0
@@ -477,12 +486,15 @@ def add_config_args(
 def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
     """The config of `args`' values for `config_cls`'s fields; a config with a `revision` field has its
     `model` resolved to a local directory (common/model_source.py: a Hugging Face repo id, from the cache or
-    the Hub). Exits with one line when a value is bad (status 1) or the model cannot be found (status 2, a
-    configuration error the supervisor does not restart)."""
+    the Hub). Exits with one line naming the flag when a value is bad or the model cannot be found (status 2,
+    a configuration error the supervisor does not restart)."""
+    names = [f.name for f in fields(config_cls)]
     try:
-        config = config_cls(**{f.name: getattr(args, f.name) for f in fields(config_cls)})
+        config = config_cls(**{name: getattr(args, name) for name in names})
     except ValueError as e:
-        raise SystemExit(f"bad setting: {e}") from e
+        flag = flag_named_in(str(e), names)
+        print(f"error: {flag + ': ' if flag else ''}bad setting: {e}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR) from None
     if "revision" not in {f.name for f in fields(config_cls)}:
         return config
     from pagedserve.common.model_source import ModelSourceError, resolve_config
@@ -490,8 +502,8 @@ def config_from_args(config_cls: type[C], args: argparse.Namespace) -> C:
     try:
         return resolve_config(config)
     except ModelSourceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        print(f"error: --model: {e}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR) from None
 
 
 def parse_config(config_cls: type[C], argv: list[str] | None = None, description: str = "") -> C:

@@ -153,6 +153,9 @@ class InfoReply(msgspec.Struct, array_like=True):
     metrics_text: Annotated[str, Meta(max_length=1 << 24)]  # the scheduler's metrics, Prometheus text format
     # "fcfs" or "priority" (--scheduling-policy): the api refuses a non-zero priority under fcfs, as vLLM does
     scheduling_policy: Annotated[str, Meta(max_length=16)] = "fcfs"
+    # the server instance the scheduler belongs to (SchedulerConfig.instance_id; "" for none or an old one):
+    # an api of another instance refuses it
+    instance_id: Annotated[str, Meta(max_length=64)] = ""
 
 
 # ---------------------------------------------------------------------------------------------------------

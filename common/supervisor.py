@@ -11,8 +11,10 @@ Restart policy:
   quick failure up to `MAX_BACKOFF_S`; a process that ran `STABLE_S` or longer starts over at the minimum;
 - except exit code 2, a usage or configuration error (a bad flag, an unusable cluster key): restarting would
   fail the same way, so the supervisor exits with it (and honcho then stops the rest, which is the point);
-- SIGTERM or SIGINT to the supervisor is passed to the process, which drains and exits (its own
-  `--shutdown-timeout-s`); the supervisor then exits with the process's code and restarts nothing.
+- SIGTERM or SIGINT to the supervisor is passed to the process as SIGTERM (in a terminal the process gets
+  the Ctrl-C itself too: one press must not count as two, common/interrupts.py), which drains and exits
+  (its own `--shutdown-timeout-s`); the supervisor then exits with the process's code and restarts nothing;
+- a second SIGINT (a second Ctrl-C) during the drain kills the process and exits at once (status 130).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import time
 from types import FrameType
 
+from pagedserve.common.interrupts import FORCED_EXIT
 from pagedserve.common.log import configure_logging
 
 MIN_BACKOFF_S = 0.5
@@ -40,12 +43,16 @@ class Supervisor:
         self.log = configure_logging("supervisor").bind(child=name)
         self.child: subprocess.Popen[bytes] | None = None
         self.stopping: int | None = None  # the signal that asked us to stop
+        self.interrupts = 0  # SIGINTs received: the second forces the exit
         self.restarts = 0
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self.stopping = signum
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)
+        self.interrupts += signum == signal.SIGINT
+        forced = self.interrupts >= 2
+        first = self.stopping is None
+        self.stopping = self.stopping or signum
+        if self.child is not None and self.child.poll() is None and (first or forced):
+            self.child.send_signal(signal.SIGKILL if forced else signal.SIGTERM)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -55,13 +62,16 @@ class Supervisor:
             started = time.monotonic()
             self.child = subprocess.Popen(self.argv)
             if self.stopping is not None:  # the stop came while it was being started: pass it on now
-                self.child.send_signal(self.stopping)
+                self.child.send_signal(signal.SIGKILL if self.interrupts >= 2 else signal.SIGTERM)
             self.log.info("started", pid=self.child.pid, restarts=self.restarts)
             code = self._wait()
             ran_s = time.monotonic() - started
+            if self.interrupts >= 2:
+                self.log.warning("forced_exit", exit_code=code, reason="interrupted twice")
+                return FORCED_EXIT
             if self.stopping is not None:
                 self.log.info("stopped", exit_code=code)
-                return 0 if code in (0, -self.stopping) else code
+                return 0 if code in (0, -signal.SIGTERM) else code
             if code == USAGE_ERROR:
                 self.log.error("not_restarted", exit_code=code, reason="a usage or configuration error")
                 return code

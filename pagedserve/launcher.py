@@ -7,9 +7,9 @@ SIGTERM or SIGINT (Ctrl-C) to the launcher goes to every supervisor once, which 
 the scheduler drain (`--shutdown-timeout-s`), the scheduler then tells the worker to stop. Tensor-parallel
 ranks other than 0 are signalled only once rank 0's supervisor has exited: a follower has no stop flag (rank
 0 tells it to stop, worker/server.py), so signalled with the others it would die while rank 0 still sends it
-the last plans. A process group still alive `GRACE_S` after the drain is killed. Each supervisor runs in
-its own session, so a terminal's Ctrl-C reaches the processes once, through the launcher; on Linux each
-also gets SIGTERM should the launcher die.
+the last plans. A process group still alive `GRACE_S` after the drain is killed, and every one at once on a
+second Ctrl-C (SIGINT) during the drain. Each supervisor runs in its own session, so a terminal's Ctrl-C
+reaches the processes once, through the launcher; on Linux each also gets SIGTERM should the launcher die.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import pagedserve
+from pagedserve.common.interrupts import FORCED_EXIT
 from pagedserve.common.log import configure_logging
 
 GRACE_S = 15.0  # beyond the drain: the worker's own grace and a process's exit
@@ -61,6 +62,24 @@ def child_env(base: dict[str, str], settings: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def preflight(module: str, settings: dict[str, str], timeout_s: float = 600.0) -> str:
+    """Runs `python -m MODULE` (a process's checks alone: pagedserve.worker.preflight) with the processes'
+    `settings`; returns "" when it passes, else its last line (one line, without the process's prefix)."""
+    done = subprocess.run(
+        [sys.executable, "-m", module],
+        env=child_env(dict(os.environ), settings),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if done.returncode == 0:
+        return ""
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    if done.returncode == 2:  # a configuration error: its one line says which flag
+        return last.split("error: ", 1)[-1]
+    return f"{module} failed (exit status {done.returncode}): {last}"  # it could not even run its checks
+
+
 class Launcher:
     """Starts `children` with `settings` (PAGEDSERVE_* variables) and stops them together."""
 
@@ -73,9 +92,11 @@ class Launcher:
         self.log = configure_logging("pagedserve", log_level)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping: int | None = None
+        self.interrupts = 0  # SIGINTs received: the second kills everything at once
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping = self.stopping or signum
+        self.interrupts += signum == signal.SIGINT
 
     def run(self, **about: str) -> int:
         """Runs until a stop signal or a supervisor's exit; returns the exit status."""
@@ -101,7 +122,9 @@ class Launcher:
         signum = self.stopping or signal.SIGTERM
         self.log.info("stopping", signal=signal.Signals(signum).name, timeout_s=self.stop_timeout_s)
         codes = self._stop_all(signum)
-        if code == 0:
+        if self.interrupts >= 2:
+            code = FORCED_EXIT
+        elif code == 0:
             code = next((c for c in codes.values() if c not in (0, -signum)), 0)
         self.log.info("stopped", exit_codes=codes)
         return code
@@ -111,7 +134,7 @@ class Launcher:
         deadline. Returns their exit codes."""
         deadline = time.monotonic() + self.stop_timeout_s
         waiting = list(self.children)  # not yet signalled
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.interrupts < 2:
             for child in list(waiting):
                 leader = self.procs.get(child.after)
                 if leader is None or leader.poll() is not None:
@@ -121,9 +144,13 @@ class Launcher:
             if not waiting and all(p.poll() is not None for p in self.procs.values()):
                 break
             time.sleep(POLL_S)
+        forced = self.interrupts >= 2
+        if forced:
+            self.log.warning("forced_exit", reason="interrupted twice")
         for name, proc in self.procs.items():
             if proc.poll() is None:
-                self.log.error("killed", child=name, after_s=self.stop_timeout_s)
+                if not forced:
+                    self.log.error("killed", child=name, after_s=self.stop_timeout_s)
                 os.killpg(proc.pid, signal.SIGKILL)  # the supervisor and its process: their own session
                 proc.wait()
         return {name: proc.returncode for name, proc in self.procs.items()}

@@ -91,12 +91,17 @@ class ClientSender:
 
 
 def info_reply(
-    query_id: int, core: Scheduler | None, ready: WorkerReady | None, draining: bool, extra_metrics: str = ""
+    query_id: int,
+    core: Scheduler | None,
+    ready: WorkerReady | None,
+    draining: bool,
+    extra_metrics: str = "",
+    instance_id: str = "",
 ) -> InfoReply:
     """What the scheduler serves now (not ready without a worker); `extra_metrics` is appended to the core's
-    Prometheus text."""
+    Prometheus text; `instance_id` tells an api whether this is its own instance's scheduler."""
     if core is None or ready is None:
-        return InfoReply(query_id, False, "", "", 0, 0, 0, 0, "")
+        return InfoReply(query_id, False, "", "", 0, 0, 0, 0, "", instance_id=instance_id)
     settings = core.settings
     return InfoReply(
         query_id=query_id,
@@ -109,4 +114,5 @@ def info_reply(
         num_kv_blocks=settings.num_kv_blocks,
         metrics_text=core.metrics_text() + extra_metrics,
         scheduling_policy=settings.scheduling_policy,
+        instance_id=instance_id,
     )

@@ -229,8 +229,9 @@ class SchedulerServer:
                 )
                 self._send_errors()
         elif isinstance(msg, InfoRequest):
+            events = self._kv_events.metrics_text()
             reply = info_reply(
-                msg.query_id, self.core, self.ready_msg, self.draining, self._kv_events.metrics_text()
+                msg.query_id, self.core, self.ready_msg, self.draining, events, self.config.instance_id
             )
             self._to_clients.send(owner, reply)
         elif isinstance(msg, KVSnapshotRequest):

@@ -115,9 +115,17 @@ def start_engine(
     return engine
 
 
+# `honcho` with its KILL_WAIT (seconds from its SIGTERM to its SIGKILL, fixed at 5) set to argv[1]
+HONCHO_WITH_KILL_WAIT = (
+    "import sys, honcho.manager; honcho.manager.KILL_WAIT = float(sys.argv.pop(1)); "
+    "from honcho.command import main; main()"
+)
+
+
 class Honcho:
     """`honcho start [ARGS]` on the Procfile in its own session, configured through PAGEDSERVE_* variables
-    (`settings`, plus `env` as given), on free 127.0.0.1 ports, logging to `log_path`. Returns at once."""
+    (`settings`, plus `env` as given), on free 127.0.0.1 ports, logging to `log_path`. Returns at once.
+    `kill_wait_s`: how long honcho lets its processes stop before it kills them (honcho's own 5 s if None)."""
 
     def __init__(
         self,
@@ -125,6 +133,7 @@ class Honcho:
         log_path: Path,
         honcho_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        kill_wait_s: float | None = None,
         **settings: object,
     ) -> None:
         self.port = free_port()
@@ -145,9 +154,13 @@ class Honcho:
         full_env.update(env or {})
         self.env = full_env
         self.log_path = log_path
+        self.kill_wait_s = 5.0 if kill_wait_s is None else kill_wait_s
+        honcho = [str(bin_dir / "honcho")]
+        if kill_wait_s is not None:
+            honcho = [sys.executable, "-c", HONCHO_WITH_KILL_WAIT, str(kill_wait_s)]
         with open(log_path, "wb") as log:
             self.honcho = subprocess.Popen(
-                [str(bin_dir / "honcho"), "start", *honcho_args], cwd=ROOT, env=full_env, stdout=log,
+                [*honcho, "start", *honcho_args], cwd=ROOT, env=full_env, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 

@@ -4,6 +4,7 @@ processes together. (tests/e2e/test_pagedserve_serve.py runs the installed comma
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pagedserve.cli import LAUNCHER_CONFIGS, NOT_FLAGS, PROCESSES, build_parser, main, owners, serve_children
@@ -25,6 +27,7 @@ from pagedserve.common.config import (
     field_descriptions,
     parse_config,
 )
+from scripts._servers import free_port
 from scripts.make_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,10 +88,30 @@ def test_fields_that_processes_share_have_one_default() -> None:
         assert len(defaults) == 1, (name, defaults)
 
 
+RUNTIME_DIR = "/run/user/1/pagedserve-x1"  # an instance's directory (serve_children only names paths in it)
+
+
 def parse(argv: list[str]) -> tuple[list, dict[str, str]]:
     parser = build_parser()
     args = parser.parse_args(["serve", *argv])
-    return serve_children(args, args.command_parser)
+    return serve_children(args, args.command_parser, RUNTIME_DIR)
+
+
+def test_internal_addresses_are_the_instances_own_unless_given(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `serve`s on one host took the same ZeroMQ ports 5570/5571: the second's api joined the first's
+    scheduler while its own scheduler crash-looped on "Address already in use"."""
+    _, env = parse([str(tiny_model_dir)])
+    assert env["PAGEDSERVE_SCHEDULER_ADDRESS"] == f"ipc://{RUNTIME_DIR}/scheduler.sock"
+    assert env["PAGEDSERVE_WORKER_ADDRESS"] == f"ipc://{RUNTIME_DIR}/worker.sock"
+    assert env["PAGEDSERVE_INSTANCE_ID"] == "pagedserve-x1"  # the api and the scheduler check it
+    given = f"tcp://127.0.0.1:{free_port()}"
+    _, env = parse([str(tiny_model_dir), "--scheduler-address", given])
+    assert env["PAGEDSERVE_SCHEDULER_ADDRESS"] == given  # a flag wins
+    assert env["PAGEDSERVE_WORKER_ADDRESS"] == f"ipc://{RUNTIME_DIR}/worker.sock"
+    monkeypatch.setenv("PAGEDSERVE_WORKER_ADDRESS", given)  # so does a variable
+    assert parse([str(tiny_model_dir)])[1]["PAGEDSERVE_WORKER_ADDRESS"] == given
 
 
 def test_values_reach_every_process_whose_config_has_them(tiny_model_dir: Path) -> None:
@@ -189,18 +212,22 @@ with open(os.environ["FAKE_DIR"] + "/" + name + "." + os.environ.get("PAGEDSERVE
     f.write(os.environ.get("PAGEDSERVE_MAX_NUM_SEQS", ""))
 if name == os.environ.get("FAKE_FAIL"):
     sys.exit(2)
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-signal.signal(signal.SIGINT, lambda *a: sys.exit(0))
+def never_ends(*_):  # a drain that never ends: it notes that it began
+    open(os.environ["FAKE_DIR"] + "/" + name + ".stopping", "w").close()
+stop = never_ends if os.environ.get("FAKE_STUCK") else lambda *a: sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
 while True:
     time.sleep(0.05)
 """
 
 RUN = """
-import sys
+import os, sys
 from pagedserve.launcher import Child, Launcher
 rank1 = {"PAGEDSERVE_RANK": "1"}
 children = [Child("api", "fake_api"), Child("worker", "fake_worker"), Child("worker1", "fake_worker", rank1)]
-sys.exit(Launcher(children, {"PAGEDSERVE_MAX_NUM_SEQS": "5"}, stop_timeout_s=0.0).run())
+stop_timeout_s = float(os.environ["FAKE_STOP_S"])
+sys.exit(Launcher(children, {"PAGEDSERVE_MAX_NUM_SEQS": "5"}, stop_timeout_s=stop_timeout_s).run())
 """
 
 
@@ -208,20 +235,25 @@ sys.exit(Launcher(children, {"PAGEDSERVE_MAX_NUM_SEQS": "5"}, stop_timeout_s=0.0
 def start_launcher(tmp_path: Path) -> Iterator[Callable[[str], subprocess.Popen[str]]]:
     """Starts a launcher of stand-ins in a process; kills what is left of it at the end."""
     started: list[subprocess.Popen[str]] = []
-    yield lambda fail="": started.append(_start_launcher(tmp_path, fail)) or started[-1]
+    yield lambda fail="", **env: started.append(_start_launcher(tmp_path, fail, env)) or started[-1]
     for proc in started:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def _start_launcher(tmp_path: Path, fail: str = "") -> subprocess.Popen[str]:
+def _start_launcher(
+    tmp_path: Path, fail: str = "", extra: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     fakes = tmp_path / "fakes"
     for name in ("api", "worker"):
         (fakes / f"fake_{name}").mkdir(parents=True)
         (fakes / f"fake_{name}" / "__init__.py").write_text("")
         (fakes / f"fake_{name}" / "__main__.py").write_text(textwrap.dedent(FAKE.format(name=name)))
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{fakes}", FAKE_DIR=str(tmp_path), FAKE_FAIL=fail)
+    env = dict(
+        os.environ, PYTHONPATH=f"{ROOT}:{fakes}", FAKE_DIR=str(tmp_path), FAKE_FAIL=fail, FAKE_STOP_S="0"
+    )
+    env |= extra or {}
     return subprocess.Popen(
         [sys.executable, "-c", RUN], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
     )
@@ -257,3 +289,32 @@ def test_a_usage_error_in_one_process_stops_the_others_with_its_status(
     log = launcher.stderr.read()  # type: ignore[union-attr]
     assert '"event": "not_restarted"' in log and '"event": "process_exited"' in log
     assert '"event": "stopped"' in log
+
+
+def test_a_second_ctrl_c_during_the_drain_kills_every_process_at_once(
+    tmp_path: Path, start_launcher: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Processes that would drain for an hour: the first Ctrl-C waits on them, the second ends them all."""
+    launcher = start_launcher(FAKE_STUCK="1", FAKE_STOP_S="3600")
+    started = [tmp_path / "api.0", tmp_path / "worker.0", tmp_path / "worker.1"]
+    wait_for(lambda: all(p.exists() for p in started))
+    launcher.send_signal(signal.SIGINT)
+    wait_for(lambda: (tmp_path / "api.stopping").exists())  # the first, passed on
+    assert launcher.poll() is None  # draining
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(60) == 130  # the shell's status for Ctrl-C
+    log = launcher.stderr.read()  # type: ignore[union-attr]
+    assert '"event": "forced_exit"' in log
+    pids = [
+        json.loads(line[line.index("{") :])["supervisors"] for line in log.splitlines() if '"serving"' in line
+    ]
+    groups = set(pids[0].values())  # each supervisor leads its session: it and its process
+    wait_for(lambda: not [p for p in psutil.process_iter(["status"]) if _group(p) in groups], timeout=10)
+
+
+def _group(process: psutil.Process) -> int | None:
+    """The process group of a live process (not a zombie waiting for its reaper); None otherwise."""
+    try:
+        return None if process.info["status"] == psutil.STATUS_ZOMBIE else os.getpgid(process.pid)
+    except (ProcessLookupError, psutil.Error):
+        return None

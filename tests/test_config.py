@@ -34,10 +34,12 @@ def test_a_mode_flag_offers_its_choices_and_refuses_others(capsys):
     assert "invalid choice: 'lifo'" in capsys.readouterr().err
 
 
-def test_a_bad_mode_from_the_environment_is_refused(monkeypatch):
+def test_a_bad_mode_from_the_environment_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("PAGEDSERVE_PREEMPTION_MODE", "never")
-    with pytest.raises(SystemExit, match="preemption_mode"):
+    with pytest.raises(SystemExit) as done:
         parse_config(SchedulerConfig, [])
+    assert done.value.code == 2  # a configuration error: the supervisor does not restart it
+    assert capsys.readouterr().err.startswith("error: --preemption-mode: bad setting: preemption_mode must")
 
 
 def test_every_flag_has_a_description_default_and_environment_variable():
@@ -56,12 +58,14 @@ def test_every_flag_has_a_description_default_and_environment_variable():
     assert "--attention-backend {auto,torch,triton}" in text and "default 'auto'" in text
 
 
-def test_grammar_threads_has_a_finite_range(tiny_model_dir):
+def test_grammar_threads_has_a_finite_range(tiny_model_dir, capsys):
     model = ["--model", str(tiny_model_dir)]  # (the default model directory exists only once made)
     assert WorkerConfig(grammar_threads=4).grammar_threads == 4
     assert parse_config(WorkerConfig, [*model, "--grammar-threads", "2"]).grammar_threads == 2
     for bad in (-1, 65):
         with pytest.raises(ValueError, match=r"grammar_threads must be within \[0, 64\]"):
             WorkerConfig(grammar_threads=bad)
-    with pytest.raises(SystemExit, match="grammar_threads"):
+    with pytest.raises(SystemExit) as done:
         parse_config(WorkerConfig, [*model, "--grammar-threads", "1000"])
+    assert done.value.code == 2
+    assert "--grammar-threads: bad setting: grammar_threads" in capsys.readouterr().err

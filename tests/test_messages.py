@@ -61,6 +61,7 @@ EXAMPLES = [
     RequestError("req-9", "invalid_request_error", "prompt too long: 9000 > 2048"),
     InfoReply(41, True, "/models/x", "x", 2048, 4096, 16, 512, "# TYPE a gauge\na 1\n"),
     InfoReply(42, True, "/models/x", "x", 2048, 4096, 16, 512, "", scheduling_policy="priority"),
+    InfoReply(43, False, "", "", 0, 0, 0, 0, "", instance_id="pagedserve-x1"),
     WorkerReady(512, 16, 2048, 4096, [2, 5], "/models/x", "x", num_cpu_blocks=64, worker_id="9f2c"),
     WorkerReady(
         512, 16, 2048, 4096, [2], "/m", "x", worker_id="9f2c", max_num_seqs=256, max_num_batched_tokens=4096
@@ -360,3 +361,25 @@ def test_messages_build_by_position_and_keyword_and_sampling_params_stay_frozen(
         PARAMS.n = 4  # type: ignore[misc]
     assert hash(PARAMS) == hash(SamplingParams(**msgspec.structs.asdict(PARAMS)))
     assert msgspec.structs.replace(PARAMS, max_tokens=3).max_tokens == 3
+
+
+def test_an_info_reply_crosses_between_old_and_new_peers() -> None:
+    """InfoReply.instance_id came later: a scheduler without it reads as "" (no instance, accepted), and an
+    older api reading a newer reply ignores the extra field."""
+
+    class OldInfoReply(msgspec.Struct, array_like=True):  # the reply before instance_id
+        query_id: int
+        ready: bool
+        model_root: str
+        model_name: str
+        max_model_len: int
+        vocab_size: int
+        block_size: int
+        num_kv_blocks: int
+        metrics_text: str
+        scheduling_policy: str = "fcfs"
+
+    old = OldInfoReply(5, True, "/m", "m", 2048, 4096, 16, 8, "", "priority")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=InfoReply).instance_id == ""
+    new = InfoReply(5, True, "/m", "m", 2048, 4096, 16, 8, "", "priority", instance_id="pagedserve-x1")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldInfoReply) == old

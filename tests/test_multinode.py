@@ -16,7 +16,7 @@ from pagedserve.multinode import NodeConfig, split_host_port
 def parse(argv: list[str]) -> tuple[list[Child], dict[str, str]]:
     parser = build_parser()
     args = parser.parse_args(["serve", *argv])
-    return serve_children(args, args.command_parser)
+    return serve_children(args, args.command_parser, "/tmp/pagedserve-test-instance")
 
 
 def test_host_0_runs_the_api_the_scheduler_and_the_first_ranks(tiny_model_dir: Path) -> None:

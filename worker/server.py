@@ -34,6 +34,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from pagedserve.common.config import WorkerConfig
+from pagedserve.common.interrupts import Interrupts
 from pagedserve.common.log import configure_logging
 from pagedserve.common.messages import CodecError, Shutdown, StepPlan, WorkerReady, decode, encode
 from pagedserve.common.model_source import ModelSourceError, resolve_config
@@ -57,14 +58,16 @@ SHUTDOWN_GRACE_S = 5.0  # after SIGTERM, beyond shutdown_timeout_s: time for the
 class _StopFlag:
     """Set by SIGTERM/SIGINT: the loop serves until the scheduler's Shutdown, the scheduler's going away, or
     `grace_s` after the first signal, never dying mid-step. Later signals change nothing (under a supervisor
-    and honcho the same stop arrives twice)."""
+    and honcho the same stop arrives twice), but a second SIGINT (Ctrl-C), which exits at once."""
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self.signum: int | None = None
         self.deadline = float("inf")  # monotonic time after which the loop exits
+        self.interrupts = Interrupts("worker")
 
     def set(self, signum: int, _frame: FrameType | None) -> None:
+        self.interrupts.note(signum)
         if self.signum is None:
             self.signum = signum
             self.deadline = time.monotonic() + self.grace_s

@@ -68,6 +68,9 @@ def test_a_client_that_reads_nothing_has_its_stream_ended_and_memory_stays_flat(
 
 
 def test_sigterm_lets_streams_finish_and_exits_zero(stack: Stack):
+    """Fails when the drain cuts streams (checked by breaking it); not when the machine is busy: the stop is
+    bounded by the chaos stack's drain budget and honcho's kill wait, not by honcho's own 5 s, which on a
+    loaded machine cut the streams (issue 36) and killed processes mid-exit."""
     row = measure_graceful_stop(stack)  # last: it stops the stack
     assert row["exit_code"] == {"scheduler": 0, "worker": 0, "api": 0}, stack.logs()[-4000:]
     assert row["streams_completed"] == row["streams"], row
