@@ -18,7 +18,7 @@ Processes and directions:
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, get_args
 
 import msgspec
 from msgspec import Meta
@@ -402,24 +402,7 @@ Message = (
     | KVSnapshot
 )
 
-MESSAGE_CLASSES: dict[MsgType, type] = {
-    cls.TYPE: cls
-    for cls in (
-        SubmitRequest,
-        AbortRequest,
-        InfoRequest,
-        RequestOutputs,
-        RequestError,
-        InfoReply,
-        WorkerReady,
-        Heartbeat,
-        StepPlan,
-        StepOutput,
-        Shutdown,
-        KVSnapshotRequest,
-        KVSnapshot,
-    )
-}
+MESSAGE_CLASSES: dict[MsgType, type] = {cls.TYPE: cls for cls in get_args(Message)}
 
 _ENCODER = msgspec.msgpack.Encoder()
 # One typed decoder per type byte, built once: msgspec compiles the checks of a type when its decoder is made.

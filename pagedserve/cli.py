@@ -166,10 +166,11 @@ def serve_children(
         except ValueError as e:
             flag = flag_named_in(str(e), names)
             parser.error(f"{flag + ': ' if flag else ''}bad setting: {e}")
-    try:
-        check_port(values["host"], values["port"])
-        for name in given:
-            check_bind_address(values[name], "--" + name.replace("_", "-"))
+    try:  # what this host's api and scheduler will listen on (a host other than 0 listens on nothing)
+        if node.runs_frontend:
+            check_port(values["host"], values["port"])
+            for name in given:
+                check_bind_address(scheduler_own.get(name, values[name]), "--" + name.replace("_", "-"))
     except ConfigError as e:
         parser.error(str(e))
     env = {ENV_PREFIX + k.upper(): _env_value(v) for k, v in values.items() if v is not None}
