@@ -127,10 +127,13 @@ class ToolParser:
     # reads must keep them, as vLLM's parsers ask (skip_special_tokens false)
     reads_special_tokens: ClassVar[bool] = False
 
-    def __init__(self, make_id: Callable[[], str] = random_tool_call_id) -> None:
+    def __init__(
+        self, make_id: Callable[[], str] = random_tool_call_id, tools: list[dict[str, Any]] | None = None
+    ) -> None:
         self.text = ""
         self.calls: list[CallState] = []
         self.make_id = make_id
+        self.tools = tools or []  # the request's tools, for formats whose argument values are untyped text
         self._content_sent = 0
 
     def _scan(self, final: bool) -> int:
