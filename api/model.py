@@ -222,7 +222,7 @@ class ModelState:
         return model
 
     def _detected_tool_parser(self, tokenizer: Any) -> str:
-        """The tool-call parser the served chat template asks for (--chat-template's, else the tokenizer's)."""
+        """The tool-call parser the chat template asks for (--chat-template's, else the tokenizer's)."""
         try:
             template = server_template(self._config.chat_template)
         except ValueError:  # reported where chat requests render it

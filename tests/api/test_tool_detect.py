@@ -27,7 +27,7 @@ REAL_TEMPLATE_LINES = {
     "glm45": "{%- if tools -%}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>"
     "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>"
     "{%- endif %}",
-    "kimi_k2": "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif %}"
+    "kimi_k2": "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}{%- endif %}"
     "<|tool_calls_section_begin|><|tool_call_begin|>{{ tool_call['id'] }}<|tool_call_argument_begin|>"
     "{{ tool_call['function']['arguments'] }}<|tool_call_end|><|tool_calls_section_end|>",
     "deepseek_v31": "{% if tools %}{{ tools }}{% endif %}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
