@@ -94,8 +94,7 @@ class ApiConfig:
     # Accept a request's own `chat_template` (untrusted jinja: rendered sandboxed, in a child process with
     # a time and memory limit); refused (400) otherwise, as in vLLM
     trust_request_chat_template: bool = False
-    # tool_choice "auto" (the default when a request has tools): the model decides, and --tool-call-parser
-    # reads its calls
+    # tool_choice "auto" with --tool-call-parser (with neither: the chat template's parser, api/tool_parsers)
     enable_auto_tool_choice: bool = False
     tool_call_parser: ToolCallParserName = ""  # the model's tool-call format; empty: the chat template's
     # qwen3 or deepseek_r1: the output's <think>...</think> part is returned as `reasoning`
