@@ -35,6 +35,7 @@ class Glm45ToolParser(ToolParser):
         self._pos = 0
         self._state = "find"  # find, name, body
         self._broken = False
+        self._searched = 0  # how far the text was searched for the current value's end
 
     def _scan(self, final: bool) -> int:
         text = self.text
@@ -80,9 +81,12 @@ class Glm45ToolParser(ToolParser):
         if value_at < 0 or at_tag(text, value_at, VALUE, final) is not True:
             self._broken = self._broken or (value_at >= 0 and at_tag(text, value_at, VALUE, final) is False)
             return False
-        end = text.find(VALUE_END, value_at)
+        # a long value arrives over many deltas: search only what is new
+        end = text.find(VALUE_END, max(value_at, self._searched - len(VALUE_END)))
         if end < 0:
+            self._searched = len(text)
             return False
+        self._searched = 0
         key = text[i + len(KEY) : key_end].strip()
         schema = parameter_schemas(self.tools, call.name(text) or "").get(key)
         call.add_argument(key, typed_value(text[value_at + len(VALUE) : end], schema))

@@ -51,6 +51,7 @@ class Qwen3CoderToolParser(ToolParser):
         self._pos = 0
         self._state = "find"  # find, function, body, close
         self._broken = False
+        self._searched = 0  # how far the text was searched for the current value's end
 
     def _scan(self, final: bool) -> int:
         text = self.text
@@ -98,9 +99,12 @@ class Qwen3CoderToolParser(ToolParser):
         if tag is False and at_tag(text, i, FUNCTION_END, final) is False:
             self._broken = True
         gt = text.find(">", i) if tag else -1
-        end = text.find(PARAMETER_END, gt) if gt >= 0 else -1
+        # a long value (a file's text, say) arrives over many deltas: search only what is new
+        end = text.find(PARAMETER_END, max(gt, self._searched - len(PARAMETER_END))) if gt >= 0 else -1
         if end < 0:
+            self._searched = len(text) if gt >= 0 else 0
             return False
+        self._searched = 0
         key = text[i + len(PARAMETER) : gt].strip()
         schema = parameter_schemas(self.tools, call.name(text) or "").get(key)
         call.add_argument(key, typed_value(_strip_newline(text[gt + 1 : end]), schema))
