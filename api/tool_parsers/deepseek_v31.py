@@ -21,17 +21,19 @@ CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜
 
 
 class SectionToolParser(ToolParser):
-    """Calls in a section that opens with BEGIN: CALL, the name (`_name` reads it from the text up to SEP),
-    SEP, the arguments' JSON, CALL_END; the text before BEGIN is the content."""
+    """Calls in a section that opens with one of BEGINS: per call CALL, a header up to SEP (`_call` reads the
+    name from it), SEP, the arguments' JSON, CALL_END; the text before the section is the content."""
 
     reads_special_tokens = True
-    BEGIN, CALL, SEP, CALL_END = BEGIN, CALL, SEP, CALL_END
+    BEGINS: tuple[str, ...] = (BEGIN,)  # the section's opening marker (a family may have two spellings)
+    CALL, SEP, CALL_END = CALL, SEP, CALL_END
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._first: int | None = None
         self._pos = 0
         self._after_call = False  # the last call's arguments ended: its CALL_END comes next
+        self._searched = 0  # how far the text was searched for the section
 
     def _call(self, header: str) -> CallState:
         return CallState(self.make_id(), name=header.strip())
@@ -39,10 +41,12 @@ class SectionToolParser(ToolParser):
     def _scan(self, final: bool) -> int:
         text = self.text
         if self._first is None:
-            found = text.find(self.BEGIN)
-            if found < 0:
-                return len(text) if final else len(text) - held_prefix(text, self.BEGIN)
-            self._first, self._pos = found, found + len(self.BEGIN)
+            since = max(0, self._searched - max(len(b) for b in self.BEGINS))  # one pass over the content
+            found = min(((i, b) for b in self.BEGINS if (i := text.find(b, since)) >= 0), default=None)
+            self._searched = len(text)
+            if found is None:
+                return len(text) if final else len(text) - max(held_prefix(text, b) for b in self.BEGINS)
+            self._first, self._pos = found[0], found[0] + len(found[1])
         while True:
             if self.calls and not self.calls[-1].complete:
                 scan = self.calls[-1].args()

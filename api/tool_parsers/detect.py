@@ -39,7 +39,7 @@ def detect_tool_parser(template: str) -> str:
         return ""
     for name, markers in _SIGNATURES:
         if all(m in template for m in markers):
-            if name == "deepseek_v31" and "function<｜tool▁sep｜>" in template:
-                return ""  # DeepSeek V3's older form (type, then name and a ```json block): not parsed
+            if name == "deepseek_v31" and ("```json" in template or "function<｜tool▁sep｜>" in template):
+                return ""  # DeepSeek V3's and R1's older form (type, name, a ```json block): not parsed
             return name
     return ""

@@ -35,12 +35,14 @@ class Glm45ToolParser(ToolParser):
         self._pos = 0
         self._state = "find"  # find, name, body
         self._broken = False
+        self._content_searched = 0  # how far the text was searched for the first block
         self._searched = 0  # how far the text was searched for the current value's end
 
     def _scan(self, final: bool) -> int:
         text = self.text
         if self._first is None:
-            found = text.find(START)
+            found = text.find(START, max(0, self._content_searched - len(START)))  # one pass over the content
+            self._content_searched = len(text)
             if found < 0:
                 return len(text) if final else len(text) - held_prefix(text, START)
             self._first = self._pos = found

@@ -114,7 +114,7 @@ class HarmonyToolParser(ToolParser):
         end, after = self._body_end(text, final)
         if self._state == "content":
             self._content += text[self._pos : end]
-            self._pos = end
+        self._pos = max(self._pos, end)  # what is surely body is not searched again (one pass per response)
         if after < 0:
             return False
         self._pos, self._state = after, "header"

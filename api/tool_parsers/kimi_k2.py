@@ -18,7 +18,7 @@ MAX_ID_CHARS = 256
 
 class KimiK2ToolParser(SectionToolParser):
     name = "kimi_k2"
-    BEGIN = "<|tool_calls_section_begin|>"
+    BEGINS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")  # both spellings are seen
     CALL, SEP, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
     def _call(self, header: str) -> CallState:

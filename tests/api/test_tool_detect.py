@@ -106,6 +106,8 @@ def test_each_familys_template_is_recognised() -> None:
         assert detect_tool_parser(template) == name, name
     # DeepSeek V3's older form, and templates that never render tools, get no parser
     assert detect_tool_parser("{{ tools }}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ name }}") == ""
+    v3 = "{{ tools }}<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n```json\\n'"
+    assert detect_tool_parser(v3) == ""
     assert detect_tool_parser("{% for m in messages %}<tool_call>{{ m.content }}{% endfor %}") == ""
     assert detect_tool_parser("{{ tools }} plain text") == ""
 

@@ -187,6 +187,13 @@ def test_real_outputs_at_every_split_point(fmt: str) -> None:
         assert call.id == "functions.get_current_weather:0"
 
 
+def test_kimi_k2_singular_section_marker_and_newlines() -> None:
+    text = "Sure.\n<|tool_call_section_begin|>\n<|tool_call_begin|>functions.get_current_weather:0"
+    text += '<|tool_call_argument_begin|>\n{"city": "Oslo"}\n<|tool_call_end|>\n<|tool_calls_section_end|>'
+    content, [call] = TOOL_PARSERS["kimi_k2"](tools=WEATHER).extract(text)
+    assert content == "Sure.\n" and json.loads(call.arguments) == {"city": "Oslo"}
+
+
 def test_untyped_values_follow_the_schema() -> None:
     """A string parameter keeps text that looks like JSON; other parameters' text is JSON when it parses."""
     text = "<tool_call>\n<function=f>\n<parameter=s>\n12\n</parameter>\n<parameter=n>\n12\n</parameter>\n"
