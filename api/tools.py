@@ -101,7 +101,7 @@ class ToolOptions:
         if self.choice == "required":
             return RequiredToolParser()
         if self.choice == "auto":
-            return TOOL_PARSERS[self.parser_name or config.tool_call_parser](tools=self.tools)
+            return TOOL_PARSERS[self.parser_name](tools=self.tools)
         return None
 
 
