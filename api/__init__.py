@@ -14,7 +14,7 @@ protocol.py       request bodies -> prompts (token ids) and SamplingParams; what
 chat.py           chat messages (tool results, tool calls, reasoning), tools and documents -> the prompt
 chat_template.py  --chat-template, a request's own template (sandboxed child process), chat_template_kwargs
 tools.py          tools, tool_choice, parallel_tool_calls: the schema `required`/named are held to, the parser
-tool_parsers/     tool calls read out of a choice's text, whole or streamed (hermes, llama3_json, mistral)
+tool_parsers/     tool calls read out of a choice's text (8 formats), and the format a chat template writes
 reasoning.py      <think>...</think> returned as `reasoning` (--reasoning-parser qwen3, deepseek_r1)
 chat_output.py    a chat choice read through those parsers: message, stream deltas, finish_reason
 fields.py         typed, bounded access to a body's fields, and the bounds themselves

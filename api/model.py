@@ -14,8 +14,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.api.chat_template import server_template
 from pagedserve.api.errors import ApiError, unavailable
 from pagedserve.api.generation_config import GenerationDefaults, load_generation_defaults
+from pagedserve.api.tool_parsers.detect import detect_tool_parser, template_text
 from pagedserve.client import AsyncEngineClient
 from pagedserve.client.detokenizer import TokenStrings
 from pagedserve.common.config import ApiConfig
@@ -41,6 +43,8 @@ class ServedModel:
     scheduling_policy: str = "fcfs"  # the scheduler's: under fcfs a request's priority would change nothing
     # what a request that leaves a sampling field out gets (api/generation_config.py)
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    # the tool-call format the chat template writes (api/tool_parsers/detect.py); "" when none is known
+    tool_call_parser: str = ""
 
     @property
     def max_prompt_chars(self) -> int:
@@ -227,12 +231,23 @@ class ModelState:
             token_strings=tokenizer.token_strings,
             longest_token_chars=tokenizer.longest_token_chars,
             scheduling_policy=info.scheduling_policy,
+            tool_call_parser=self._detected_tool_parser(tokenizer.tokenizer),
             generation_defaults=await asyncio.to_thread(
                 load_generation_defaults, tokenizer.root, self._config.generation_config
             ),
         )
         log.info("model_ready", model=model.name, root=model.root, max_model_len=model.max_model_len)
+        if model.tool_call_parser and not self._config.tool_call_parser:
+            log.info("tool_call_parser_detected", parser=model.tool_call_parser)
         return model
+
+    def _detected_tool_parser(self, tokenizer: Any) -> str:
+        """The tool-call parser the chat template asks for (--chat-template's, else the tokenizer's)."""
+        try:
+            template = server_template(self._config.chat_template)
+        except ValueError:  # reported where chat requests render it
+            return ""
+        return detect_tool_parser(template or template_text(getattr(tokenizer, "chat_template", None)))
 
     async def warm_up(self, interval_s: float = 0.5) -> None:
         """Loads the tokenizer, then polls until the model is known, so that the first request pays for

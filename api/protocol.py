@@ -251,7 +251,7 @@ def parse_chat(
     f = check_fields(body, CHAT_FIELDS)
     f.neutral("modalities", ["text"])  # text is all we generate
     _only(f, "add_special_tokens", False)  # the template writes them (vLLM's default)
-    tools = parse_tools(body, config)
+    tools = parse_tools(body, config, model.tool_call_parser)
     _check_num_seqs(1, f.integer("n", 1, lo=1, hi=MAX_N), max_seqs)  # type: ignore[arg-type]
     legacy_max_tokens = f.integer("max_tokens", None, lo=1, hi=2**63)  # checked also when overridden
     max_tokens = f.integer("max_completion_tokens", legacy_max_tokens, lo=1, hi=2**63)
@@ -268,7 +268,7 @@ def parse_chat(
     if structured is not None and (constrained or any(body.get(k) is not None for k in OTHER_CONSTRAINTS)):
         raise invalid("a forced tool_choice holds the output to its own schema: drop the other constraint")
     changes: dict[str, Any] = {}
-    if tools.choice == "auto" and TOOL_PARSERS[config.tool_call_parser].reads_special_tokens:
+    if tools.choice == "auto" and TOOL_PARSERS[tools.parser_name].reads_special_tokens:
         changes["skip_special_tokens"] = False  # the parser reads its markers in the text
     if structured is not None:  # tool_choice required or a named function: the output is held to JSON
         changes["structured"] = structured

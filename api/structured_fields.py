@@ -4,6 +4,11 @@
 `guided_regex`, `guided_choice`, `guided_grammar` (removed from vLLM in 0.12; kept here for older clients),
 on both /v1/completions and /v1/chat/completions.
 
+JSON is compact by default (no free whitespace between tokens, as OpenAI's structured outputs): with free
+whitespace a random or weak model at temperature 1 draws spaces and newlines until max_tokens (vLLM #38696).
+`structured_outputs: {"disable_any_whitespace": false}` allows it, given alone or beside `response_format`
+(a `structured_outputs` of options only applies them to the `response_format` constraint).
+
 Every constraint is turned into its grammar here, in the api's tokenizer thread, by the same translation the
 worker compiles (common/grammars.py, xgrammar): a schema, regex or grammar that xgrammar refuses is a 400
 naming it, never a failure in the worker. Grammars are EBNF as xgrammar reads it (GBNF-style `root ::= ...`).
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+import msgspec
 
 from pagedserve.api.errors import invalid
 from pagedserve.api.fields import show
@@ -101,27 +108,31 @@ def _response_format(value: Any) -> StructuredOutput | None:
     return StructuredOutput("json_schema", _schema_text(spec["schema"], param))
 
 
-def _structured_outputs(value: Any) -> tuple[str, StructuredOutput]:
+def _structured_outputs(value: Any, beside: StructuredOutput | None) -> tuple[str, StructuredOutput]:
+    """`value`'s constraint; with options only, `beside` (response_format's) with the options applied."""
     param = "structured_outputs"
     if not isinstance(value, dict):
         raise invalid("'structured_outputs' must be an object", param)
     unknown = sorted(set(value) - set(_CONSTRAINTS) - set(_OPTIONS))
     if unknown:
         raise invalid(f"structured_outputs: unsupported key(s) {', '.join(unknown)[:200]}", param)
-    given = [k for k in _CONSTRAINTS if value.get(k) not in (None, False)]
-    if len(given) != 1:
-        raise invalid(f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)}", param)
     for option in _OPTIONS:
         if value.get(option) is not None and not isinstance(value[option], bool):
             raise invalid(f"structured_outputs '{option}' must be a boolean", param)
     if value.get("disable_additional_properties") is False:  # xgrammar's strict mode allows none unless asked
         raise invalid("structured_outputs 'disable_additional_properties': false is not supported", param)
-    any_whitespace = not value.get("disable_any_whitespace", False)
+    # vLLM's option, but compact unless it is explicitly false (vLLM allows whitespace unless it is true)
+    any_whitespace = value.get("disable_any_whitespace") is False
+    given = [k for k in _CONSTRAINTS if value.get(k) not in (None, False)]
+    if not given and beside is not None:
+        return "response_format", msgspec.structs.replace(beside, any_whitespace=any_whitespace)
+    if len(given) != 1:
+        raise invalid(f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)}", param)
     name = f"{param}.{given[0]}"
     return name, _constraint(given[0], value[given[0]], name, any_whitespace)
 
 
-def _constraint(kind: str, value: Any, param: str, any_whitespace: bool = True) -> StructuredOutput:
+def _constraint(kind: str, value: Any, param: str, any_whitespace: bool = False) -> StructuredOutput:
     if kind == "json":
         return StructuredOutput("json_schema", _schema_text(value, param), any_whitespace=any_whitespace)
     if kind == "json_object":
@@ -144,7 +155,8 @@ def parse_structured(body: dict[str, Any]) -> StructuredOutput | None:
         if structured is not None:
             found.append(("response_format", structured))
     if body.get("structured_outputs") is not None:
-        found.append(_structured_outputs(body["structured_outputs"]))
+        options = _structured_outputs(body["structured_outputs"], found[0][1] if found else None)
+        found = [options] if options[0] == "response_format" else [*found, options]
     for name in LEGACY_FIELDS:
         if body.get(name) is not None:
             found.append((name, _constraint(name.removeprefix("guided_"), body[name], name)))

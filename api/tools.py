@@ -2,8 +2,9 @@
 ask of generation: the JSON schema that `required` or a named function is enforced with (vLLM's), and the
 parser that turns the output into `tool_calls`.
 
-As in vLLM: `auto` (the default when tools are given) needs the server started with
---enable-auto-tool-choice and a --tool-call-parser; `none` keeps the tools in the prompt and parses nothing;
+`auto` (the default when tools are given) reads the calls with --tool-call-parser's parser, or with no flag
+the one the chat template's format asks for (api/tool_parsers/detect.py: hermes, qwen3_coder, gpt-oss's
+harmony, ...); with neither it is vLLM's 400. `none` keeps the tools in the prompt and parses nothing;
 `required` constrains the output to a JSON array of {"name", "parameters"} objects, one of the tools each;
 a named function constrains it to that function's parameters. `parallel_tool_calls: false` keeps one call
 (the schema allows one, and a parser's later calls are dropped).
@@ -45,6 +46,7 @@ class ToolOptions:
     choice: ToolChoice
     function_name: str = ""  # the named function
     parallel: bool = True  # parallel_tool_calls
+    parser_name: str = ""  # auto: the parser of the model's format (--tool-call-parser, else detected)
 
     def _parameters(self, tool: dict[str, Any]) -> dict[str, Any]:
         return tool["function"].get("parameters") or EMPTY_PARAMETERS
@@ -99,7 +101,7 @@ class ToolOptions:
         if self.choice == "required":
             return RequiredToolParser()
         if self.choice == "auto":
-            return TOOL_PARSERS[config.tool_call_parser]()
+            return TOOL_PARSERS[self.parser_name](tools=self.tools)
         return None
 
 
@@ -136,8 +138,9 @@ def _tool(value: Any, i: int) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def parse_tools(body: dict[str, Any], config: ApiConfig) -> ToolOptions:
-    """The request's tool fields; a 400 for anything we would not honour."""
+def parse_tools(body: dict[str, Any], config: ApiConfig, detected_parser: str = "") -> ToolOptions:
+    """The request's tool fields; a 400 for anything we would not honour. `detected_parser`: the parser the
+    served chat template asks for, used when --tool-call-parser is not given."""
     raw = body.get("tools")
     if raw is not None and (not isinstance(raw, list) or len(raw) > MAX_TOOLS):
         raise invalid(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
@@ -175,9 +178,13 @@ def parse_tools(body: dict[str, Any], config: ApiConfig) -> ToolOptions:
         )
     if choice in ("required", "auto") and not tools and body.get("tool_choice") is not None:
         raise invalid(f"tool_choice '{choice}' needs 'tools'", "tool_choice")
-    if choice == "auto" and not (config.enable_auto_tool_choice and config.tool_call_parser):
+    # The flags, when given, decide as in vLLM; without them the template's format does
+    parser_name = config.tool_call_parser or detected_parser
+    if config.tool_call_parser and not config.enable_auto_tool_choice:
+        parser_name = ""
+    if choice == "auto" and not parser_name:
         raise invalid(
             '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
             "tool_choice",
         )
-    return ToolOptions(tools, choice, function_name, True if parallel is None else parallel)
+    return ToolOptions(tools, choice, function_name, True if parallel is None else parallel, parser_name)

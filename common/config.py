@@ -47,7 +47,9 @@ LoadFormat = Literal["auto", "dummy"]
 # Pages served from this machine (a local web UI) may call the api; no other site may read its answers
 _LOCAL_ORIGINS = [f"{s}://{h}:*" for h in ("localhost", "127.0.0.1", "[::1]") for s in ("http", "https")]
 DEFAULT_ALLOWED_ORIGINS = json.dumps(_LOCAL_ORIGINS)
-ToolCallParserName = Literal["", "hermes", "llama3_json", "mistral"]  # api/tool_parsers
+ToolCallParserName = Literal[  # api/tool_parsers
+    "", "hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "deepseek_v31", "kimi_k2", "openai"
+]
 ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]  # api/reasoning.py
 
 
@@ -91,10 +93,9 @@ class ApiConfig:
     # Accept a request's own `chat_template` (untrusted jinja: rendered sandboxed, in a child process with
     # a time and memory limit); refused (400) otherwise, as in vLLM
     trust_request_chat_template: bool = False
-    # tool_choice "auto" (the default when a request has tools): the model decides, and --tool-call-parser
-    # reads its calls
+    # tool_choice "auto" with --tool-call-parser (with neither: the chat template's parser, api/tool_parsers)
     enable_auto_tool_choice: bool = False
-    tool_call_parser: ToolCallParserName = ""  # the model's tool-call format: hermes, llama3_json or mistral
+    tool_call_parser: ToolCallParserName = ""  # the model's tool-call format; empty: the chat template's
     # qwen3 or deepseek_r1: the output's <think>...</think> part is returned as `reasoning`
     reasoning_parser: ReasoningParserName = ""
     # Serve /dashboard, the KV cache's live view (behind api_key when set); --no-dashboard turns it off

@@ -48,8 +48,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     choices: Annotated[
         tuple[Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)], ...], Meta(max_length=MAX_CHOICES)
     ] = ()
-    # JSON kinds: any whitespace between tokens (False: none, vLLM's disable_any_whitespace)
-    any_whitespace: bool = True
+    # JSON kinds: free whitespace between tokens. Off by default: compact JSON (one space after `,` and `:`),
+    # as OpenAI's outputs; with it a weak model at temperature 1 can spend all of max_tokens on whitespace
+    any_whitespace: bool = False
     # A reasoning model's thinking comes first, unconstrained (vLLM holds structured output off until the
     # reasoning ends): the output is `reasoning_begin`, any text without `reasoning_end`, `reasoning_end`,
     # then what the constraint allows. Empty reasoning_end: the constraint holds from the first token.

@@ -209,8 +209,9 @@ def test_apply_token_bitmask_masks_exactly_the_forbidden_tokens():
 
 
 def test_any_whitespace_accepts_pretty_printed_json(tiny_model_dir):
-    """The default (vLLM's): whitespace between values, as json.dumps(indent=2) writes it; without it,
-    none. (Sampled outputs are tested without it: a random model draws whitespace for hundreds of tokens.)"""
+    """With any_whitespace (vLLM's default, ours on request): whitespace between values, as
+    json.dumps(indent=2) writes it; without it (our default), none. (Sampled outputs are tested without it: a
+    random model draws whitespace for hundreds of tokens.)"""
     runner = _runner(tiny_model_dir, 64)
     schema = json.dumps(
         {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}}

@@ -76,6 +76,20 @@ class CallState:
         self.name_sent = False
         self.args_sent = 0  # characters of the arguments' text streamed
         self.args_done = False
+        # Formats whose argument values are untyped text (XML-style): the arguments' JSON text, built by the
+        # parser as each value ends (`add_argument`), and whether the call's closing tag was seen
+        self.built: str | None = None
+        self.closed = False
+
+    def add_argument(self, key: str, value: Any) -> None:
+        """One more argument of a built call (its text as json.dumps of the whole object would write it)."""
+        head = "{" if not self.built else self.built + ", "
+        self.built = head + json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+
+    def close(self) -> None:
+        """A built call's end: its arguments' object is complete."""
+        self.built = (self.built + "}") if self.built else "{}"
+        self.closed = True
 
     def name(self, text: str) -> str | None:
         if self._name is not None:
@@ -90,6 +104,8 @@ class CallState:
 
     @property
     def complete(self) -> bool:
+        if self.closed:
+            return True
         if self.obj is not None:
             return self.obj.end is not None
         return self._args is not None and self._args.end is not None
@@ -104,6 +120,8 @@ class CallState:
         scan = self.args()
         if not self.complete or self.failed or name is None:
             return None
+        if self.built is not None:
+            return ToolCall(self.id, name, self.built)
         if scan is None:
             return ToolCall(self.id, name, "{}")
         raw = scan.complete(text)
@@ -127,10 +145,13 @@ class ToolParser:
     # reads must keep them, as vLLM's parsers ask (skip_special_tokens false)
     reads_special_tokens: ClassVar[bool] = False
 
-    def __init__(self, make_id: Callable[[], str] = random_tool_call_id) -> None:
+    def __init__(
+        self, make_id: Callable[[], str] = random_tool_call_id, tools: list[dict[str, Any]] | None = None
+    ) -> None:
         self.text = ""
         self.calls: list[CallState] = []
         self.make_id = make_id
+        self.tools = tools or []  # the request's tools, for formats whose argument values are untyped text
         self._content_sent = 0
 
     def _scan(self, final: bool) -> int:
@@ -141,13 +162,16 @@ class ToolParser:
         content_end = self._scan(final)
         out = ToolDelta(self.text[self._content_sent : content_end])
         self._content_sent = max(self._content_sent, content_end)
+        self._add_call_deltas(out, final)
+        return out
+
+    def _add_call_deltas(self, out: ToolDelta, final: bool) -> None:
         for index, call in enumerate(self.calls):
             entry = self._call_delta(index, call, final)
             if entry is not None:
                 out.tool_calls.append(entry)
             if not call.name_sent:
                 break  # calls stream in order
-        return out
 
     def finish(self) -> ToolDelta:
         return self.feed("", final=True)
@@ -171,7 +195,11 @@ class ToolParser:
             return entry if function else None
         scan = call.args()
         piece = ""
-        if scan is None:
+        if call.built is not None or call.closed:
+            piece = (call.built or "")[call.args_sent :]
+            call.args_sent += len(piece)
+            call.args_done = call.closed
+        elif scan is None:
             if call.complete:
                 piece, call.args_done = "{}", True
         elif text.startswith('"', scan.start):  # a JSON string holding the object: sent once decoded
@@ -199,8 +227,12 @@ class ToolParser:
         calls = [c.parsed(self.text) for c in self.calls]
         if not calls or any(c is None for c in calls):
             return text, []
-        content = self.text[: self._content_sent]
+        content = self._whole_content()
         return (content or None), [c for c in calls if c is not None]
+
+    def _whole_content(self) -> str:
+        """The content of the whole text once it has been fed (a prefix of it, unless a format says else)."""
+        return self.text[: self._content_sent]
 
 
 def held_prefix(text: str, marker: str) -> int:

@@ -47,6 +47,24 @@ ACCEPTED: list[tuple[str, dict[str, Any], StructuredOutput | None]] = [
         StructuredOutput("json_schema", SCHEMA_TEXT, any_whitespace=False),
     ),
     (
+        "structured json, whitespace allowed",
+        {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": False}},
+        StructuredOutput("json_schema", SCHEMA_TEXT, any_whitespace=True),
+    ),
+    (
+        "json_schema, whitespace allowed beside it",
+        {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+            "structured_outputs": {"disable_any_whitespace": False},
+        },
+        StructuredOutput("json_schema", SCHEMA_TEXT, any_whitespace=True),
+    ),
+    (
+        "json_object, whitespace allowed beside it",
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": False}},
+        StructuredOutput("json_object", any_whitespace=True),
+    ),
+    (
         "structured json_object",
         {"structured_outputs": {"json_object": True}},
         StructuredOutput("json_object"),
@@ -106,6 +124,13 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("too many choices", {"guided_choice": ["a"] * (MAX_CHOICES + 1)}, "guided_choice"),
     ("two constraints", {"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ("two keys", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("options beside text", {"response_format": {"type": "text"}, "structured_outputs": {}},
+     "structured_outputs"),
+    (
+        "response_format and a json",
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"json": SCHEMA}},
+        "structured_outputs.json",
+    ),
     ("none in structured_outputs", {"structured_outputs": {"disable_fallback": True}}, "structured_outputs"),
     ("unknown key", {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
     ("json_object false", {"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),

@@ -57,6 +57,33 @@ def test_chat_completions_parse_with_a_pydantic_model(server):
     assert len(readings) == 2
 
 
+def test_json_schema_outputs_end_and_validate_at_temperature_1(server):
+    """Issue 39's report: response_format json_schema, a small schema, temperature 1, the random model. With
+    free whitespace 4 of 5 outputs were `{` and whitespace until max_tokens; compact, every one ends."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "n"],
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}
+
+    async def run():
+        client = _client(server)
+        model = await _model(client)
+        return await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "An item."}], response_format=response_format,
+            temperature=1.0, n=5, max_tokens=200, seed=0,
+        )  # fmt: skip
+
+    reply = asyncio.run(run())
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
 def test_structured_outputs_with_n_and_streaming(server):
     schema = {
         "type": "object",

@@ -1,7 +1,7 @@
 """A tool-call round trip through `scripts/start`'s stack (honcho on the Procfile) on the tiny random model,
 driven by the openai client: a forced call (tool_choice required, then a named function), the tool's
 result, the final answer. A random model writes valid calls only because structured output holds it to the
-schema (worker/structured.py)."""
+schema (worker/structured.py). The stack has no tool flags: the api finds hermes from the chat template."""
 
 from __future__ import annotations
 
@@ -42,8 +42,6 @@ def stack(tiny_model_dir: Any, tmp_path_factory: Any) -> Iterator[Honcho]:
         logs,
         num_kv_blocks=256,
         max_model_len=1024,
-        enable_auto_tool_choice="true",
-        tool_call_parser="hermes",
         reasoning_parser="qwen3",
         trust_request_chat_template="true",
     )
@@ -92,6 +90,23 @@ def test_tool_call_round_trip(stack: Honcho) -> None:
     final = client.chat.completions.create(messages=messages, tool_choice="none", **request)
     assert final.choices[0].finish_reason in ("stop", "length")
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_auto_with_no_flags_uses_the_templates_parser(stack: Honcho) -> None:
+    """tool_choice auto (tools and no tool_choice) is served with no tool flags: the api logged the parser it
+    found in the chat template, and a random model's text comes back as content."""
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=TOOLS,
+        max_tokens=8,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    lines = stack.log_path.read_text(errors="replace").splitlines()
+    detected = [line for line in lines if "tool_call_parser_detected" in line]
+    assert detected and all("hermes" in line for line in detected), detected
 
 
 def test_request_template_renders_in_the_sandboxed_child(stack: Honcho, tiny_model_dir: Any) -> None:
