@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from pagedserve.api.auth import request_cache_salt
 from pagedserve.api.chat_output import ParsedChatFormat
 from pagedserve.api.errors import ApiError, error_body, invalid, unavailable
-from pagedserve.api.generation import Generation
+from pagedserve.api.generation import Generation, Usage
 from pagedserve.api.model import ServedModel
 from pagedserve.api.openai_format import CompletionFormat, ResponseFormat
 from pagedserve.api.protocol import (
@@ -29,7 +30,7 @@ from pagedserve.api.request_fields import accept_fields
 from pagedserve.api.request_id import request_id
 from pagedserve.api.scoring import PromptEcho
 from pagedserve.api.state import RECORD, STATE
-from pagedserve.client import ClientClosed, RequestRejected
+from pagedserve.client import ClientClosed, RequestRejected, SequenceDelta
 from pagedserve.common.config import ApiConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.messages import ErrorKind
@@ -42,6 +43,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 # two; larger ones in the tokenizer thread, so that they neither block the loop nor queue small requests
 # behind them.
 INLINE_PARSE_BYTES = 16 * 1024
+BODY_BYTES = web.RequestKey("body_bytes", int)  # the size of the request's body, as read
 STALLED_GRACE_S = 1.0  # how long a stalled stream's error event and [DONE] may take before we hang up
 
 
@@ -79,26 +81,40 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, parse, ParsedChatFormat, "chatcmpl-", CHAT_FIELDS)
 
 
-async def _serve(
-    request: web.Request,
-    parse: Callable[[Any, ServedModel, int], GenerationRequest],
-    format_cls: type[ResponseFormat],
-    id_prefix: str,
-    fields: frozenset[str],
-) -> web.StreamResponse:
+async def read_body(request: web.Request, fields: frozenset[str], refused: Any = None) -> tuple[Any, Any]:
+    """The request's JSON body screened to `fields` (api/request_fields.py), and the headers that say what
+    was ignored; 503 while draining."""
     state = request.app[STATE]
     if state.draining:
         raise unavailable("the server is shutting down")
     raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    body, headers = accept_fields(request, parse_json(raw), fields | IGNORED_FIELDS)
+    request[BODY_BYTES] = len(raw)
+    if refused is None:
+        return accept_fields(request, parse_json(raw), fields)
+    return accept_fields(request, parse_json(raw), fields, refused)
+
+
+async def parse_request(
+    request: web.Request, parse: Callable[[Any, ServedModel, int], GenerationRequest], body: Any
+) -> GenerationRequest:
+    """`parse(body)` on the event loop for small bodies, else in the tokenizer thread."""
+    state = request.app[STATE]
     model = await state.models.get()
-    check_model(body, model)
     max_seqs = state.config.max_seqs_per_request
-    if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
-        req = parse(body, model, max_seqs)
-    else:
-        loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(state.tokenizer_pool, parse, body, model, max_seqs)
+    if request.get(BODY_BYTES, 0) <= INLINE_PARSE_BYTES and not needs_thread(body):
+        return parse(body, model, max_seqs)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.tokenizer_pool, parse, body, model, max_seqs)
+
+
+@contextlib.asynccontextmanager
+async def submitted(
+    request: web.Request, req: GenerationRequest, id_prefix: str
+) -> AsyncIterator[Generation]:
+    """Submits the request's prompts and yields their Generation; on the way out (normal ends, errors, and
+    cancellation when the client went away) aborts what has not finished, so the scheduler frees the KV.
+    Refusals and a lost scheduler become ApiErrors."""
+    state = request.app[STATE]
     response_id = id_prefix + request_id(request)  # X-Request-Id, given or made up (api/request_id.py)
     record = request[RECORD]
     record.update(
@@ -123,29 +139,15 @@ async def _serve(
         raise
     record["request_ids"] = [h.request_id for h in handles]
     generation = Generation(handles)
+    generation.response_id = response_id
     state.in_flight.add(generation)
-    echo = PromptEcho(req.outputs, handles, model)
-    fmt = format_cls(
-        response_id,
-        model,
-        logprobs=req.num_logprobs is not None,
-        include_usage_field=req.include_usage,
-        echo=echo,
-    )
-    if isinstance(fmt, ParsedChatFormat):
-        fmt.chat_output = req.chat_output
     try:
-        if req.stream:
-            return await _stream(request, generation, fmt, req.include_usage, state.config, headers)
-        choices = await generation.collect()
-        body = dumps(fmt.response(choices, generation.usage))
-        return web.Response(text=body, content_type="application/json", headers=headers)
+        yield generation
     except RequestRejected as e:
         raise ApiError.from_rejection(e) from None
     except ClientClosed as e:  # the scheduler connection is gone
         raise unavailable(str(e)) from None
     finally:
-        # Runs on normal ends, errors and cancellation (the client went away): the scheduler frees the KV.
         generation.close()
         state.in_flight.discard(generation)
         usage = generation.usage
@@ -156,11 +158,73 @@ async def _serve(
         )
 
 
-async def _stream(
+async def _serve(
+    request: web.Request,
+    parse: Callable[[Any, ServedModel, int], GenerationRequest],
+    format_cls: type[ResponseFormat],
+    id_prefix: str,
+    fields: frozenset[str],
+) -> web.StreamResponse:
+    body, headers = await read_body(request, fields | IGNORED_FIELDS)
+    model = await request.app[STATE].models.get()
+    check_model(body, model)
+    req = await parse_request(request, parse, body)
+    async with submitted(request, req, id_prefix) as generation:
+        echo = PromptEcho(req.outputs, generation.handles, model)
+        fmt = format_cls(
+            generation.response_id,
+            model,
+            logprobs=req.num_logprobs is not None,
+            include_usage_field=req.include_usage,
+            echo=echo,
+        )
+        if isinstance(fmt, ParsedChatFormat):
+            fmt.chat_output = req.chat_output
+        if req.stream:
+            events = OpenAIEvents(fmt, req.include_usage)
+            return await stream_events(request, generation, events, request.app[STATE].config, headers)
+        choices = await generation.collect()
+        body = dumps(fmt.response(choices, generation.usage))
+        return web.Response(text=body, content_type="application/json", headers=headers)
+
+
+class StreamEvents(Protocol):
+    """What one API writes on its event stream: OpenAI's chunks, the Responses API's or Anthropic's events."""
+
+    def start(self) -> bytes: ...  # before the first delta's events
+
+    def delta(self, index: int, delta: SequenceDelta) -> bytes: ...  # b"": nothing to send
+
+    def end(self, usage: Usage) -> bytes: ...
+
+    def error(self, message: str, kind: str, code: str | None = None) -> bytes: ...  # ends the stream
+
+
+class OpenAIEvents:
+    """Chat and completion chunks, the usage chunk, `data: [DONE]`."""
+
+    def __init__(self, fmt: ResponseFormat, include_usage: bool) -> None:
+        self.fmt = fmt
+        self.include_usage = include_usage
+
+    def start(self) -> bytes:
+        return b""
+
+    def delta(self, index: int, delta: SequenceDelta) -> bytes:
+        chunk = self.fmt.chunk(index, delta)
+        return sse(chunk) if chunk is not None else b""
+
+    def end(self, usage: Usage) -> bytes:
+        return (sse(self.fmt.usage_chunk(usage)) if self.include_usage else b"") + SSE_DONE
+
+    def error(self, message: str, kind: str, code: str | None = None) -> bytes:
+        return sse(error_body(message, kind, code=code)) + SSE_DONE
+
+
+async def stream_events(
     request: web.Request,
     generation: Generation,
-    fmt: ResponseFormat,
-    include_usage: bool,
+    out: StreamEvents,
     config: ApiConfig,
     headers: dict[str, str],
 ) -> web.StreamResponse:
@@ -171,6 +235,8 @@ async def _stream(
     pending = await anext(events, None)
     response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
     await response.prepare(request)
+    if started := out.start():
+        await response.write(started)
     loop = asyncio.get_running_loop()
     stalled = "write_timeout"
     writing = True
@@ -192,30 +258,31 @@ async def _stream(
         async with asyncio.timeout(None) as guard:
             try:
                 while pending is not None:
-                    chunk = fmt.chunk(*pending)
-                    if chunk is not None:
-                        await write(sse(chunk))
+                    if data := out.delta(*pending):
+                        await write(data)
                     pending = await anext(events, None)
-                if include_usage:
-                    await write(sse(fmt.usage_chunk(generation.usage)))
-                await write(SSE_DONE)
+                await write(out.end(generation.usage))
             except (RequestRejected, ClientClosed) as e:  # too late for a status: report it in the stream
                 kind = e.kind if isinstance(e, RequestRejected) else ErrorKind.UNAVAILABLE
                 message = e.message if isinstance(e, RequestRejected) else str(e)
                 request[RECORD]["error"] = message
-                await write(sse(error_body(message, kind)))
-                await write(SSE_DONE)
+                await write(out.error(message, kind))
             finally:
                 writing = False
     except TimeoutError:
-        await _end_stalled(request, response, generation, stalled, config)
+        await _end_stalled(request, response, generation, stalled, config, out)
     except ConnectionResetError:
         request[RECORD]["outcome"] = "client_disconnected"
     return response
 
 
 async def _end_stalled(
-    request: web.Request, response: web.StreamResponse, generation: Generation, reason: str, config: ApiConfig
+    request: web.Request,
+    response: web.StreamResponse,
+    generation: Generation,
+    reason: str,
+    config: ApiConfig,
+    out: StreamEvents,
 ) -> None:
     """Aborts a stream's requests (the scheduler frees their KV now), then ends the stream with an error
     event and [DONE] if the client takes them within STALLED_GRACE_S, else closes the connection."""
@@ -229,8 +296,7 @@ async def _end_stalled(
     log.warning("stream_aborted", reason=reason, response_id=record.get("response_id"), error=message)
     try:
         async with asyncio.timeout(min(STALLED_GRACE_S, config.stream_write_timeout_s)):
-            await response.write(sse(error_body(message, ErrorKind.INVALID_REQUEST, code="stream_stalled")))
-            await response.write(SSE_DONE)
+            await response.write(out.error(message, ErrorKind.INVALID_REQUEST, code="stream_stalled"))
     except (TimeoutError, ConnectionResetError):
         if request.transport is not None:
             request.transport.abort()  # what the client did not take is dropped: nothing waits for it
