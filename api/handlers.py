@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any, Protocol
@@ -109,13 +110,14 @@ async def parse_request(
 
 @contextlib.asynccontextmanager
 async def submitted(
-    request: web.Request, req: GenerationRequest, id_prefix: str
+    request: web.Request, req: GenerationRequest, id_prefix: str, unique_id: bool = False
 ) -> AsyncIterator[Generation]:
     """Submits the request's prompts and yields their Generation; on the way out (normal ends, errors, and
     cancellation when the client went away) aborts what has not finished, so the scheduler frees the KV.
-    Refusals and a lost scheduler become ApiErrors."""
+    Refusals and a lost scheduler become ApiErrors. The response id ends with the X-Request-Id (given or
+    made up: api/request_id.py), or with a fresh one when it must be unique (a stored response's)."""
     state = request.app[STATE]
-    response_id = id_prefix + request_id(request)  # X-Request-Id, given or made up (api/request_id.py)
+    response_id = id_prefix + (uuid.uuid4().hex if unique_id else request_id(request))
     record = request[RECORD]
     record.update(
         response_id=response_id,

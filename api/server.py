@@ -23,6 +23,7 @@ from pagedserve.api.errors import ApiError, error_body, unauthorized
 from pagedserve.api.handlers import chat_completions, completions, dumps
 from pagedserve.api.model import INFO_TIMEOUT_S, ModelState
 from pagedserve.api.request_id import check_request_id, echo_request_id
+from pagedserve.api.responses import add_routes as add_responses_routes
 from pagedserve.api.state import RECORD, STATE, ApiState
 from pagedserve.api.tokenization import add_routes as add_tokenization_routes
 from pagedserve.api.version import version
@@ -32,7 +33,7 @@ from pagedserve.common.log import get_logger
 from pagedserve.common.messages import ErrorKind
 
 log = get_logger(component="api")
-GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions"}
+GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 OPEN_PATHS = {"/health", "/metrics"}  # answered without the API key
 PROBE_PATHS = {"/health", "/metrics"}  # logged at debug: probes would drown the access log
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -216,6 +217,7 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     add_tokenization_routes(app)
+    add_responses_routes(app)  # /v1/responses (api/responses/)
     if config.dashboard:
         add_dashboard(app)  # /dashboard (api/dashboard.py)
     return app
