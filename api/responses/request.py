@@ -234,9 +234,9 @@ def translate(body: Any, history: list[dict[str, Any]]) -> ResponsesRequest:
     max_output_tokens = f.integer("max_output_tokens", None, lo=1, hi=MAX_INT)
     if max_output_tokens is not None:
         chat["max_tokens"] = max_output_tokens
-    for name in ("temperature", "top_p"):
+    for name, hi in (("temperature", 2.0), ("top_p", 1.0)):  # OpenAI's ranges
         if body.get(name) is not None:
-            chat[name] = body[name]  # parse_chat checks their ranges
+            chat[name] = f.number(name, 1.0, 0.0, hi)
     tools = _tools(body.get("tools"))
     if tools is not None:
         chat["tools"] = tools
