@@ -12,7 +12,15 @@ from typing import Any
 
 from pagedserve.api.chat import MAX_ID_CHARS
 from pagedserve.api.errors import invalid
-from pagedserve.api.fields import MAX_INT, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS, Fields, show
+from pagedserve.api.fields import (
+    MAX_INT,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    Fields,
+    is_int,
+    show,
+)
 
 MESSAGES_FIELDS = frozenset(
     {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k"}
@@ -158,8 +166,12 @@ def _thinking(value: Any, max_tokens: int | None) -> bool:
     if value.get("display") not in (None, "summarized"):
         raise invalid("'thinking.display' is not supported (only 'summarized')", "thinking")
     if kind == "enabled":
-        budget = Fields(value).integer("budget_tokens", None, lo=MIN_THINKING_BUDGET)
-        if budget is None or (max_tokens is not None and budget >= max_tokens):
+        budget = value.get("budget_tokens")
+        if (
+            not is_int(budget)
+            or budget < MIN_THINKING_BUDGET
+            or (max_tokens is not None and budget >= max_tokens)
+        ):
             message = (
                 f"'thinking.budget_tokens' must be at least {MIN_THINKING_BUDGET} and less than max_tokens"
             )
