@@ -119,10 +119,8 @@ class ApiConfig:
     # Wrong API keys one client address (an IPv6 /64) may send per minute; past them, 429 with Retry-After
     # for any key it sends until the allowance refills; 0: no limit
     auth_failures_per_minute: int = 30
-    # /v1/responses with `store`: the responses kept for `previous_response_id`, at most this many (the
-    # oldest go first) and each for at most responses_store_ttl_s; 0 stores none
-    responses_store_size: int = 1024
-    responses_store_ttl_s: float = 3600.0
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id, at most (0: none)
+    responses_store_ttl_s: float = 3600.0  # how long /v1/responses' store keeps a response
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -135,10 +133,8 @@ class ApiConfig:
             raise ValueError(f"default_max_tokens must be at least 0, got {self.default_max_tokens}")
         if not 0 <= self.auth_failures_per_minute <= 1 << 20:
             raise ValueError("auth_failures_per_minute must be in [0, 2**20]")
-        if not 0 <= self.responses_store_size <= 1 << 20:
-            raise ValueError("responses_store_size must be in [0, 2**20]")
-        if not 0 < self.responses_store_ttl_s <= 30 * 86400:
-            raise ValueError("responses_store_ttl_s must be in (0, 30 days]")
+        if not (0 <= self.responses_store_size <= 1 << 20 and 0 < self.responses_store_ttl_s <= 30 * 86400):
+            raise ValueError("responses_store_size must be in [0, 2**20]; responses_store_ttl_s (0, 30 d]")
 
 
 @dataclass(frozen=True)
