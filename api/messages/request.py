@@ -121,9 +121,10 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
                 f"tools[{i}] must be a custom tool {{'name', 'description', 'input_schema'}}",
                 "tools",
             )
-        function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+        function = {"name": tool.get("name")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
+        function["parameters"] = tool.get("input_schema")
         tools.append({"type": "function", "function": function})  # checked as chat's (api/tools.py)
     return tools
 
