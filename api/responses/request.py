@@ -28,7 +28,7 @@ RESPONSES_REFUSED = {
     "max_tool_calls": "'max_tool_calls' is not supported: use 'parallel_tool_calls': false for one call",
 }
 INPUT_ROLES = {"user", "system", "developer", "assistant"}
-TEXT_PART_TYPES = {"input_text", "output_text", "text"}
+TEXT_PART_TYPES = {"input_text", "output_text", "text", "reasoning_text"}
 MAX_INSTRUCTIONS_CHARS = 1 << 20  # further bounded, with the whole prompt, by the model's context
 MAX_RESPONSE_ID_CHARS = 128
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -121,8 +121,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 {"role": "tool", "tool_call_id": _call_id(item.get("call_id"), where), "content": output}
             )
         elif kind == "reasoning":
-            parts = item.get("content") or []
-            text = _text(parts, f"{where}.content")
+            text = _text(item.get("content") or [], f"{where}.content")  # summaries are not the thinking
             if text:
                 messages.append({"role": "assistant", "content": None, "reasoning": text})
         else:

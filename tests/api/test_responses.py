@@ -115,6 +115,16 @@ def test_a_function_call_round_trip_with_previous_response_id(
     )
     assert "<think>Tool time.</think>" in prompt
 
+    # The same turn sent back by the client itself (store off): its output items, then the tool's output
+    hermes.script("All done.</think>It is sunny.")
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        *(i.model_dump() for i in first.output),
+        output,
+    ]
+    third = client.responses.create(model="tiny-llama", input=items, tools=TOOLS, store=False)
+    assert third.output_text == "It is sunny." and hermes.last_prompt() == prompt
+
     hermes.script("Tool time.</think>" + tool_call_text("get_weather", {"city": "Oslo"}))
     with client.responses.stream(model="tiny-llama", input="Weather in Oslo?", tools=TOOLS) as stream:
         kinds = [e.type for e in stream]
