@@ -2,8 +2,9 @@
 
 A stored response is its whole conversation as chat messages (without the instructions, which OpenAI does
 not carry over), so that a follow-up needs nothing else. It is kept at most `ttl_s`; past `max_entries`
-or MAX_STORED_CHARS of conversations in all, the oldest go first. A response is found only by requests of
-the API key (tenant) that made it: another key's id is as unknown as a made-up one.
+or MAX_STORED_CHARS of conversations in all (their JSON, and MESSAGE_OVERHEAD a message), the oldest go
+first. A response is found only by requests of the API key (tenant) that made it: another key's id is as
+unknown as a made-up one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-MAX_STORED_CHARS = 64 * 1024 * 1024  # the conversations' text (as JSON) the store holds in all
+MAX_STORED_CHARS = 64 * 1024 * 1024  # the conversations' size (below) the store holds in all
+MESSAGE_OVERHEAD = 256  # what a message's dict costs beyond its JSON, counted as characters
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class ResponseStore:
 
     def put(self, response_id: str, owner: str, conversation: list[dict[str, Any]]) -> bool:
         """Stores a conversation; False when it is larger than the whole store (it is not kept)."""
-        num_chars = len(json.dumps(conversation, ensure_ascii=False))
+        # Counted as JSON plus a fixed cost per message, so many empty messages weigh what their dicts do
+        num_chars = len(json.dumps(conversation, ensure_ascii=False)) + MESSAGE_OVERHEAD * len(conversation)
         if self.max_entries == 0 or num_chars > self.max_chars:
             return False
         self._expire()

@@ -3,7 +3,7 @@ response only to the API key that made it."""
 
 from __future__ import annotations
 
-from pagedserve.api.responses.store import ResponseStore
+from pagedserve.api.responses.store import MESSAGE_OVERHEAD, ResponseStore
 
 
 class Clock:
@@ -40,7 +40,7 @@ def test_entries_expire_after_the_ttl() -> None:
 
 
 def test_the_characters_held_stay_under_the_limit() -> None:
-    one = len('[{"role": "user", "content": "xxxxxxxxxx"}]')
+    one = len('[{"role": "user", "content": "xxxxxxxxxx"}]') + MESSAGE_OVERHEAD
     store = ResponseStore(max_entries=100, ttl_s=60, max_chars=3 * one)
     for i in range(10):
         assert store.put(f"resp_{i}", "", turn("x" * 10))
@@ -60,3 +60,9 @@ def test_another_keys_response_is_unknown() -> None:
 def test_a_size_of_zero_stores_nothing() -> None:
     store = ResponseStore(max_entries=0, ttl_s=60)
     assert not store.put("resp_a", "", turn("x")) and len(store) == 0
+
+
+def test_many_empty_messages_weigh_what_their_dicts_do() -> None:
+    store = ResponseStore(max_entries=100, ttl_s=60, max_chars=100 * MESSAGE_OVERHEAD)
+    assert not store.put("resp_a", "", [{"role": "user", "content": ""}] * 100)
+    assert store.put("resp_b", "", [{"role": "user", "content": ""}] * 50)
