@@ -14,6 +14,7 @@ import pydantic
 import pytest
 
 from pagedserve.api.responses.request import RESPONSES_FIELDS
+from pagedserve.common.config import ApiConfig
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
 from tests.api.translated import WEATHER_SCHEMA, ScriptedServer, scripted_server, sse_events, tool_call_text
@@ -211,3 +212,20 @@ def test_every_field_is_in_the_endpoints_page() -> None:
     text = (REPO / "docs" / "api" / "responses.md").read_text()
     missing = sorted(name for name in RESPONSES_FIELDS if f"`{name}`" not in text)
     assert not missing
+
+
+def test_a_stored_response_is_only_its_keys(make_server: Any, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("alice:sk-alice-0123456789\nbob:sk-bob-0123456789\n")
+    server = make_server(ApiConfig(api_key_file=str(keys)))
+
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+    with client("sk-alice-0123456789") as alice, client("sk-bob-0123456789") as bob:
+        first = alice.responses.create(model="tiny-llama", input="Hi", max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.create(model="tiny-llama", input="Hi", previous_response_id=first.id)
+        alice.responses.create(
+            model="tiny-llama", input="Hi", previous_response_id=first.id, max_output_tokens=2
+        )
