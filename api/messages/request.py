@@ -191,6 +191,10 @@ def chat_body(body: Any, counting: bool = False) -> dict[str, Any]:
         raise invalid(f"'messages' must be a non-empty list of at most {MAX_MESSAGES} messages", "messages")
     messages = [*_system(body.get("system")), *(c for i, m in enumerate(raw) for c in _message(m, i))]
     chat: dict[str, Any] = {"messages": messages}
+    last = messages[-1]
+    if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):
+        # Anthropic's prefill: the answer continues the final assistant text (and shows only what follows)
+        chat.update(continue_final_message=True, add_generation_prompt=False)
     max_tokens = None
     if not counting:
         max_tokens = f.integer("max_tokens", None, lo=1, hi=MAX_INT)

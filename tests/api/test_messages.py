@@ -118,6 +118,14 @@ def test_a_stop_sequence_is_reported(hermes: ScriptedServer, client: anthropic.A
     assert reply.content[-1].text == "one two "  # type: ignore[union-attr]
 
 
+def test_a_final_assistant_text_is_continued(hermes: ScriptedServer, client: anthropic.Anthropic) -> None:
+    hermes.script(" blue.")
+    prefill = [*USER, {"role": "assistant", "content": "</think>The sky is"}]
+    reply = client.messages.create(model="tiny-llama", max_tokens=20, messages=prefill)
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == " blue."  # type: ignore[union-attr]
+    assert hermes.last_prompt().endswith("<|im_start|>assistant</think>The sky is")
+
+
 def test_count_tokens_is_the_rendered_prompts(hermes: ScriptedServer, client: anthropic.Anthropic) -> None:
     counted = client.messages.count_tokens(model="tiny-llama", system="Be terse.", messages=USER, tools=TOOLS)
     hermes.script("x</think>ok")
