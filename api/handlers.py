@@ -1,4 +1,9 @@
-"""POST /v1/completions and /v1/chat/completions: parse, submit, then answer in one body or as a stream."""
+"""POST /v1/completions and /v1/chat/completions: parse, submit, then answer in one body or as a stream.
+
+The steps are shared with the endpoints translated onto chat (api/responses/, api/messages/): read_body,
+parse_request, submitted (the requests' lifetime), stream_events (any API's events, with the same
+handling of clients that stop reading).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 from typing import Any, Protocol
 
@@ -27,7 +32,7 @@ from pagedserve.api.protocol import (
     parse_completion,
 )
 from pagedserve.api.request_body import parse_json
-from pagedserve.api.request_fields import accept_fields
+from pagedserve.api.request_fields import REFUSED_FIELDS, accept_fields
 from pagedserve.api.request_id import request_id
 from pagedserve.api.scoring import PromptEcho
 from pagedserve.api.state import RECORD, STATE
@@ -82,16 +87,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, parse, ParsedChatFormat, "chatcmpl-", CHAT_FIELDS)
 
 
-async def read_body(request: web.Request, fields: frozenset[str], refused: Any = None) -> tuple[Any, Any]:
-    """The request's JSON body screened to `fields` (api/request_fields.py), and the headers that say what
-    was ignored; 503 while draining."""
+async def read_body(
+    request: web.Request, fields: frozenset[str], refused: Mapping[str, str] = REFUSED_FIELDS
+) -> tuple[Any, dict[str, str]]:
+    """The request's JSON body screened to `fields` (api/request_fields.py; `refused`: the known fields
+    refused with a reason), and the headers that say what was ignored; 503 while draining."""
     state = request.app[STATE]
     if state.draining:
         raise unavailable("the server is shutting down")
     raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
     request[BODY_BYTES] = len(raw)
-    if refused is None:
-        return accept_fields(request, parse_json(raw), fields)
     return accept_fields(request, parse_json(raw), fields, refused)
 
 
