@@ -208,3 +208,13 @@ def test_every_field_is_in_the_endpoints_page() -> None:
     text = (REPO / "docs" / "api" / "messages.md").read_text()
     missing = sorted(name for name in MESSAGES_FIELDS | COUNT_TOKENS_FIELDS if f"`{name}`" not in text)
     assert not missing
+
+
+def test_sampling_fields_reach_the_scheduler(hermes: ScriptedServer, client: anthropic.Anthropic) -> None:
+    hermes.script("x</think>ok")
+    sampling = {"temperature": 0.5, "top_p": 0.9, "top_k": 40}
+    client.messages.create(model="tiny-llama", max_tokens=7, messages=USER, extra_body=sampling)
+    params = hermes.server.fake.submits()[-1].params
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.5, 0.9, 40, 7)
+    client.messages.create(model="tiny-llama", max_tokens=7, messages=USER, thinking={"type": "disabled"})
+    assert hermes.last_prompt().endswith("<think>\n\n</think>")  # the template's enable_thinking false

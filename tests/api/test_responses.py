@@ -229,3 +229,12 @@ def test_a_stored_response_is_only_its_keys(make_server: Any, tmp_path: Path) ->
         alice.responses.create(
             model="tiny-llama", input="Hi", previous_response_id=first.id, max_output_tokens=2
         )
+
+
+def test_sampling_fields_reach_the_scheduler(hermes: ScriptedServer, client: openai.OpenAI) -> None:
+    hermes.script("x</think>ok")
+    client.responses.create(model="tiny-llama", input="Hi", temperature=0.25, top_p=0.5, max_output_tokens=9)
+    params = hermes.server.fake.submits()[-1].params
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.25, 0.5, 9)
+    client.responses.create(model="tiny-llama", input="Hi", reasoning={"effort": "none"})
+    assert hermes.last_prompt().endswith("<think>\n\n</think>")  # the template's enable_thinking false
