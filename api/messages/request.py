@@ -54,7 +54,7 @@ def _block_text(value: Any, where: str) -> str:
 def _message(m: Any, i: int) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: a user turn's tool results come first, as tool messages."""
     where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in BLOCK_TYPES or set(m) - {"role", "content"}:
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or set(m) - {"role", "content"}:
         raise invalid(f"{where} must be {{'role': 'user' or 'assistant', 'content': ...}}", "messages")
     role, content = m["role"], m.get("content")
     if isinstance(content, str):

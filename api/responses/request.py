@@ -45,6 +45,11 @@ class ResponsesRequest:
     echo: dict[str, Any]  # the request's settings the Response object repeats (tools, text, ...)
 
 
+def _one_of(value: Any, names: set[str]) -> bool:
+    """Whether a client's value is one of the names (a list or an object is not: they cannot be hashed)."""
+    return isinstance(value, str) and value in names
+
+
 def _text(content: Any, where: str) -> str:
     """A message's content: a string, or a list of text parts (input_text, output_text), concatenated."""
     if isinstance(content, str):
@@ -55,7 +60,7 @@ def _text(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         if (
             not isinstance(part, dict)
-            or part.get("type") not in TEXT_PART_TYPES
+            or not _one_of(part.get("type"), TEXT_PART_TYPES)
             or not isinstance(part.get("text"), str)
         ):
             raise invalid(
@@ -95,7 +100,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in INPUT_ROLES:
+            if not _one_of(role, INPUT_ROLES):
                 raise invalid(f"{where}.role must be one of {sorted(INPUT_ROLES)}, got {show(role)}", "input")
             text = _text(item.get("content"), f"{where}.content")
             last = messages[-1] if messages else None
