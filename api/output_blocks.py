@@ -75,6 +75,12 @@ class StreamedBlocks:
             self._extend(steps, block, function.get("arguments") or "")
         return steps
 
+    def open_text(self) -> list[Step]:
+        """Opens an empty text block (an output with no blocks still answers with one)."""
+        steps: list[Step] = []
+        self._open(steps, "text")
+        return steps
+
     def close(self) -> list[Step]:
         """Closes the open block, if any (at the end of the stream)."""
         if self.current is None:

@@ -58,7 +58,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             return await stream_events(request, generation, events, state.config, headers)
         choices = await generation.collect()
         [choice] = fmt.response(choices, generation.usage)["choices"]
-        blocks = message_blocks(choice["message"])
+        blocks = message_blocks(choice["message"]) or [Block("text", 0)]  # an empty answer: an empty message
         keep(blocks)
         response = builder.response(blocks, choice["finish_reason"], generation.usage)
         return web.Response(text=dumps(response), content_type="application/json", headers=headers)

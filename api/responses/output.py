@@ -169,7 +169,8 @@ class ResponsesEvents:
         return b"".join(self._step(s) for s in self.blocks.feed(choice["delta"]))
 
     def end(self, usage: Usage) -> bytes:
-        out = b"".join(self._step(s) for s in self.blocks.close())
+        opened = [] if self.blocks.blocks else self.blocks.open_text()  # an empty answer is an empty message
+        out = b"".join(self._step(s) for s in [*opened, *self.blocks.close()])
         self.on_end(self.blocks.blocks)
         kind = "response.incomplete" if self.finish_reason == "length" else "response.completed"
         return out + self._lifecycle(kind, usage=usage)

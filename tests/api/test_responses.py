@@ -238,3 +238,14 @@ def test_sampling_fields_reach_the_scheduler(hermes: ScriptedServer, client: ope
     assert (params.temperature, params.top_p, params.max_tokens) == (0.25, 0.5, 9)
     client.responses.create(model="tiny-llama", input="Hi", reasoning={"effort": "none"})
     assert hermes.last_prompt().endswith("<think>\n\n</think>")  # the template's enable_thinking false
+
+
+def test_an_empty_answer_is_an_empty_message(hermes: ScriptedServer, client: openai.OpenAI) -> None:
+    hermes.script("</think>")
+    response = client.responses.create(model="tiny-llama", input="Hi")
+    [message] = response.output
+    assert message.type == "message" and response.output_text == "" and response.status == "completed"
+    with client.responses.stream(model="tiny-llama", input="Hi") as stream:
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_response()
+    assert [item.type for item in streamed.output] == ["message"] and "response.output_text.done" in kinds
