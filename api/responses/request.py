@@ -206,6 +206,18 @@ def _thinking_off(reasoning: Any) -> bool:
     return effort == "none"
 
 
+def _metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's limits: at most 16 pairs, keys up to 64 characters, values up to 512 (echoed back)."""
+    if value is not None and (
+        not isinstance(value, dict)
+        or len(value) > 16
+        or not all(isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items())
+    ):
+        message = "'metadata' must be an object of at most 16 strings (keys up to 64 characters, values 512)"
+        raise invalid(message, "metadata")
+    return value
+
+
 def previous_id(body: dict[str, Any]) -> str | None:
     value = body.get("previous_response_id")
     if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_RESPONSE_ID_CHARS):
@@ -263,7 +275,7 @@ def translate(body: Any, history: list[dict[str, Any]]) -> ResponsesRequest:
         "max_output_tokens": max_output_tokens,
         "previous_response_id": body.get("previous_response_id"),
         "reasoning": body.get("reasoning"),
-        "metadata": body.get("metadata"),
+        "metadata": _metadata(body.get("metadata")),
         "store": f.boolean("store", True),
     }
     return ResponsesRequest(chat, conversation, echo["store"], echo)

@@ -197,6 +197,8 @@ def test_max_output_tokens_makes_an_incomplete_response(server: ApiServer) -> No
         ({"background": True}, "background"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"store": "yes"}, "store"),
+        ({"metadata": {"k": 5}}, "metadata"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ],
 )
 def test_out_of_range_fields_are_400s_naming_them(
