@@ -6,6 +6,9 @@ server.py         the aiohttp app: routes, error/access-log middleware, the API 
 handlers.py       /v1/completions and /v1/chat/completions: one JSON body or server-sent events; a stream
                   whose client stops reading is aborted (max_buffered_tokens, stream_write_timeout_s), a
                   non-stream answer is capped (max_response_tokens); large bodies parsed in the tokenizer pool
+responses/        /v1/responses (OpenAI's Responses API) translated onto chat; its bounded store
+messages/         /v1/messages and count_tokens (Anthropic's Messages API) translated onto chat
+output_blocks.py  a chat choice as blocks (reasoning, text, tool calls): their items and content blocks
 request_body.py   the body as strict JSON (msgspec first): no NaN/Infinity or lone surrogates, bounded depth
 request_fields.py  fields a body may have: unknown ones ignored (X-Ignored-Fields) or, strict, refused
 limits.py         what one HTTP client may hold: header, body and keep-alive deadlines, the connection cap
@@ -39,5 +42,6 @@ scheduling.py     `priority`, refused under the scheduler's fcfs policy (it woul
 dashboard.py      /dashboard: the KV cache's live view (static/dashboard/), its sign-in and revocable
                   sessions, its event stream
 
-With API keys set (auth.py), every route but /health and /metrics needs `Authorization: Bearer <key>`.
+With API keys set (auth.py), every route but /health and /metrics needs `Authorization: Bearer <key>`
+(or `x-api-key: <key>`, as Anthropic's clients send it).
 """

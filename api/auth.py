@@ -238,9 +238,12 @@ TENANT: web.RequestKey[Tenant] = web.RequestKey("tenant", Tenant)  # set when th
 
 
 def bearer_key(request: web.Request) -> bytes | None:
-    """The `Authorization: Bearer` key, or None when there is none."""
+    """The `Authorization: Bearer` key, else the `x-api-key` one (Anthropic's clients send it there), or
+    None when there is none."""
     scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
+        token = request.headers.get("x-api-key", "")
+    if not token.strip():
         return None
     return token.strip().encode("utf-8", "surrogatepass")
 

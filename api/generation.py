@@ -59,6 +59,7 @@ class Generation:
         self.usage = Usage(prompt_tokens=sum(len(h.prompt_token_ids) for h in handles))
         self._cached = [0] * len(handles)
         self._pumps: list[asyncio.Task[None]] = []
+        self.response_id = ""  # the HTTP response's id (handlers.submitted)
 
     def _count(self, prompt_index: int, delta: SequenceDelta) -> int:
         self.usage.completion_tokens += len(delta.token_ids)

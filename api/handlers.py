@@ -1,19 +1,26 @@
-"""POST /v1/completions and /v1/chat/completions: parse, submit, then answer in one body or as a stream."""
+"""POST /v1/completions and /v1/chat/completions: parse, submit, then answer in one body or as a stream.
+
+The steps are shared with the endpoints translated onto chat (api/responses/, api/messages/): read_body,
+parse_request, submitted (the requests' lifetime), stream_events (any API's events, with the same
+handling of clients that stop reading).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from pagedserve.api.auth import request_cache_salt
 from pagedserve.api.chat_output import ParsedChatFormat
 from pagedserve.api.errors import ApiError, error_body, invalid, unavailable
-from pagedserve.api.generation import Generation
+from pagedserve.api.generation import Generation, Usage
 from pagedserve.api.model import ServedModel
 from pagedserve.api.openai_format import CompletionFormat, ResponseFormat
 from pagedserve.api.protocol import (
@@ -25,24 +32,24 @@ from pagedserve.api.protocol import (
     parse_completion,
 )
 from pagedserve.api.request_body import parse_json
-from pagedserve.api.request_fields import accept_fields
+from pagedserve.api.request_fields import REFUSED_FIELDS, accept_fields
 from pagedserve.api.request_id import request_id
 from pagedserve.api.scoring import PromptEcho
 from pagedserve.api.state import RECORD, STATE
-from pagedserve.client import ClientClosed, RequestRejected
+from pagedserve.client import ClientClosed, RequestRejected, SequenceDelta
 from pagedserve.common.config import ApiConfig
 from pagedserve.common.log import get_logger
 from pagedserve.common.messages import ErrorKind
 
 log = get_logger(component="api.handlers")
-T = TypeVar("T")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
 # Bodies up to this size are parsed (and tokenized) on the event loop, in well under a millisecond or
-# two; larger ones in the tokenizer pool, so that they neither block the loop nor queue small requests
+# two; larger ones in the tokenizer thread, so that they neither block the loop nor queue small requests
 # behind them.
 INLINE_PARSE_BYTES = 16 * 1024
+BODY_BYTES = web.RequestKey("body_bytes", int)  # the size of the request's body, as read
 STALLED_GRACE_S = 1.0  # how long a stalled stream's error event and [DONE] may take before we hang up
 
 
@@ -64,43 +71,6 @@ def check_model(body: Any, model: ServedModel) -> None:
         raise invalid("'model' must be a string", "model")
     if name != model.name:
         raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-
-
-# A body's fields screened (request_fields.py): the body to parse, and headers saying what was ignored
-Screen = Callable[[Any], tuple[Any, dict[str, str]]]
-
-
-async def parse_body(
-    request: web.Request, model: ServedModel, work: Callable[[Any], T], screen: Screen
-) -> tuple[T, dict[str, str]]:
-    """`work` applied to the request's JSON body (request_body.py's strict parse) once `screen` has taken
-    out its unknown fields and check_model has passed, with `screen`'s headers. A small body is parsed on the
-    event loop; a large one (or one with its own chat template) in the tokenizer pool, where the body is
-    also dropped: an 8 MB body is millions of objects, and parsing or freeing them on the loop would stall
-    every other client, /health included."""
-    pool = request.app[STATE].tokenizer_pool
-    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    if len(raw) > INLINE_PARSE_BYTES:
-        return await asyncio.get_running_loop().run_in_executor(pool, _parsed, raw, model, work, screen)
-    body, headers = screen(parse_json(raw))
-    check_model(body, model)
-    if not needs_thread(body):
-        return work(body), headers
-    return await asyncio.get_running_loop().run_in_executor(pool, work, body), headers
-
-
-def _parsed(
-    raw: bytes, model: ServedModel, work: Callable[[Any], T], screen: Screen
-) -> tuple[T, dict[str, str]]:
-    body: Any = None
-    try:
-        body, headers = screen(parse_json(raw))
-        check_model(body, model)
-        return work(body), headers
-    except ApiError as e:
-        error = e.with_traceback(None)  # its frames would keep the body alive until the loop drops it
-    body = None
-    raise error
 
 
 def check_answer_size(req: GenerationRequest, cap: int) -> None:
@@ -135,27 +105,54 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, parse, ParsedChatFormat, "chatcmpl-", CHAT_FIELDS)
 
 
-async def _serve(
-    request: web.Request,
-    parse: Callable[[Any, ServedModel, int], GenerationRequest],
-    format_cls: type[ResponseFormat],
-    id_prefix: str,
-    fields: frozenset[str],
-) -> web.StreamResponse:
+async def read_body(
+    request: web.Request, fields: frozenset[str], refused: Mapping[str, str] = REFUSED_FIELDS
+) -> tuple[Any, dict[str, str]]:
+    """The request's JSON body screened to `fields` (api/request_fields.py; `refused`: the known fields
+    refused with a reason), and the headers that say what was ignored; 503 while draining."""
     state = request.app[STATE]
     if state.draining:
         raise unavailable("the server is shutting down")
+    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
+    request[BODY_BYTES] = len(raw)
+
+    def screened() -> tuple[Any, dict[str, str]]:
+        return accept_fields(request, parse_json(raw), fields, refused)
+
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return screened()
+    # an 8 MB body is millions of objects: parsed on the loop, it would stall every client, /health included
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, screened)
+
+
+async def parse_request(
+    request: web.Request, parse: Callable[[Any, ServedModel, int], GenerationRequest], body: Any
+) -> GenerationRequest:
+    """`parse(body)` on the event loop for small bodies, else in the tokenizer pool; a non-stream request
+    whose answer could exceed max_response_tokens is refused (check_answer_size)."""
+    state = request.app[STATE]
     model = await state.models.get()
     max_seqs = state.config.max_seqs_per_request
-    req, headers = await parse_body(
-        request,
-        model,
-        lambda body: parse(body, model, max_seqs),
-        lambda body: accept_fields(request, body, fields | IGNORED_FIELDS),
-    )
+    if request.get(BODY_BYTES, 0) <= INLINE_PARSE_BYTES and not needs_thread(body):
+        req = parse(body, model, max_seqs)
+    else:
+        loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(state.tokenizer_pool, parse, body, model, max_seqs)
     if not req.stream:
         check_answer_size(req, state.config.max_response_tokens)
-    response_id = id_prefix + request_id(request)  # X-Request-Id, given or made up (api/request_id.py)
+    return req
+
+
+@contextlib.asynccontextmanager
+async def submitted(
+    request: web.Request, req: GenerationRequest, id_prefix: str, unique_id: bool = False
+) -> AsyncIterator[Generation]:
+    """Submits the request's prompts and yields their Generation; on the way out (normal ends, errors, and
+    cancellation when the client went away) aborts what has not finished, so the scheduler frees the KV.
+    Refusals and a lost scheduler become ApiErrors. The response id ends with the X-Request-Id (given or
+    made up: api/request_id.py), or with a fresh one when it must be unique (a stored response's)."""
+    state = request.app[STATE]
+    response_id = id_prefix + (uuid.uuid4().hex if unique_id else request_id(request))
     record = request[RECORD]
     record.update(
         response_id=response_id,
@@ -179,29 +176,15 @@ async def _serve(
         raise
     record["request_ids"] = [h.request_id for h in handles]
     generation = Generation(handles)
+    generation.response_id = response_id
     state.in_flight.add(generation)
-    echo = PromptEcho(req.outputs, handles, model)
-    fmt = format_cls(
-        response_id,
-        model,
-        logprobs=req.num_logprobs is not None,
-        include_usage_field=req.include_usage,
-        echo=echo,
-    )
-    if isinstance(fmt, ParsedChatFormat):
-        fmt.chat_output = req.chat_output
     try:
-        if req.stream:
-            return await _stream(request, generation, fmt, req.include_usage, state.config, headers)
-        choices = await generation.collect()
-        body = dumps(fmt.response(choices, generation.usage))
-        return web.Response(text=body, content_type="application/json", headers=headers)
+        yield generation
     except RequestRejected as e:
         raise ApiError.from_rejection(e) from None
     except ClientClosed as e:  # the scheduler connection is gone
         raise unavailable(str(e)) from None
     finally:
-        # Runs on normal ends, errors and cancellation (the client went away): the scheduler frees the KV.
         generation.close()
         state.in_flight.discard(generation)
         usage = generation.usage
@@ -212,11 +195,73 @@ async def _serve(
         )
 
 
-async def _stream(
+async def _serve(
+    request: web.Request,
+    parse: Callable[[Any, ServedModel, int], GenerationRequest],
+    format_cls: type[ResponseFormat],
+    id_prefix: str,
+    fields: frozenset[str],
+) -> web.StreamResponse:
+    body, headers = await read_body(request, fields | IGNORED_FIELDS)
+    model = await request.app[STATE].models.get()
+    check_model(body, model)
+    req = await parse_request(request, parse, body)
+    async with submitted(request, req, id_prefix) as generation:
+        echo = PromptEcho(req.outputs, generation.handles, model)
+        fmt = format_cls(
+            generation.response_id,
+            model,
+            logprobs=req.num_logprobs is not None,
+            include_usage_field=req.include_usage,
+            echo=echo,
+        )
+        if isinstance(fmt, ParsedChatFormat):
+            fmt.chat_output = req.chat_output
+        if req.stream:
+            events = OpenAIEvents(fmt, req.include_usage)
+            return await stream_events(request, generation, events, request.app[STATE].config, headers)
+        choices = await generation.collect()
+        body = dumps(fmt.response(choices, generation.usage))
+        return web.Response(text=body, content_type="application/json", headers=headers)
+
+
+class StreamEvents(Protocol):
+    """What one API writes on its event stream: OpenAI's chunks, the Responses API's or Anthropic's events."""
+
+    def start(self) -> bytes: ...  # before the first delta's events
+
+    def delta(self, index: int, delta: SequenceDelta) -> bytes: ...  # b"": nothing to send
+
+    def end(self, usage: Usage) -> bytes: ...
+
+    def error(self, message: str, kind: str, code: str | None = None) -> bytes: ...  # ends the stream
+
+
+class OpenAIEvents:
+    """Chat and completion chunks, the usage chunk, `data: [DONE]`."""
+
+    def __init__(self, fmt: ResponseFormat, include_usage: bool) -> None:
+        self.fmt = fmt
+        self.include_usage = include_usage
+
+    def start(self) -> bytes:
+        return b""
+
+    def delta(self, index: int, delta: SequenceDelta) -> bytes:
+        chunk = self.fmt.chunk(index, delta)
+        return sse(chunk) if chunk is not None else b""
+
+    def end(self, usage: Usage) -> bytes:
+        return (sse(self.fmt.usage_chunk(usage)) if self.include_usage else b"") + SSE_DONE
+
+    def error(self, message: str, kind: str, code: str | None = None) -> bytes:
+        return sse(error_body(message, kind, code=code)) + SSE_DONE
+
+
+async def stream_events(
     request: web.Request,
     generation: Generation,
-    fmt: ResponseFormat,
-    include_usage: bool,
+    out: StreamEvents,
     config: ApiConfig,
     headers: dict[str, str],
 ) -> web.StreamResponse:
@@ -227,6 +272,8 @@ async def _stream(
     pending = await anext(events, None)
     response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
     await response.prepare(request)
+    if started := out.start():
+        await response.write(started)
     loop = asyncio.get_running_loop()
     stalled = "write_timeout"
     writing = True
@@ -248,30 +295,31 @@ async def _stream(
         async with asyncio.timeout(None) as guard:
             try:
                 while pending is not None:
-                    chunk = fmt.chunk(*pending)
-                    if chunk is not None:
-                        await write(sse(chunk))
+                    if data := out.delta(*pending):
+                        await write(data)
                     pending = await anext(events, None)
-                if include_usage:
-                    await write(sse(fmt.usage_chunk(generation.usage)))
-                await write(SSE_DONE)
+                await write(out.end(generation.usage))
             except (RequestRejected, ClientClosed) as e:  # too late for a status: report it in the stream
                 kind = e.kind if isinstance(e, RequestRejected) else ErrorKind.UNAVAILABLE
                 message = e.message if isinstance(e, RequestRejected) else str(e)
                 request[RECORD]["error"] = message
-                await write(sse(error_body(message, kind)))
-                await write(SSE_DONE)
+                await write(out.error(message, kind))
             finally:
                 writing = False
     except TimeoutError:
-        await _end_stalled(request, response, generation, stalled, config)
+        await _end_stalled(request, response, generation, stalled, config, out)
     except ConnectionResetError:
         request[RECORD]["outcome"] = "client_disconnected"
     return response
 
 
 async def _end_stalled(
-    request: web.Request, response: web.StreamResponse, generation: Generation, reason: str, config: ApiConfig
+    request: web.Request,
+    response: web.StreamResponse,
+    generation: Generation,
+    reason: str,
+    config: ApiConfig,
+    out: StreamEvents,
 ) -> None:
     """Aborts a stream's requests (the scheduler frees their KV now), then ends the stream with an error
     event and [DONE] if the client takes them within STALLED_GRACE_S, else closes the connection."""
@@ -285,8 +333,7 @@ async def _end_stalled(
     log.warning("stream_aborted", reason=reason, response_id=record.get("response_id"), error=message)
     try:
         async with asyncio.timeout(min(STALLED_GRACE_S, config.stream_write_timeout_s)):
-            await response.write(sse(error_body(message, ErrorKind.INVALID_REQUEST, code="stream_stalled")))
-            await response.write(SSE_DONE)
+            await response.write(out.error(message, ErrorKind.INVALID_REQUEST, code="stream_stalled"))
     except (TimeoutError, ConnectionResetError):
         if request.transport is not None:
             request.transport.abort()  # what the client did not take is dropped: nothing waits for it

@@ -22,8 +22,12 @@ from pagedserve.api.dashboard import add_dashboard, is_dashboard_path
 from pagedserve.api.errors import ApiError, error_body, unauthorized
 from pagedserve.api.handlers import chat_completions, completions, dumps
 from pagedserve.api.limits import install as install_limits
+from pagedserve.api.messages import add_routes as add_messages_routes
+from pagedserve.api.messages import error_response as anthropic_error
+from pagedserve.api.messages import is_messages_path
 from pagedserve.api.model import INFO_TIMEOUT_S, ModelState
 from pagedserve.api.request_id import check_request_id, echo_request_id
+from pagedserve.api.responses import add_routes as add_responses_routes
 from pagedserve.api.state import RECORD, STATE, ApiState
 from pagedserve.api.tokenization import add_routes as add_tokenization_routes
 from pagedserve.api.version import version
@@ -33,7 +37,7 @@ from pagedserve.common.log import get_logger
 from pagedserve.common.messages import ErrorKind
 
 log = get_logger(component="api")
-GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions"}
+GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 OPEN_PATHS = {"/health", "/metrics"}  # answered without the API key
 PROBE_PATHS = {"/health", "/metrics"}  # logged at debug: probes would drown the access log
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -44,11 +48,18 @@ def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(text=dumps(body), status=status, content_type="application/json")
 
 
+def _error(e: ApiError, request: web.Request) -> web.Response:
+    """The error in the API's own shape: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+    return anthropic_error(e) if is_messages_path(request.path) else e.to_response()
+
+
 def _http_error(e: web.HTTPException, request: web.Request) -> web.Response:
     if e.status == 404:
         message = f"Invalid URL ({request.method} {request.path})"
     else:
         message = e.text or e.reason
+    if is_messages_path(request.path):
+        return anthropic_error(ApiError(e.status, message))
     kind = ErrorKind.INVALID_REQUEST if e.status < 500 else ErrorKind.INTERNAL
     return _json(error_body(message, kind), e.status)
 
@@ -68,7 +79,7 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
     except ApiError as e:
         status = e.status
         record["error"] = e.message
-        return e.to_response()
+        return _error(e, request)
     except web.HTTPException as e:
         status = e.status
         if status < 400:
@@ -82,7 +93,7 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception as e:
         log.exception("unhandled_error", path=request.path)
         record["error"] = f"internal error: {type(e).__name__}"
-        return ApiError(500, "internal error", type=ErrorKind.INTERNAL).to_response()
+        return _error(ApiError(500, "internal error", type=ErrorKind.INTERNAL), request)
     finally:
         if record.get("outcome") == "client_disconnected":
             status = 499  # nginx's "client closed request"
@@ -225,6 +236,8 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     add_tokenization_routes(app)
+    add_responses_routes(app)  # /v1/responses (api/responses/)
+    add_messages_routes(app)  # /v1/messages, Anthropic's (api/messages/)
     if config.dashboard:
         add_dashboard(app)  # /dashboard (api/dashboard.py)
     return app

@@ -11,6 +11,7 @@ their number by its context. Unlike vLLM, which checks the API key on /v1 paths 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +20,10 @@ from aiohttp import web
 from pagedserve.api.chat import render_chat_request
 from pagedserve.api.errors import invalid
 from pagedserve.api.fields import Fields, is_int
-from pagedserve.api.handlers import dumps, parse_body
+from pagedserve.api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread
 from pagedserve.api.model import ServedModel
 from pagedserve.api.protocol import IGNORED_FIELDS, check_fields
+from pagedserve.api.request_body import parse_json
 from pagedserve.api.request_fields import REFUSED_FIELDS, accept_fields
 from pagedserve.api.state import STATE
 from pagedserve.api.tools import parse_tools
@@ -131,14 +133,27 @@ def _accept_fields(request: web.Request, work: Work, body: Any) -> tuple[Any, di
 
 async def _answer(request: web.Request, work: Work) -> web.Response:
     state = request.app[STATE]
+    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
     model = await state.models.get()
-    # a long text or conversation, or a request's own template: off the event loop (handlers.py)
-    answer, headers = await parse_body(
-        request,
-        model,
-        lambda body: work(body, model, state.config),
-        lambda body: _accept_fields(request, work, body),
-    )
+
+    def screened() -> tuple[Any, dict[str, str]]:
+        body, headers = _accept_fields(request, work, parse_json(raw))
+        check_model(body, model)
+        return body, headers
+
+    def answered() -> tuple[Any, dict[str, str]]:
+        body, headers = screened()
+        return work(body, model, state.config), headers
+
+    loop = asyncio.get_running_loop()
+    if len(raw) > INLINE_PARSE_BYTES:  # a long text or conversation: off the event loop (handlers.py)
+        answer, headers = await loop.run_in_executor(state.tokenizer_pool, answered)
+    else:
+        body, headers = screened()
+        if needs_thread(body):  # a request's own template waits for a child process
+            answer = await loop.run_in_executor(state.tokenizer_pool, work, body, model, state.config)
+        else:
+            answer = work(body, model, state.config)
     return web.Response(text=dumps(answer), content_type="application/json", headers=headers)
 
 

@@ -137,6 +137,8 @@ class ApiConfig:
     # Tokens a non-stream answer may hold (n x max_tokens x (1 + logprobs) summed over prompts, and the
     # prompts' with prompt_logprobs); a request that could exceed it gets 400 (a stream is not held whole)
     max_response_tokens: int = 1 << 20
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id, at most (0: none)
+    responses_store_ttl_s: float = 3600.0  # how long /v1/responses' store keeps a response
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -159,6 +161,8 @@ class ApiConfig:
             raise ValueError("connection_reserve must be in [0, max_connections)")
         if self.max_response_tokens < 1:
             raise ValueError("max_response_tokens must be at least 1")
+        if not (0 <= self.responses_store_size <= 1 << 20 and 0 < self.responses_store_ttl_s <= 30 * 86400):
+            raise ValueError("responses_store_size must be in [0, 2**20]; responses_store_ttl_s (0, 30 d]")
 
 
 @dataclass(frozen=True)
