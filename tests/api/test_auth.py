@@ -24,7 +24,7 @@ from pagedserve.api.auth import (
 )
 from pagedserve.api.dashboard import Sessions
 from pagedserve.common.config import ApiConfig, parse_config
-from scripts._servers import ROOT
+from scripts._servers import ROOT, free_port
 from tests.api.harness import ApiServer
 from tests.api.test_errors import assert_error
 
@@ -194,7 +194,7 @@ def test_python_m_api_with_an_unusable_key_file_exits_2(tmp_path: Path) -> None:
         "--api-key-file",
         str(tmp_path / "missing"),
         "--port",
-        "0",
+        str(free_port()),
     ]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=120)
     assert done.returncode == 2, done.stderr.decode()[-2000:]
