@@ -22,6 +22,7 @@ from pagedserve.api.dashboard import add_dashboard, is_dashboard_path
 from pagedserve.api.errors import ApiError, error_body, unauthorized
 from pagedserve.api.handlers import chat_completions, completions, dumps
 from pagedserve.api.model import INFO_TIMEOUT_S, ModelState
+from pagedserve.api.render import add_routes as add_render_routes
 from pagedserve.api.request_id import check_request_id, echo_request_id
 from pagedserve.api.state import RECORD, STATE, ApiState
 from pagedserve.api.tokenization import add_routes as add_tokenization_routes
@@ -216,6 +217,7 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     add_tokenization_routes(app)
+    add_render_routes(app)  # what routers ask of a replica (api/render.py)
     if config.dashboard:
         add_dashboard(app)  # /dashboard (api/dashboard.py)
     return app

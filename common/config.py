@@ -119,6 +119,11 @@ class ApiConfig:
     # Wrong API keys one client address (an IPv6 /64) may send per minute; past them, 429 with Retry-After
     # for any key it sends until the allowance refills; 0: no limit
     auth_failures_per_minute: int = 30
+    # KV cache events for routers that place requests by cached prefix, as JSON in the shape of vLLM's flag of
+    # this name (docs/kv_events.md); "": off. The scheduler publishes them; the api names them to routers
+    # (GET /kv_event_sources, api/render.py)
+    kv_events_config: str = ""
+    data_parallel_rank: int = 0  # this replica's rank: its KV events carry it, their ports are offset by it
 
     def __post_init__(self) -> None:
         check_choices(self)
