@@ -28,6 +28,7 @@ from pagedserve.common.config import (
 )
 from pagedserve.common.model_source import ModelSourceError, resolve_model
 from pagedserve.launcher import Child, Launcher
+from pagedserve.replicas.plan import add_replica_args, replicate
 
 PROCESSES: tuple[tuple[str, type], ...] = (
     ("api", ApiConfig),
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = serve.add_argument_group(f"{name} flags")
         add_config_args(group, cls, skip=added, notes=notes)
         added |= {f.name for f in fields(cls)}
+    add_replica_args(serve)  # --data-parallel-size, --router, ... (pagedserve/replicas)
     return parser
 
 
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "serve":  # pragma: no cover  (argparse allows only the commands above)
         parser.error(f"unknown command {args.command!r}")
     children, env = serve_children(args, args.command_parser)
+    children, where = replicate(args, children, env)  # N replicas behind a router (pagedserve/replicas)
     launcher = Launcher(
         children,
         env,
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     return launcher.run(
         model=env[ENV_PREFIX + "MODEL"],
         model_name=env.get(ENV_PREFIX + "SERVED_MODEL_NAME", "") or os.path.basename(args.model.rstrip("/")),
-        url=f"http://{args.host}:{args.port}",
+        **where,
     )
 
 
