@@ -1,0 +1,92 @@
+"""`pagedserve serve --data-parallel-size 3`: three tiny-model replicas behind vllm-router (kv_aware), on CPU.
+
+The multi-turn chat workload of scripts/bench_replicas.py through the router with the openai client (19
+conversations x 4 turns sharing a system prompt, one request at a time). Checked:
+- greedy outputs through the router equal those of one replica serving everything;
+- kv_aware's summed prefix-cache hit rate (the replicas' vllm:prefix_cache_hits / queries) is within 10% of
+  that one replica's (round robin's, well under half of it on this workload, is measured by the script:
+  a third run would take too long for CI);
+- a replica's api killed between two turns: no later request fails (the router retries the refused
+  connection on another replica and takes the dead one out of rotation), and once its supervisor has
+  restarted it the router sends it requests again.
+Each run salts its requests (`cache_salt`) so that none finds another run's blocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedserve.replicas.router import HEALTH_FAILURES, HEALTH_INTERVAL_S
+from scripts.bench_replicas import Stack, client, hit_rate, http_status, run_workload, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    log = tmp_path_factory.mktemp("replicas") / "serve.log"
+    # debug: the router logs its health changes; 512 blocks of 16 per replica hold every conversation
+    stack = Stack(tiny_model_dir, log, 3, "--device", "cpu", "--num-kv-blocks", "512", "--log-level", "debug")
+    try:
+        stack.wait_ready()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_kv_aware_hits_the_cache_as_one_replica_would(stack: Stack) -> None:
+    kv_aware, routed = hit_rate(stack.replicas, lambda: run_workload(client(stack.url), "kv"))
+    one = client(stack.replicas[0])
+    alone, expected = hit_rate(stack.replicas, lambda: run_workload(one, "one"))
+    print(f"prefix-cache hit rate: kv_aware {kv_aware:.3f}, one replica {alone:.3f}")
+    assert routed == expected  # greedy: which replica ran a request changes nothing of its output
+    assert abs(kv_aware - alone) <= 0.1 * alone
+
+
+def _api_pid(stack: Stack, rank: int) -> int:
+    """The api process of replica `rank`: its supervisor's child."""
+    supervisor = stack.supervisors()[f"api.{rank}"]
+    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def _chat_requests(url: str) -> float:
+    """Chat requests the replica's api has answered since it started."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "pagedserve_api_requests_total" and s.labels.get("route") == "/v1/chat/completions"
+    )
+
+
+def test_a_killed_replica_is_routed_around_then_back_in_rotation(stack: Stack) -> None:
+    victim = stack.replicas[1]
+
+    def kill_replica_one(turn: int) -> None:
+        if turn == 1:
+            os.kill(_api_pid(stack, 1), signal.SIGKILL)
+            wait_for("the api to die", lambda: http_status(victim + "/health") != 200, 10)
+
+    # no request is in flight at the kill: every one of them must succeed (run_workload raises otherwise)
+    replies = run_workload(client(stack.url), "kill", conversations=6, turns=3, before_turn=kill_replica_one)
+    assert [len(r) for r in replies] == [3] * 6
+    wait_for("the supervisor's restart", lambda: http_status(victim + "/health") == 200, 60)
+    time.sleep(HEALTH_INTERVAL_S * (HEALTH_FAILURES + 1))  # the router's probes have found it healthy again
+    served = _chat_requests(victim)
+    fresh = client(stack.url)
+    for i in range(9):  # nothing of these is cached anywhere: kv_aware places them by load
+        fresh.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": f"fresh {i} " * (i + 1)}], max_tokens=2
+        )
+    assert _chat_requests(victim) > served
