@@ -6,16 +6,16 @@ conversations x 4 turns sharing a system prompt, one request at a time). Checked
 - kv_aware's summed prefix-cache hit rate (the replicas' vllm:prefix_cache_hits / queries) is within 10% of
   that one replica's (round robin's, well under half of it on this workload, is measured by the script:
   a third run would take too long for CI);
-- a replica's api killed between two turns: no later request fails (the router retries the refused
-  connection on another replica and takes the dead one out of rotation), and once its supervisor has
-  restarted it the router sends it requests again.
+- a replica's api killed between two turns and kept down for a while: no request fails (the router
+  retries those it sent there on another replica), the router takes it out of rotation within its health
+  probes, and once its supervisor has restarted it the router puts it back and sends it requests again.
 Each run salts its requests (`cache_salt`) so that none finds another run's blocks."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,9 +50,8 @@ def test_kv_aware_hits_the_cache_as_one_replica_would(stack: Stack) -> None:
     assert abs(kv_aware - alone) <= 0.1 * alone
 
 
-def _api_pid(stack: Stack, rank: int) -> int:
-    """The api process of replica `rank`: its supervisor's child."""
-    supervisor = stack.supervisors()[f"api.{rank}"]
+def _api_pid(supervisor: int) -> int:
+    """The process that the supervisor `supervisor` runs."""
     children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
     assert len(children) == 1, children
     return int(children[0])
@@ -70,19 +69,40 @@ def _chat_requests(url: str) -> float:
     )
 
 
+def _router_sees_healthy(stack: Stack, url: str) -> bool:
+    """Whether vllm-router counts `url` in rotation (its GET /workers)."""
+    with urllib.request.urlopen(stack.url + "/workers", timeout=5) as reply:
+        workers = json.loads(reply.read())["workers"]
+    return next(w["is_healthy"] for w in workers if w["url"] == url)
+
+
 def test_a_killed_replica_is_routed_around_then_back_in_rotation(stack: Stack) -> None:
     victim = stack.replicas[1]
+    supervisor = stack.supervisors()["api.1"]
+    out_of_rotation_s = HEALTH_INTERVAL_S * (HEALTH_FAILURES + 1) + 5  # probes, and the probe's own timeout
 
-    def kill_replica_one(turn: int) -> None:
-        if turn == 1:
-            os.kill(_api_pid(stack, 1), signal.SIGKILL)
-            wait_for("the api to die", lambda: http_status(victim + "/health") != 200, 10)
+    def outage(turn: int) -> None:
+        if turn == 1:  # the api dies, and its supervisor (stopped) restarts it only when let go
+            os.kill(supervisor, signal.SIGSTOP)
+            os.kill(_api_pid(supervisor), signal.SIGKILL)
+            wait_for("the api to die", lambda: http_status(victim + "/health") == 0, 10)
+        if turn == 2:
+            wait_for(
+                "the router to drop it", lambda: not _router_sees_healthy(stack, victim), out_of_rotation_s
+            )
+            os.kill(supervisor, signal.SIGCONT)
+            wait_for("the supervisor's restart", lambda: http_status(victim + "/health") == 200, 60)
+            wait_for(
+                "the router to take it back", lambda: _router_sees_healthy(stack, victim), out_of_rotation_s
+            )
 
-    # no request is in flight at the kill: every one of them must succeed (run_workload raises otherwise)
-    replies = run_workload(client(stack.url), "kill", conversations=6, turns=3, before_turn=kill_replica_one)
+    try:
+        # turn 1 is sent while the replica is dead and before the router has noticed: those it places there
+        # fail to connect and are retried on another replica; none may fail (run_workload raises)
+        replies = run_workload(client(stack.url), "kill", conversations=6, turns=3, before_turn=outage)
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
     assert [len(r) for r in replies] == [3] * 6
-    wait_for("the supervisor's restart", lambda: http_status(victim + "/health") == 200, 60)
-    time.sleep(HEALTH_INTERVAL_S * (HEALTH_FAILURES + 1))  # the router's probes have found it healthy again
     served = _chat_requests(victim)
     fresh = client(stack.url)
     for i in range(9):  # nothing of these is cached anywhere: kv_aware places them by load
