@@ -25,6 +25,7 @@ from pagedserve.common.config import (
     field_descriptions,
     parse_config,
 )
+from pagedserve.replicas.config import ReplicasConfig
 from scripts.make_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def test_every_flag_appears_once() -> None:
     serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     flags = [s for a in serve._actions for s in a.option_strings if s.startswith("--")]
     assert len(flags) == len(set(flags))
-    expected = {n for n in owners() if n not in NOT_FLAGS}
+    expected = {n for n in owners() if n not in NOT_FLAGS} | {f.name for f in fields(ReplicasConfig)}
     named = {f.removeprefix("--").removeprefix("no-").replace("-", "_") for f in flags} - {"help"}
     assert named == expected
 

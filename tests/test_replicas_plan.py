@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pagedserve import cli
+from pagedserve.common.config import field_descriptions
 from pagedserve.common.kv_events_config import parse_kv_events_config
 from pagedserve.launcher import Child
 from pagedserve.replicas import plan, router
+from pagedserve.replicas.config import ReplicasConfig
 from pagedserve.replicas.router import ROUTER_COMMAND_ENV
 
 
@@ -39,6 +42,14 @@ def _values(argv: list[str], flag: str) -> list[str]:
 def fake_router(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setattr(plan, "find_router", lambda name: f"/opt/bin/{name}")
     return "/opt/bin/vllm-router"
+
+
+def test_every_replica_flag_has_a_description() -> None:
+    assert all(field_descriptions(ReplicasConfig).get(f.name) for f in fields(ReplicasConfig))
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        ReplicasConfig(data_parallel_size=0)
+    with pytest.raises(ValueError, match="router_policy"):
+        ReplicasConfig(router_policy="random")  # type: ignore[arg-type]
 
 
 def test_one_replica_is_the_plain_server(tiny_model_dir: Path) -> None:
