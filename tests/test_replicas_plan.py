@@ -3,6 +3,7 @@ the router's command line, without starting anything (tests/e2e/test_replicas.py
 
 from __future__ import annotations
 
+import inspect
 import json
 import shlex
 from dataclasses import fields
@@ -20,10 +21,14 @@ from pagedserve.replicas.config import ReplicasConfig
 from pagedserve.replicas.router import ROUTER_COMMAND_ENV
 
 
-def _plan(model: Path, *flags: str) -> tuple[list[Child], dict[str, str], dict[str, Any]]:
+def _plan(
+    model: Path, *flags: str, runtime: Path = Path("/tmp/pagedserve-test-instance")
+) -> tuple[list[Child], dict[str, str], dict[str, Any]]:
     parser = cli.build_parser()
     args = parser.parse_args(["serve", str(model), "--port", "9000", *flags])
-    children, env = cli.serve_children(args, args.command_parser)
+    # (a launcher that gives each instance a runtime directory for its ipc:// addresses takes it here)
+    extra = [str(runtime)] if "runtime_dir" in inspect.signature(cli.serve_children).parameters else []
+    children, env = cli.serve_children(args, args.command_parser, *extra)
     planned, about = plan.replicate(args, children, env)
     return planned, env, about
 

@@ -124,6 +124,8 @@ def _replica_env(env: dict[str, str], rank: int, port: int, host: str, events: s
     }
     if int(env.get(P + "TENSOR_PARALLEL_SIZE", "1")) > 1:
         mine[P + "DIST_INIT_METHOD"] = f"tcp://127.0.0.1:{_free_port()}"
+    if env.get(P + "INSTANCE_ID"):  # each replica an instance of its own: no api takes another's scheduler
+        mine[P + "INSTANCE_ID"] = f"{env[P + 'INSTANCE_ID']}.dp{rank}"
     for trace in ("KV_TRACE", "STEP_TRACE"):
         if env.get(P + trace):
             mine[P + trace] = f"{env[P + trace]}.dp{rank}"
@@ -149,6 +151,10 @@ def replicate(
     if config.data_parallel_size == 1:
         return children, {"url": url}
     size, tp = config.data_parallel_size, int(env.get(P + "TENSOR_PARALLEL_SIZE", "1"))
+    if getattr(args, "nnodes", 1) > 1:
+        _fail(
+            "--data-parallel-size runs replicas on this host; a replica over several hosts (--nnodes) is one"
+        )
     device = env.get(P + "DEVICE", "auto")
     if device not in ("auto", "cuda", "cpu"):
         _fail(f"--device {device} names one device; with --data-parallel-size each replica gets its own")
