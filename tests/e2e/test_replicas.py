@@ -18,6 +18,7 @@ import os
 import signal
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,15 +58,15 @@ def _api_pid(supervisor: int) -> int:
     return int(children[0])
 
 
-def _chat_requests(url: str) -> float:
-    """Chat requests the replica's api has answered since it started."""
+def _requests(url: str, route: str) -> float:
+    """Requests to `route` that the replica's api has answered since it started."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
         text = reply.read().decode()
     return sum(
         s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "pagedserve_api_requests_total" and s.labels.get("route") == "/v1/chat/completions"
+        if s.name == "pagedserve_api_requests_total" and s.labels.get("route") == route
     )
 
 
@@ -103,10 +104,15 @@ def test_a_killed_replica_is_routed_around_then_back_in_rotation(stack: Stack) -
     finally:
         os.kill(supervisor, signal.SIGCONT)
     assert [len(r) for r in replies] == [3] * 6
-    served = _chat_requests(victim)
+    served = _requests(victim, "/v1/completions")
     fresh = client(stack.url)
-    for i in range(9):  # nothing of these is cached anywhere: kv_aware places them by load
-        fresh.chat.completions.create(
-            model="tiny-llama", messages=[{"role": "user", "content": f"fresh {i} " * (i + 1)}], max_tokens=2
+
+    def fresh_request(i: int) -> None:  # nothing of it is cached anywhere: kv_aware weighs the queues alone
+        prompt = [1000 + 37 * i + j for j in range(20)]
+        fresh.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=16, extra_body={"ignore_eos": True}
         )
-    assert _chat_requests(victim) > served
+
+    with ThreadPoolExecutor(9) as pool:  # sent together, they are spread over every replica in rotation
+        list(pool.map(fresh_request, range(9)))
+    assert _requests(victim, "/v1/completions") > served
