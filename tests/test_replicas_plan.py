@@ -53,6 +53,8 @@ def test_every_replica_flag_has_a_description() -> None:
     assert all(field_descriptions(ReplicasConfig).get(f.name) for f in fields(ReplicasConfig))
     with pytest.raises(ValueError, match="data_parallel_size"):
         ReplicasConfig(data_parallel_size=0)
+    with pytest.raises(ValueError, match="router_args"):
+        ReplicasConfig(router_args="--flag 'unclosed")
     with pytest.raises(ValueError, match="router_policy"):
         ReplicasConfig(router_policy="random")  # type: ignore[arg-type]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,3 +32,7 @@ class ReplicasConfig:
         check_choices(self)
         if not 1 <= self.data_parallel_size <= MAX_REPLICAS:
             raise ValueError(f"data_parallel_size must be in [1, {MAX_REPLICAS}]")
+        try:
+            shlex.split(self.router_args)
+        except ValueError as e:
+            raise ValueError(f"router_args: {e}") from None

@@ -151,6 +151,8 @@ def replicate(
     if config.data_parallel_size == 1:
         return children, {"url": url}
     size, tp = config.data_parallel_size, int(env.get(P + "TENSOR_PARALLEL_SIZE", "1"))
+    if args.port + size > 65535:
+        _fail(f"--port {args.port}: the replicas take the {size} ports after it, beyond 65535")
     if getattr(args, "nnodes", 1) > 1:
         _fail(
             "--data-parallel-size runs replicas on this host; a replica over several hosts (--nnodes) is one"
