@@ -12,7 +12,8 @@ from setuptools import find_packages, setup
 FOLDERS = ["api", "client", "common", "kernels", "scheduler", "worker"]
 
 subpackages = find_packages(include=[f"{name}*" for name in FOLDERS])
+own = find_packages(include=["pagedserve.*"])  # the command's own subpackages (pagedserve/replicas)
 setup(
-    packages=["pagedserve", *(f"pagedserve.{name}" for name in subpackages)],
+    packages=["pagedserve", *own, *(f"pagedserve.{name}" for name in subpackages)],
     package_dir={"pagedserve": "pagedserve", **{f"pagedserve.{name}": name for name in FOLDERS}},
 )

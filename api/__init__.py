@@ -35,6 +35,8 @@ errors.py         ApiError and OpenAI's error body (the 401s word for word)
 auth.py           API keys (--api-key, --api-key-file, reloaded) and their tenants: each tenant's prefix-cache
                   salt; wrong keys throttled per client address (429)
 tokenization.py   POST /tokenize and /detokenize (vLLM's), by the served model's tokenizer
+render.py         what routers ask: POST /v1/completions/render and /v1/chat/completions/render (the
+                  prompt's token ids, vLLM's shape), GET /kv_event_sources and /get_server_info
 version.py        GET /version
 cors.py           CORS (vLLM's --allowed-origins & co.): preflights before the API key, origin headers
 request_id.py     X-Request-Id: the client's or a fresh one, echoed on every response, in the response id

@@ -26,6 +26,7 @@ from pagedserve.api.messages import add_routes as add_messages_routes
 from pagedserve.api.messages import error_response as anthropic_error
 from pagedserve.api.messages import is_messages_path
 from pagedserve.api.model import INFO_TIMEOUT_S, ModelState
+from pagedserve.api.render import add_routes as add_render_routes
 from pagedserve.api.request_id import check_request_id, echo_request_id
 from pagedserve.api.responses import add_routes as add_responses_routes
 from pagedserve.api.state import RECORD, STATE, ApiState
@@ -238,6 +239,7 @@ def create_app(config: ApiConfig, client: AsyncEngineClient | None = None) -> we
     add_tokenization_routes(app)
     add_responses_routes(app)  # /v1/responses (api/responses/)
     add_messages_routes(app)  # /v1/messages, Anthropic's (api/messages/)
+    add_render_routes(app)  # what routers ask of a replica (api/render.py)
     if config.dashboard:
         add_dashboard(app)  # /dashboard (api/dashboard.py)
     return app

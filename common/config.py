@@ -139,6 +139,11 @@ class ApiConfig:
     max_response_tokens: int = 1 << 20
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id, at most (0: none)
     responses_store_ttl_s: float = 3600.0  # how long /v1/responses' store keeps a response
+    # KV cache events for routers that place requests by cached prefix, as JSON in the shape of vLLM's flag of
+    # this name (docs/kv_events.md); "": off. The scheduler publishes them; the api names them to routers
+    # (GET /kv_event_sources, api/render.py)
+    kv_events_config: str = ""
+    data_parallel_rank: int = 0  # this replica's rank: its KV events carry it, their ports are offset by it
 
     def __post_init__(self) -> None:
         check_choices(self)

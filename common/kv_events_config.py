@@ -89,3 +89,14 @@ def kv_events_enabled(text: str) -> bool:
     """Whether the flag's JSON turns events on."""
     config = parse_kv_events_config(text)
     return config is not None and config.enable_kv_cache_events
+
+
+def endpoint_for_rank(endpoint: str, data_parallel_rank: int) -> str:
+    """The endpoint of replica `data_parallel_rank`, as vLLM offsets it: a tcp port plus the rank, an
+    ipc/inproc name with `_dp<rank>` appended; rank 0 keeps the endpoint as given."""
+    if data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + data_parallel_rank}"
+    return f"{endpoint}_dp{data_parallel_rank}"

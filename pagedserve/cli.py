@@ -41,6 +41,8 @@ from pagedserve.common.model_source import ModelSourceError, resolve_model
 from pagedserve.common.preflight import ConfigError, check_bind_address, check_port, flag_named_in
 from pagedserve.launcher import Child, Launcher, preflight
 from pagedserve.multinode import NodeConfig, node_settings
+from pagedserve.replicas.config import ReplicasConfig
+from pagedserve.replicas.plan import replicate
 
 PROCESSES: tuple[tuple[str, type], ...] = (
     ("api", ApiConfig),
@@ -52,7 +54,10 @@ PROCESSES: tuple[tuple[str, type], ...] = (
 NOT_FLAGS = ("model", "rank", "instance_id")
 ENV_PREFIX = "PAGEDSERVE_"
 # Settings of the launcher itself, not of a process: flags of `serve` that reach no process as a variable
-LAUNCHER_CONFIGS: tuple[tuple[str, type], ...] = (("multi-node", NodeConfig),)
+LAUNCHER_CONFIGS: tuple[tuple[str, type], ...] = (
+    ("multi-node", NodeConfig),
+    ("replica (docs/scaling.md)", ReplicasConfig),
+)
 # The processes' ZeroMQ addresses: unless given (flag or PAGEDSERVE_*), ipc:// paths in a directory of this
 # instance's own, so that any number of servers run side by side on a host
 INTERNAL_ADDRESSES = {"scheduler_address": "scheduler.sock", "worker_address": "worker.sock"}
@@ -207,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         why = preflight("pagedserve.worker.preflight", env | {ENV_PREFIX + "RANK": "0"})
         if why:
             args.command_parser.error(why)
+        children, where = replicate(args, children, env)  # N replicas behind a router (pagedserve/replicas)
         launcher = Launcher(
             children,
             env,
@@ -217,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
             model=env[ENV_PREFIX + "MODEL"],
             model_name=env.get(ENV_PREFIX + "SERVED_MODEL_NAME", "")
             or os.path.basename(args.model.rstrip("/")),
-            url=f"http://{args.host}:{args.port}" if args.node_rank == 0 else "",
             instance=env[ENV_PREFIX + "INSTANCE_ID"],
             scheduler_address=env[ENV_PREFIX + "SCHEDULER_ADDRESS"],
             **({"nnodes": str(args.nnodes), "node_rank": str(args.node_rank)} if args.nnodes > 1 else {}),
+            **(where if args.node_rank == 0 else {"url": ""}),
         )
     except KeyboardInterrupt:  # Ctrl-C during the checks, before the launcher handles signals
         return FORCED_EXIT

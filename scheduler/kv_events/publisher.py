@@ -24,7 +24,7 @@ from typing import Protocol
 import structlog
 import zmq
 
-from pagedserve.common.kv_events_config import KVEventsConfig
+from pagedserve.common.kv_events_config import KVEventsConfig, endpoint_for_rank
 from pagedserve.scheduler.kv_events.wire import EventBatch, encode_batch
 
 log = structlog.get_logger(process="scheduler")
@@ -53,17 +53,6 @@ class NullEventPublisher:
 
     def close(self) -> None:
         pass
-
-
-def endpoint_for_rank(endpoint: str, data_parallel_rank: int) -> str:
-    """The endpoint of replica `data_parallel_rank`, as vLLM offsets it: a tcp port plus the rank, an
-    ipc/inproc name with `_dp<rank>` appended; rank 0 keeps the endpoint as given."""
-    if data_parallel_rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        base, _, port = endpoint.rpartition(":")
-        return f"{base}:{int(port) + data_parallel_rank}"
-    return f"{endpoint}_dp{data_parallel_rank}"
 
 
 def binds(endpoint: str) -> bool:

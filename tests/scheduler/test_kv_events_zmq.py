@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from pagedserve.common.config import SchedulerConfig
-from pagedserve.common.kv_events_config import KVEventsConfig
-from pagedserve.scheduler.kv_events.publisher import ZmqEventPublisher, binds, endpoint_for_rank
+from pagedserve.common.kv_events_config import KVEventsConfig, endpoint_for_rank
+from pagedserve.scheduler.kv_events.publisher import ZmqEventPublisher, binds
 from pagedserve.scheduler.kv_events.stream import KVEventStream
 from pagedserve.scheduler.kv_events.wire import AllBlocksCleared, EventBatch
 from scripts._servers import free_port
