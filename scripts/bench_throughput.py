@@ -126,6 +126,7 @@ COMPARE_KEYS: dict[str, Callable[[str], object]] = {
     "grammar_threads": int,  # the worker's --grammar-threads (0: its default)
     "tree": Path,  # another checkout (e.g. `git worktree add /tmp/base COMMIT`) whose processes run
     "sampling": str,  # a name of SAMPLING
+    "kv_offload_gb": float,  # the worker's host tier under the prefix cache (-1: its default; 0: none)
     # the worker's --speculative-config: its JSON (without commas: `{"num_speculative_tokens":4}` is n-gram),
     # or @FILE holding it ("" off)
     "speculative_config": lambda v: Path(v[1:]).read_text().strip() if v.startswith("@") else v,
@@ -206,6 +207,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kv-policy", default="paged", choices=POLICIES, help="the one run when --runs is not given"
+    )
+    p.add_argument(
+        "--kv-offload-gb",
+        type=float,
+        default=-1.0,
+        help="the worker's host-memory KV tier (docs/kv_tiers.md): -1 its default, 0 none; e.g. "
+        "--compare kv_offload_gb=0 kv_offload_gb=-1",
     )
     p.add_argument(
         "--sampling",
@@ -332,6 +340,7 @@ async def run_engine(
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         load_format=args.load_format,
+        kv_offload_gb=args.kv_offload_gb,
         grammar_threads=args.grammar_threads or None,  # (a --compare tree= side may predate the flag)
         tensor_parallel_size=args.tensor_parallel_size,
         step_trace=str(log_dir / "steps.jsonl") if args.step_trace else None,
