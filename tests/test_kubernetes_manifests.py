@@ -22,7 +22,7 @@ import yaml
 from vllm_router.launch_router import parse_router_args
 
 from pagedserve import FOLDERS
-from pagedserve.cli import PROCESSES, build_parser
+from pagedserve.cli import NOT_FLAGS, PROCESSES, build_parser
 from pagedserve.common.security import ClusterKeyError, load_cluster_key
 from pagedserve.multinode import NodeConfig, node_settings
 
@@ -167,7 +167,13 @@ def test_the_server_commands_are_real_flags_of_pagedserve_serve(
             assert args[0] == "serve"
             parsed = build_parser().parse_args(args)  # exits (status 2) on an unknown flag or a bad value
             for _, cls in PROCESSES:
-                cls(**{f.name: getattr(parsed, f.name) for f in fields(cls) if f.name != "rank"})
+                cls(
+                    **{
+                        f.name: v
+                        for f in fields(cls)
+                        if f.name not in NOT_FLAGS and (v := getattr(parsed, f.name)) is not None
+                    }
+                )
             node = NodeConfig(**{f.name: getattr(parsed, f.name) for f in fields(NodeConfig)})
             ranks = node.local_ranks(parsed.tensor_parallel_size)
             values, _ = node_settings(node, {"worker_address": parsed.worker_address})

@@ -108,6 +108,6 @@ def test_a_process_given_an_uncached_repo_id_exits_2_with_one_line(tmp_path: Pat
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"error: model 'org/none': no such directory, not in the Hugging Face cache ({tmp_path}/hf/hub), "
-        "and HF_HUB_OFFLINE is set"
+        f"error: --model: model 'org/none': no such directory, not in the Hugging Face cache "
+        f"({tmp_path}/hf/hub), and HF_HUB_OFFLINE is set"
     ]
