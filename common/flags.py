@@ -37,6 +37,24 @@ def json_string_list(name: str, text: str) -> list[str]:
     return value
 
 
+def json_object_of(text: str, config_cls: type, what: str) -> dict[str, Any] | None:
+    """The JSON object that `text` (a flag's value) holds, whose keys must be fields of `config_cls`; None for
+    an empty string. ValueError names what is wrong, `what` naming the flag's config."""
+    if not text.strip():
+        return None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    known = {f.name for f in fields(config_cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} keys {unknown}; known: {sorted(known)}")
+    return raw
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -10,9 +10,10 @@ Unknown keys are refused rather than ignored, as for --speculative-config.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal, get_args
+
+from pagedserve.common.flags import json_object_of
 
 KVEventsPublisher = Literal["null", "zmq"]
 DEFAULT_KV_EVENTS_ENDPOINT = "tcp://127.0.0.1:5557"
@@ -66,18 +67,9 @@ _TYPES: dict[str, tuple[type, ...]] = {
 def parse_kv_events_config(text: str) -> KVEventsConfig | None:
     """The config that `text` (the flag's JSON object) states; None for an empty string. ValueError names what
     is wrong."""
-    if not text.strip():
+    raw = json_object_of(text, KVEventsConfig, "kv events config")
+    if raw is None:
         return None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"kv events config is not JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("kv events config must be a JSON object")
-    known = {f.name for f in fields(KVEventsConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"unknown kv events config keys {unknown}; known: {sorted(known)}")
     for key, value in raw.items():
         want = _TYPES[key]
         if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):

@@ -9,12 +9,12 @@ a misspelt knob that silently does nothing is worse than a start that fails with
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Annotated, Literal, get_args
 
 from msgspec import Meta
 
+from pagedserve.common.flags import json_object_of
 from pagedserve.common.wire_types import MAX_PLAN_ITEMS
 
 SpeculativeMethod = Literal["ngram", "draft_model"]
@@ -55,18 +55,9 @@ class SpeculativeConfig:
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     """The config that `text` (the flag's JSON object) states; None for an empty string. ValueError names what
     is wrong."""
-    if not text.strip():
+    raw = json_object_of(text, SpeculativeConfig, "speculative config")
+    if raw is None:
         return None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"speculative config is not JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("speculative config must be a JSON object")
-    known = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
     if "method" not in raw:
         raw["method"] = "draft_model" if raw.get("model") else "ngram"
     if "num_speculative_tokens" not in raw:
