@@ -13,11 +13,9 @@ argument when its `</arg_value>` arrives; a block that breaks the form is not a 
 
 from __future__ import annotations
 
-from typing import Any
-
-from pagedserve.api.tool_parsers.base import CallState, ToolParser, held_prefix
+from pagedserve.api.tool_parsers.base import CallState
 from pagedserve.api.tool_parsers.json_scan import skip_space
-from pagedserve.api.tool_parsers.qwen3_coder import at_tag
+from pagedserve.api.tool_parsers.qwen3_coder import TaggedBlocksParser, at_tag
 from pagedserve.api.tool_parsers.typed_values import parameter_schemas, typed_value
 
 START, END = "<tool_call>", "</tool_call>"
@@ -25,30 +23,10 @@ KEY, KEY_END = "<arg_key>", "</arg_key>"
 VALUE, VALUE_END = "<arg_value>", "</arg_value>"
 
 
-class Glm45ToolParser(ToolParser):
+class Glm45ToolParser(TaggedBlocksParser):
+    # _state: find, name, body
     name = "glm45"
     reads_special_tokens = True  # the tags are special tokens in GLM's tokenizer
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._first: int | None = None
-        self._pos = 0
-        self._state = "find"  # find, name, body
-        self._broken = False
-        self._content_searched = 0  # how far the text was searched for the first block
-        self._searched = 0  # how far the text was searched for the current value's end
-
-    def _scan(self, final: bool) -> int:
-        text = self.text
-        if self._first is None:
-            found = text.find(START, max(0, self._content_searched - len(START)))  # one pass over the content
-            self._content_searched = len(text)
-            if found < 0:
-                return len(text) if final else len(text) - held_prefix(text, START)
-            self._first = self._pos = found
-        while not self._broken and self._step(text, final):
-            pass
-        return self._first
 
     def _step(self, text: str, final: bool) -> bool:
         """One element of a block; False when the text must grow first (or the blocks ended)."""

@@ -41,15 +41,16 @@ def at_tag(text: str, i: int, tag: str, final: bool) -> bool | None:
     return None if tag.startswith(seen) and not final else False
 
 
-class Qwen3CoderToolParser(ToolParser):
-    name = "qwen3_coder"
-    reads_special_tokens = True  # <tool_call> is a special token in Qwen3's tokenizer
+class TaggedBlocksParser(ToolParser):
+    """Calls in `<tool_call>` blocks after the content (Qwen3-Coder's and GLM-4.5's forms): the content ends
+    at the first block's start; `_step` reads one element of a block at `_pos` (its `_state` says which),
+    returning False when the text must grow first, or setting `_broken` when the form breaks."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._first: int | None = None
         self._pos = 0
-        self._state = "find"  # find, function, body, close
+        self._state = "find"
         self._broken = False
         self._content_searched = 0  # how far the text was searched for the first block
         self._searched = 0  # how far the text was searched for the current value's end
@@ -65,6 +66,15 @@ class Qwen3CoderToolParser(ToolParser):
         while not self._broken and self._step(text, final):
             pass
         return self._first
+
+    def _step(self, text: str, final: bool) -> bool:
+        raise NotImplementedError
+
+
+class Qwen3CoderToolParser(TaggedBlocksParser):
+    # _state: find, function, body, close
+    name = "qwen3_coder"
+    reads_special_tokens = True  # <tool_call> is a special token in Qwen3's tokenizer
 
     def _step(self, text: str, final: bool) -> bool:
         """One element of a block; False when the text must grow first (or the blocks ended)."""
