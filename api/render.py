@@ -16,7 +16,6 @@ All need the API key when one is set (server.py); none submits anything to the s
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -25,7 +24,7 @@ import msgspec
 from aiohttp import web
 
 from pagedserve.api.auth import request_cache_salt
-from pagedserve.api.handlers import INLINE_PARSE_BYTES, check_model, dumps, needs_thread
+from pagedserve.api.handlers import check_model, dumps, parse_request, read_body
 from pagedserve.api.model import ServedModel
 from pagedserve.api.protocol import (
     CHAT_FIELDS,
@@ -35,8 +34,6 @@ from pagedserve.api.protocol import (
     parse_chat,
     parse_completion,
 )
-from pagedserve.api.request_body import parse_json
-from pagedserve.api.request_fields import accept_fields
 from pagedserve.api.request_id import request_id
 from pagedserve.api.state import STATE
 from pagedserve.api.version import server_version
@@ -74,17 +71,12 @@ def render_entries(
 
 
 async def _render(request: web.Request, parse: Parse, fields: frozenset[str], id_prefix: str) -> Any:
-    state = request.app[STATE]
-    raw = await request.read()  # aiohttp refuses bodies over client_max_size with 413
-    body, headers = accept_fields(request, parse_json(raw), fields | IGNORED_FIELDS)
-    model = await state.models.get()
+    """The request's prompts as its generation route would submit them: the same body screening, model
+    check and parse (a large body off the event loop), so the same 400s."""
+    body, headers = await read_body(request, fields | IGNORED_FIELDS)
+    model = await request.app[STATE].models.get()
     check_model(body, model)
-    max_seqs = state.config.max_seqs_per_request
-    if len(raw) <= INLINE_PARSE_BYTES and not needs_thread(body):
-        req = parse(body, model, max_seqs)
-    else:  # as handlers.py: a long body or a request's own template off the event loop
-        loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(state.tokenizer_pool, parse, body, model, max_seqs)
+    req = await parse_request(request, parse, body)
     salt = request_cache_salt(request, req.cache_salt)
     entries = render_entries(req, model, id_prefix + request_id(request), salt)
     return entries, headers
